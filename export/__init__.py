@@ -1,0 +1,1 @@
+"""Torch side of lantern: model definitions, checkpoint loading, codebook neighbours, ONNX export."""

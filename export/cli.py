@@ -1,0 +1,33 @@
+"""`lantern-export`: inspect checkpoints, compute codebook neighbours, export and check engines."""
+import argparse
+import sys
+
+from lantern.runtime.errors import LanternError
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="lantern-export", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    # Each subcommand module adds its parser and sets `func`.
+    from lantern.export import inspect_cmd, neighbors
+
+    inspect_cmd.add_parser(sub)
+    neighbors.add_parser(sub)
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except LanternError as e:
+        print(f"lantern-export: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lantern-export: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

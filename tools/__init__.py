@@ -1,0 +1,1 @@
+"""Benchmarks, profiling and demo-model tooling."""
