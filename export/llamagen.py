@@ -1,0 +1,417 @@
+"""LlamaGen target and its LANTERN/EAGLE-1 drafter, inference only, made for speculative decoding.
+
+Faithful to FoundationVision/LlamaGen `autoregressive/models/gpt.py` (configs, parameter names,
+2D RoPE, RMSNorm in fp32, CFG null class / unconditional caption) and to jadohu/LANTERN's
+drafter layout. Unlike LlamaGen's own forward, nothing here keeps state: every call takes explicit
+position ids, an explicit boolean attention mask [B, 1, T, P + T] (any tree mask), and the
+KV cache as stacked tensors [L, B, H_kv, P, head_dim]; it returns the new tokens' K/V only. The
+caller (the runtime) owns the cache.
+
+Read top to bottom: configs, RoPE, blocks, target, drafter.
+"""
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lantern.runtime.errors import LanternError
+
+# ---------------------------------------------------------------------------------------------
+# Configs (LlamaGen's ModelArgs field names)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layer: int = 32
+    n_head: int = 32
+    n_kv_head: Optional[int] = None
+    multiple_of: int = 256
+    ffn_dim_multiplier: Optional[float] = None
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    num_classes: int = 1000
+    caption_dim: int = 2048
+    class_dropout_prob: float = 0.1  # > 0 means the class table has a null row (CFG)
+    model_type: str = "c2i"
+    vocab_size: int = 16384
+    cls_token_num: int = 1
+    block_size: int = 256
+    # Not in LlamaGen's ModelArgs: the FFN width when a converted checkpoint states it.
+    intermediate_size: Optional[int] = None
+
+    @property
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_head
+
+    @property
+    def ffn_hidden(self):
+        if self.intermediate_size:
+            return self.intermediate_size
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return _find_multiple(hidden, self.multiple_of)
+
+    @property
+    def grid_size(self):
+        return math.isqrt(self.block_size)
+
+    @property
+    def max_positions(self):
+        return self.cls_token_num + self.block_size
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+def _find_multiple(n, k):
+    return n if n % k == 0 else n + k - (n % k)
+
+
+# (n_layer, n_head, dim) of every released LlamaGen model.
+GPT_CONFIGS = {
+    "GPT-B": (12, 12, 768),
+    "GPT-L": (24, 16, 1024),
+    "GPT-XL": (36, 20, 1280),
+    "GPT-XXL": (48, 24, 1536),
+    "GPT-XXXL": (48, 40, 2560),
+    "GPT-1B": (22, 32, 2048),
+    "GPT-3B": (24, 32, 3200),
+    "GPT-7B": (32, 32, 4096),
+}
+
+_FIELDS = {f.name for f in dataclasses.fields(ModelArgs)}
+# LlamaGen ModelArgs fields that only matter for training; accepted in config files and ignored.
+_TRAINING_FIELDS = {"initializer_range", "token_dropout_p", "attn_dropout_p", "resid_dropout_p",
+                    "ffn_dropout_p", "drop_path_rate", "max_batch_size", "max_seq_len"}
+
+
+def make_config(name=None, *, config_file=None, image_size=256, downsample_size=16,
+                model_type="c2i", num_classes=1000, **overrides):
+    """ModelArgs from a named LlamaGen config (GPT-B … GPT-7B) or a JSON file of ModelArgs fields.
+
+    block_size follows the image size ((image_size / downsample)^2 tokens) and cls_token_num the
+    model type (1 for c2i, 120 for t2i), as LlamaGen's samplers set them; a config file wins.
+    """
+    if model_type not in ("c2i", "t2i"):
+        raise LanternError(f"unknown model type {model_type!r}: expected 'c2i' or 't2i'")
+    grid = image_size // downsample_size
+    base = dict(model_type=model_type, num_classes=num_classes, block_size=grid * grid,
+                cls_token_num=1 if model_type == "c2i" else 120)
+    if config_file is not None:
+        base.update(_read_config_file(config_file))
+    elif name is not None:
+        if name not in GPT_CONFIGS:
+            raise LanternError(f"unknown model {name!r}; valid names: {', '.join(GPT_CONFIGS)}")
+        n_layer, n_head, dim = GPT_CONFIGS[name]
+        base.update(n_layer=n_layer, n_head=n_head, dim=dim)
+    else:
+        raise LanternError("no model config: give a model name (e.g. GPT-B) or a config file")
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return validate_config(ModelArgs(**base))
+
+
+def _read_config_file(path):
+    try:
+        with open(path) as f:
+            fields = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise LanternError(f"{path}: cannot read config ({e})") from None
+    if not isinstance(fields, dict):
+        raise LanternError(f"{path}: a config file is a JSON object of ModelArgs fields")
+    unknown = sorted(set(fields) - _FIELDS - _TRAINING_FIELDS)
+    if unknown:
+        raise LanternError(f"{path}: unknown config fields {unknown}; valid: {sorted(_FIELDS)}")
+    return {k: v for k, v in fields.items() if k in _FIELDS}
+
+
+def validate_config(args):
+    if args.dim % args.n_head:
+        raise LanternError(f"dim {args.dim} is not divisible by n_head {args.n_head}")
+    if args.n_head % args.kv_heads:
+        raise LanternError(f"n_head {args.n_head} is not a multiple of n_kv_head {args.kv_heads}")
+    if args.head_dim % 4:
+        raise LanternError(f"head_dim {args.head_dim} must be divisible by 4 for LlamaGen's 2D RoPE")
+    if args.grid_size ** 2 != args.block_size:
+        raise LanternError(f"block_size {args.block_size} is not a square number of image tokens")
+    if args.model_type not in ("c2i", "t2i"):
+        raise LanternError(f"unknown model type {args.model_type!r}: expected 'c2i' or 't2i'")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# 2D RoPE as LlamaGen builds it: a real table [cls_token_num + grid^2, head_dim / 2, 2] of
+# (cos, sin); the first head_dim/4 pairs rotate with the grid row, the rest with the column, and
+# the condition tokens' rows are zero (their rotated queries and keys vanish).
+
+
+def rope_table(args):
+    quarter = args.head_dim // 4
+    freqs = 1.0 / (args.rope_base ** (torch.arange(0, quarter, dtype=torch.float32) * 2 / (args.head_dim // 2)))
+    grid = args.grid_size
+    by_index = torch.outer(torch.arange(grid, dtype=torch.float32), freqs)  # [grid, quarter]
+    angles = torch.cat([by_index[:, None, :].expand(grid, grid, quarter),  # row
+                        by_index[None, :, :].expand(grid, grid, quarter)], dim=-1)  # column
+    table = torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1).flatten(0, 1)
+    return torch.cat([torch.zeros(args.cls_token_num, args.head_dim // 2, 2), table])
+
+
+def apply_rope(x, rope):
+    """x [B, T, H, hd]; rope [B, T, hd/2, 2]. Rotates adjacent pairs (x[2i], x[2i+1]) in fp32."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+    return rotated.flatten(3).type_as(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks (LlamaGen parameter names)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.kv_heads, args.head_dim
+        self.wqkv = nn.Linear(args.dim, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x, rope, mask, past_k, past_v):
+        """x [B, T, D]; past_k/v [B, Hkv, P, hd]; mask [B, 1, T, P + T] bool (True = attend)."""
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        if self.n_kv_head != self.n_head:
+            repeat = self.n_head // self.n_kv_head
+            keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1)), k, v
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args, input_norm=True):
+        super().__init__()
+        # The drafter's only layer has no input norm (EAGLE-1): its input is already fc-mixed.
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps) if input_norm else nn.Identity()
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, rope, mask, past_k, past_v):
+        attn, k, v = self.attention(self.attention_norm(x), rope, mask, past_k, past_v)
+        h = x + attn
+        return h + self.feed_forward(self.ffn_norm(h)), k, v
+
+
+def _run_layers(layers, x, rope, mask, past_k, past_v):
+    new_k, new_v = [], []
+    for i, layer in enumerate(layers):
+        x, k, v = layer(x, rope, mask, past_k[i], past_v[i])
+        new_k.append(k)
+        new_v.append(v)
+    return x, torch.stack(new_k), torch.stack(new_v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Target
+
+
+class LabelEmbedder(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        rows = args.num_classes + (1 if args.class_dropout_prob > 0 else 0)
+        self.embedding_table = nn.Embedding(rows, args.dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, in_features, hidden_features, out_features):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=False)
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=False)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class CaptionEmbedder(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.cap_proj = MLP(args.caption_dim, args.dim, args.dim)
+        self.register_buffer("uncond_embedding", torch.zeros(args.cls_token_num, args.caption_dim))
+
+
+class Transformer(nn.Module):
+    """LlamaGen GPT. forward() is the graph exported to ONNX; embeddings are separate calls so
+    prefill (condition embeddings), AR steps and tree verification share one forward."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.cls_embedding = LabelEmbedder(args) if args.model_type == "c2i" else CaptionEmbedder(args)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.register_buffer("rope", rope_table(args), persistent=False)
+
+    @property
+    def null_class(self):
+        """The class id LlamaGen's sampler uses for the unconditional half of a CFG batch."""
+        return self.args.num_classes
+
+    def embed_tokens(self, token_ids):
+        return self.tok_embeddings(token_ids)
+
+    def embed_condition(self, cond):
+        """c2i: class ids [B] (null_class for unconditional) -> [B, 1, D].
+        t2i: caption features [B, cls_token_num, caption_dim] -> [B, cls_token_num, D]; LlamaGen's
+        sampler zeroes padded caption rows and passes `uncond_embedding` for the unconditional half."""
+        if self.args.model_type == "c2i":
+            return self.cls_embedding.embedding_table(cond)[:, None, :]
+        return self.cls_embedding.cap_proj(cond)
+
+    def unconditional(self, batch):
+        """The unconditional condition input for `batch` images (CFG's second half)."""
+        if self.args.model_type == "c2i":
+            if self.args.class_dropout_prob <= 0:
+                raise LanternError("this model has no null class row, so it cannot run CFG")
+            return torch.full((batch,), self.null_class, dtype=torch.long)
+        return self.cls_embedding.uncond_embedding.expand(batch, -1, -1)
+
+    def forward(self, inputs_embeds, position_ids, attention_mask, past_keys, past_values):
+        """inputs_embeds [B, T, D]; position_ids [B, T] (rows of the RoPE table);
+        attention_mask [B, 1, T, P + T] bool; past_keys/values [L, B, Hkv, P, hd].
+        Returns logits [B, T, V] (fp32), hidden [B, T, D] after the final norm, and the new
+        tokens' keys and values [L, B, Hkv, T, hd]."""
+        rope = self.rope[position_ids]
+        x, new_k, new_v = _run_layers(self.layers, inputs_embeds, rope, attention_mask, past_keys, past_values)
+        hidden = self.norm(x)
+        return self.output(hidden).float(), hidden, new_k, new_v
+
+    def empty_cache(self, batch, capacity=0, dtype=None):
+        a = self.args
+        shape = (a.n_layer, batch, a.kv_heads, capacity, a.head_dim)
+        dtype = dtype or self.output.weight.dtype
+        return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafter (EAGLE-1 as in LANTERN): h' = layer(fc(concat(embed(x_{t+1}), h_t))), logits = head(h').
+
+
+@dataclass(frozen=True)
+class DrafterArgs:
+    dim: int
+    n_head: int
+    n_kv_head: Optional[int]
+    intermediate_size: int
+    vocab_size: int
+    norm_eps: float = 1e-6
+    fc_bias: bool = True
+
+    @property
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_head
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def block_args(self):
+        """ModelArgs for the shared Block (only the fields a block reads matter)."""
+        return ModelArgs(dim=self.dim, n_layer=1, n_head=self.n_head, n_kv_head=self.n_kv_head,
+                         intermediate_size=self.intermediate_size, norm_eps=self.norm_eps,
+                         vocab_size=self.vocab_size)
+
+    @classmethod
+    def for_target(cls, target_args, **overrides):
+        fields = dict(dim=target_args.dim, n_head=target_args.n_head, n_kv_head=target_args.n_kv_head,
+                      intermediate_size=target_args.ffn_hidden, vocab_size=target_args.vocab_size)
+        fields.update(overrides)
+        return cls(**fields)
+
+
+class Drafter(nn.Module):
+    """One decoder layer without input norm and without final norm; the output head and the RoPE
+    table are the target's (passed in), so the drafter's positions follow the target's geometry:
+    the input pair (h_t, x_{t+1}) takes the position of x_{t+1}."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.fc = nn.Linear(2 * args.dim, args.dim, bias=args.fc_bias)
+        self.layers = nn.ModuleList([Block(args.block_args(), input_norm=False)])
+
+    def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys, past_values, rope):
+        """target_hidden [B, T, D] (h_t); input_ids [B, T] (x_{t+1}); position_ids [B, T] = the
+        target positions of x_{t+1}; mask and cache as the target's with L = 1.
+        Returns the drafter's hidden states [B, T, D] (feed them back as h for the next depth and
+        through the target's output head for logits) and the new K/V [1, B, Hkv, T, hd]."""
+        x = self.fc(torch.cat([self.embed_tokens(input_ids).to(target_hidden.dtype), target_hidden], dim=-1))
+        return _run_layers(self.layers, x, rope[position_ids], attention_mask, past_keys, past_values)
+
+    def empty_cache(self, batch, capacity=0, dtype=None):
+        a = self.args
+        shape = (1, batch, a.kv_heads, capacity, a.head_dim)
+        dtype = dtype or self.fc.weight.dtype
+        return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+
+
+def init_random(model, seed=0, std=0.02):
+    """Deterministic random weights (tests, timing, demo starting point)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("uncond_embedding"):
+                b.copy_(torch.randn(b.shape, generator=gen) / math.sqrt(b.shape[-1]))
+    return model
+
+
+def count_parameters(model):
+    return sum(p.numel() for p in model.parameters())
+
