@@ -1,0 +1,111 @@
+"""The engine graphs as torch modules: exactly what goes to ONNX, and what the runtime's torch
+backend runs. Inputs and outputs follow lantern.runtime.manifest.GRAPHS, in that order."""
+import torch
+import torch.nn as nn
+
+from lantern.runtime.manifest import GRAPHS
+
+
+class EmbedGraph(nn.Module):
+    def __init__(self, target):
+        super().__init__()
+        self.tok_embeddings = target.tok_embeddings
+
+    def forward(self, input_ids):
+        return self.tok_embeddings(input_ids)
+
+
+class ConditionC2IGraph(nn.Module):
+    def __init__(self, target):
+        super().__init__()
+        self.table = target.cls_embedding.embedding_table
+
+    def forward(self, class_ids):
+        return self.table(class_ids)[:, None, :]
+
+
+class ConditionT2IGraph(nn.Module):
+    """LlamaGen's sampler feeds `uncond_embedding` for the unconditional half; here a flag per row
+    selects it so the runtime never needs the buffer itself."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.cap_proj = target.cls_embedding.cap_proj
+        self.register_buffer("uncond_embedding", target.cls_embedding.uncond_embedding.clone())
+
+    def forward(self, caption, unconditional):
+        caption = torch.where(unconditional[:, None, None], self.uncond_embedding.to(caption.dtype), caption)
+        return self.cap_proj(caption)
+
+
+class TargetGraph(nn.Module):
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+
+    def forward(self, inputs_embeds, position_ids, attention_mask, past_keys, past_values):
+        return self.target(inputs_embeds, position_ids, attention_mask, past_keys, past_values)
+
+
+class DrafterGraph(nn.Module):
+    """Drafter layer + the target's output head + CFG combination + filtering + top-K, so only K
+    candidates per node cross to the host.
+
+    Filtering follows LlamaGen's sampler: logits / temperature, keep the top_k best, keep the
+    nucleus (a token stays while the probability mass before it is <= top_p), renormalise. Top-k
+    here keeps exactly top_k by rank (LlamaGen keeps ties at the threshold too); this only shapes
+    the drafter's proposal, which acceptance corrects for."""
+
+    def __init__(self, drafter, target, candidates):
+        super().__init__()
+        self.drafter = drafter
+        self.head = target.output
+        self.register_buffer("rope", target.rope.clone())
+        self.candidates = candidates
+
+    def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys, past_values,
+                cond_batch, cfg_scale, temperature, top_k, top_p):
+        hidden, new_k, new_v = self.drafter(target_hidden, input_ids, position_ids, attention_mask,
+                                            past_keys, past_values, self.rope)
+        logits = self.head(hidden).float()
+        n = cond_batch[0]
+        cond, uncond = logits[:n], logits[logits.shape[0] - n:]
+        combined = uncond + cfg_scale * (cond - uncond)
+        values, ids = torch.topk(combined, self.candidates, dim=-1)
+        scaled = values / temperature
+        rank = torch.arange(self.candidates, device=values.device)
+        scaled = torch.where((top_k > 0) & (rank >= top_k), torch.full_like(scaled, float("-inf")), scaled)
+        probs = torch.softmax(scaled, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        probs = torch.where((top_p < 1) & (mass_before > top_p), torch.zeros_like(probs), probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        return hidden, new_k, new_v, ids, probs
+
+
+class VQDecoderGraph(nn.Module):
+    def __init__(self, vq):
+        super().__init__()
+        self.vq = vq
+
+    def forward(self, codes):
+        return self.vq.decode_codes(codes).float()
+
+
+def graph_modules(target, drafter=None, vq=None, candidates=None):
+    """{graph name: (contract name, module)} for an engine of these models."""
+    graphs = {
+        "embed": ("embed", EmbedGraph(target)),
+        "condition": (f"condition_{target.args.model_type}",
+                      ConditionC2IGraph(target) if target.args.model_type == "c2i" else ConditionT2IGraph(target)),
+        "target": ("target", TargetGraph(target)),
+    }
+    if drafter is not None:
+        graphs["drafter"] = ("drafter", DrafterGraph(drafter, target, candidates or min(2048, target.args.vocab_size)))
+    if vq is not None:
+        graphs["vq_decoder"] = ("vq_decoder", VQDecoderGraph(vq))
+    return {name: (contract, module.eval()) for name, (contract, module) in graphs.items()}
+
+
+def io_names(contract):
+    spec = GRAPHS[contract]
+    return list(spec["inputs"]), list(spec["outputs"])
