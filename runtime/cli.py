@@ -1,0 +1,118 @@
+"""`lantern-run`: generate images from an engine directory (no torch needed on the onnxruntime backend)."""
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+
+from lantern.runtime.errors import LanternError
+
+
+def _classes(text):
+    try:
+        return [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"class labels are comma-separated integers, got {text!r}") from None
+
+
+def add_generation_options(p):
+    p.add_argument("--mode", default="lantern++", choices=("ar", "exact", "lantern", "lantern++"))
+    p.add_argument("--lam", type=float, default=2.0, help="LANTERN++ bound: p~(x) <= lam * p(x) (lam >= 1)")
+    p.add_argument("--delta", type=float, default=0.1, help="LANTERN bound on the moved mass (0..1)")
+    p.add_argument("--k", type=int, default=100, help="latent neighbours considered per draft token")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (> 1 enables CFG)")
+    p.add_argument("--cfg-interval", type=int, default=-1, help="use CFG for the first N tokens only (-1: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "torch"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
+
+
+def generation_kwargs(args):
+    return dict(mode=args.mode, lam=args.lam, delta=args.delta, k=args.k, greedy=args.greedy,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, cfg_scale=args.cfg,
+                cfg_interval=args.cfg_interval, seed=args.seed)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="lantern-run", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate images: tokens.npy, stats.json and PNGs into --out")
+    g.add_argument("engine", help="engine directory (from lantern-export onnx)")
+    add_generation_options(g)
+    g.add_argument("--classes", type=_classes, help="class labels, e.g. 3,7 (c2i engines)")
+    g.add_argument("--caption", help="T5 caption features .npy [N, tokens, dim], left-padded (t2i engines)")
+    g.add_argument("--caption-mask", help=".npy [N, tokens] of 0/1: which caption tokens are real")
+    g.add_argument("--out", required=True, help="output directory")
+    g.set_defaults(func=run_generate)
+    try:
+        from lantern.tools import quality
+        quality.add_parser(sub)
+    except ImportError:
+        pass
+    return parser
+
+
+def _load_npy(path, what):
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise LanternError(f"{path}: cannot read {what} ({e})") from None
+
+
+def write_outputs(out_dir, tokens, stats, images=None):
+    """Write tokens.npy, stats.json and PNGs into out_dir, staged so nothing is half-written."""
+    from lantern.runtime.png import write_png
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    stage = tempfile.mkdtemp(prefix=".lantern-", dir=parent)
+    try:
+        np.save(os.path.join(stage, "tokens.npy"), tokens)
+        with open(os.path.join(stage, "stats.json"), "w") as f:
+            json.dump(stats, f, indent=2)
+        for i, image in enumerate(images if images is not None else []):
+            write_png(os.path.join(stage, f"image_{i:03d}.png"), image)
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(stage):
+            os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def run_generate(args):
+    from lantern.runtime.generator import Engine
+
+    caption = _load_npy(args.caption, "caption features") if args.caption else None
+    mask = _load_npy(args.caption_mask, "caption mask") if args.caption_mask else None
+    engine = Engine(args.engine, backend=args.backend, threads=args.threads, device=args.device)
+    result = engine.generate(classes=args.classes, caption=caption, caption_mask=mask, **generation_kwargs(args))
+    images = engine.decode(result.tokens) if "vq_decoder" in engine.manifest["graphs"] else None
+    write_outputs(args.out, result.tokens, result.stats, images)
+    s = result.stats
+    print(f"{s['images']} images, mode {s['mode']}: {s['steps_per_image']:.1f} steps/image, "
+          f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_second']:.1f} tokens/s -> {args.out}")
+    return 0
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except LanternError as e:
+        print(f"lantern-run: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lantern-run: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
