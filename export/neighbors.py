@@ -113,6 +113,9 @@ def load_codebook(path, raw=False, normalize=False):
     if path.endswith(".npy"):
         if raw:
             raise LanternError("--raw applies to VQ checkpoints; a .npy codebook is always used as given")
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x93NUMPY":
+                raise LanternError(f"{path}: not an .npy file (no NumPy header)")
         try:
             arr = np.load(path, allow_pickle=False)
         except (ValueError, OSError, EOFError) as e:

@@ -144,7 +144,7 @@ def assert_one_line_error(rc, err, match):
     assert len(lines) == 1 and lines[0].startswith("lantern-export: error:") and match in lines[0], err
 
 
-@pytest.mark.parametrize("case", ["missing", "rank", "k", "nan", "truncated", "raw-npy", "no-dir"])
+@pytest.mark.parametrize("case", ["missing", "rank", "k", "nan", "truncated", "not-npy", "raw-npy", "no-dir"])
 def test_cli_bad_input_leaves_nothing(tmp_path, capsys, case):
     out = tmp_path / "nn.npy"
     src = tmp_path / "book.npy"
@@ -167,6 +167,9 @@ def test_cli_bad_input_leaves_nothing(tmp_path, capsys, case):
         data = src.read_bytes()
         src.write_bytes(data[: len(data) // 2])
         match = "truncated"
+    elif case == "not-npy":
+        src.write_bytes(b"garbage")
+        match = "not an .npy file"
     elif case == "raw-npy":
         np.save(src, np.eye(5))
         extra, match = ["--raw"], "--raw"
