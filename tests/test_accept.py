@@ -1,0 +1,535 @@
+"""Acceptance rules: validation, greedy against brute force, exactness of sampling (chi-square),
+reduction of lam = 1 / delta = 0 to exact, monotonicity, and hand-worked bound cases."""
+import numpy as np
+import pytest
+from scipy import stats
+
+from lantern.runtime.accept import Acceptance, Rule, accept_greedy, accept_sampling, filtered_probs
+from lantern.runtime.errors import LanternError
+from lantern.runtime.tree import build_tree
+
+NEG = -np.inf
+
+
+def neighbour_table(rng, vocab, width=None):
+    """Random latent neighbours: each row a permutation of the other tokens."""
+    width = vocab - 1 if width is None else width
+    table = np.empty((vocab, width), dtype=np.int64)
+    for v in range(vocab):
+        others = np.array([u for u in range(vocab) if u != v])
+        table[v] = rng.permutation(others)[:width]
+    return table
+
+
+def drafted_tokens(tree, logits, rng, hit=0.6):
+    """Node tokens that often equal the parent's argmax, so paths get deep."""
+    vocab = logits.shape[1]
+    tokens = np.zeros(tree.num_nodes, dtype=np.int64)
+    tokens[0] = rng.integers(vocab)
+    for i in range(1, tree.num_nodes):
+        parent_top = int(np.argmax(logits[tree.parents[i]]))
+        tokens[i] = parent_top if rng.random() < hit else rng.integers(vocab)
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent references
+
+
+def ref_filter(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """Plain-loop version of temperature / top-k / nucleus filtering."""
+    z = np.array(logits, dtype=np.float64) / temperature
+    if 0 < top_k < len(z):
+        kth = sorted(z, reverse=True)[top_k - 1]
+        z = np.array([v if v >= kth else NEG for v in z])
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1:
+        keep, mass = [], 0.0
+        for i in sorted(range(len(p)), key=lambda i: (-p[i], i)):
+            if mass >= top_p or p[i] == 0:
+                break
+            keep.append(i)
+            mass += p[i]
+        p = np.array([p[i] if i in keep else 0.0 for i in range(len(p))])
+        p /= p.sum()
+    return p
+
+
+def ref_greedy(tree, tokens, logits, rule, table):
+    """Node by node with full softmaxes: accepted iff every prefix's draft is the argmax of its
+    parent's target after raising p(x) to p~(x); longest path, then lowest index."""
+    paths = list(tree.paths)
+    index = {p: i for i, p in enumerate(paths)}
+
+    def local_ok(i):
+        row = logits[index[paths[i][:-1]]].astype(np.float64)
+        p = np.exp(row - row.max())
+        p /= p.sum()
+        x = int(tokens[i])
+        moved = 0.0
+        if rule.mode != "exact":
+            bound = rule.delta if rule.mode == "lantern" else (rule.lam - 1) * p[x]
+            for n in table[x, :rule.k]:
+                if moved + p[n] > bound:
+                    break
+                moved += p[n]
+        raised = p.copy()
+        raised[x] = p[x] + moved
+        return int(np.argmax(raised)) == x
+
+    ok = {i: local_ok(i) for i in range(1, len(paths))}
+    full = [i for i in range(len(paths)) if all(ok[index[paths[i][:d]]] for d in range(1, len(paths[i]) + 1))]
+    best = min(full, key=lambda i: (-len(paths[i]), i))
+    return best, int(np.argmax(logits[best]))
+
+
+def brute_force_exact(spec_paths, tree, tokens, logits):
+    """Over root-to-leaf paths of the spec: the longest prefix whose every draft is the argmax."""
+    paths = [tuple(p) for p in spec_paths]
+    leaves = [p for p in paths if not any(len(q) > len(p) and q[:len(p)] == p for q in paths)]
+    index = {p: i for i, p in enumerate(tree.paths)}
+    best = None  # (-length, node index), minimised
+    for leaf in leaves:
+        node, length = 0, 0
+        for d in range(1, len(leaf) + 1):
+            child = index[leaf[:d]]
+            if tokens[child] != np.argmax(logits[node]):
+                break
+            node, length = child, d
+        if best is None or (-length, node) < best:
+            best = (-length, node)
+    node = best[1]
+    return node, int(np.argmax(logits[node]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rule and input validation
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(mode="medusa"), ["medusa", "exact, lantern, lantern++"]),
+    (dict(mode="lantern++", k=4, lam=0.5), ["lam must be >= 1", "0.5"]),
+    (dict(mode="lantern++", k=4, lam=float("nan")), ["lam must be >= 1"]),
+    (dict(mode="lantern++", k=4, lam=float("inf")), ["lam must be >= 1 and finite"]),
+    (dict(mode="lantern", k=4, delta=-0.1), ["delta must be in [0, 1]", "-0.1"]),
+    (dict(mode="lantern", k=4, delta=1.5), ["delta must be in [0, 1]", "1.5"]),
+    (dict(mode="lantern", k=4, delta=float("nan")), ["delta must be in [0, 1]"]),
+    (dict(mode="lantern", k=-1, delta=0.1), ["k must be an integer >= 0", "-1"]),
+    (dict(mode="lantern", k=2.5, delta=0.1), ["k must be an integer >= 0", "2.5"]),
+    (dict(mode="lantern", k=True, delta=0.1), ["k must be an integer >= 0"]),
+    (dict(mode="exact", k=5), ["k applies to modes"]),
+    (dict(mode="lantern", k=5, lam=2.0), ["lam applies to mode 'lantern++' only"]),
+    (dict(mode="lantern++", k=5, delta=0.2), ["delta applies to mode 'lantern' only"]),
+])
+def test_rule_errors(kwargs, words):
+    with pytest.raises(LanternError) as e:
+        Rule(**kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.fixture
+def small():
+    rng = np.random.default_rng(0)
+    tree = build_tree("kary-2-2")
+    vocab = 8
+    logits = rng.normal(size=(tree.num_nodes, vocab))
+    tokens = rng.integers(vocab, size=tree.num_nodes)
+    q = filtered_probs(rng.normal(size=(tree.num_nodes, vocab)))
+    return tree, tokens, logits, q, neighbour_table(rng, vocab)
+
+
+def _greedy_error(small, words, rule=Rule("lantern++", k=3, lam=2.0), **change):
+    tree, tokens, logits, q, table = small
+    args = dict(tree=tree, tokens=tokens, target_logits=logits, rule=rule, neighbours=table)
+    args.update(change)
+    with pytest.raises(LanternError) as e:
+        accept_greedy(**args)
+    for w in words:
+        assert w in str(e.value)
+    return e
+
+
+def test_input_errors(small):
+    tree, tokens, logits, q, table = small
+    _greedy_error(small, ["k = 8", "[0, 7]"], rule=Rule("lantern++", k=8, lam=2.0))
+    _greedy_error(small, ["k = 5", "width 4"], neighbours=table[:, :4], rule=Rule("lantern", k=5, delta=0.1))
+    _greedy_error(small, ["shape (7, 7)", "(8, Kn)"], neighbours=table[:7])
+    _greedy_error(small, ["integer token ids"], neighbours=table.astype(float))
+    bad = table.copy()
+    bad[:, 0] = 8
+    _greedy_error(small, ["outside the vocabulary [0, 8)"], neighbours=bad)
+    _greedy_error(small, ["needs a neighbour table"], neighbours=None)
+    for value, what in [(np.nan, "NaN"), (np.inf, "+inf")]:
+        broken = logits.copy()
+        broken[4, 3] = value
+        _greedy_error(small, ["row 4", "path [0, 1]", what], target_logits=broken)
+    broken = logits.copy()
+    broken[2] = NEG
+    _greedy_error(small, ["row 2", "only -inf"], target_logits=broken)
+    for t in (-1, 8):
+        wrong = tokens.copy()
+        wrong[3] = t
+        _greedy_error(small, [f"token {t} at node 3", "[0, 8)"], tokens=wrong)
+    _greedy_error(small, ["tokens must be 7 integers"], tokens=tokens[:6])
+    _greedy_error(small, ["tokens must be 7 integers"], tokens=tokens.astype(float))
+    _greedy_error(small, ["shape (6, 8)", "(7, V)"], target_logits=logits[:6])
+    _greedy_error(small, ["rule must be a Rule"], rule="exact")
+
+    rng = np.random.default_rng(1)
+    exact = Rule()
+
+    def sampling(words, tree=tree, q=q, rng=rng, **filters):
+        with pytest.raises(LanternError) as e:
+            accept_sampling(tree, tokens[:tree.num_nodes], logits[:tree.num_nodes], q[:tree.num_nodes],
+                            exact, rng, **filters)
+        for w in words:
+            assert w in str(e.value)
+
+    sampling(["draft_probs has shape (6, 8)"], q=q[:6])
+    negative = q.copy()
+    negative[0, 1] = -0.1
+    sampling(["draft_probs row 0", "negative or non-finite"], q=negative)
+    sampling(["temperature must be > 0"], temperature=0.0)
+    sampling(["top_k must be an integer >= 0"], top_k=-1)
+    sampling(["top_p must be in (0, 1]"], top_p=0.0)
+    sampling(["top_p must be in (0, 1]"], top_p=1.5)
+    sampling(["rng must be a numpy.random.Generator"], rng=np.random)
+    sampling(["skip a rank"], tree=build_tree([[0], [2], [0, 0]]))
+    with pytest.raises(LanternError, match="NaN"):
+        filtered_probs(np.array([0.0, np.nan]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy
+
+
+@pytest.mark.parametrize("name", ["mc_sim_7b_63", "naive_extend_57", "kary-3-3", "medusa_2_7b_63", "chain-4"])
+def test_greedy_exact_is_longest_argmax_prefix(name):
+    tree = build_tree(name)
+    rng = np.random.default_rng(sum(map(ord, name)))
+    vocab = 32
+    depths_seen = set()
+    for _ in range(60):
+        logits = rng.normal(size=(tree.num_nodes, vocab)).astype(np.float32)
+        tokens = drafted_tokens(tree, logits, rng)
+        got = accept_greedy(tree, tokens, logits, Rule())
+        node, nxt = brute_force_exact(tree.choices, tree, tokens, logits)
+        assert got.nodes[-1] == node and got.next_token == nxt
+        assert got.nodes == tuple(i for i in range(tree.num_nodes) if tree.mask[node, i])
+        assert got.tokens == tuple(int(tokens[i]) for i in got.nodes[1:])
+        assert got.depth == got.accept_length == tree.depths[node]
+        depths_seen.add(got.accept_length)
+    assert len(depths_seen) >= 3  # the cases are not all trivially short
+
+
+def test_greedy_tie_between_paths_prefers_lowest_index():
+    tree = build_tree("kary-3-1")
+    logits = np.zeros((4, 5))
+    logits[0, 2] = 1.0
+    got = accept_greedy(tree, np.array([0, 2, 2, 2]), logits, Rule())
+    assert got.nodes == (0, 1) and got.next_token == 0  # all-zero row: lowest id wins
+
+
+@pytest.mark.parametrize("rule", [Rule("lantern++", k=4, lam=2.0), Rule("lantern++", k=12, lam=6.0),
+                                  Rule("lantern", k=4, delta=0.12), Rule("lantern", k=12, delta=0.3)])
+def test_greedy_relaxed_matches_reference(rule):
+    tree = build_tree("mc_sim_7b_63")
+    rng = np.random.default_rng(7)
+    vocab = 24
+    table = neighbour_table(rng, vocab)
+    relaxed_beyond_exact = 0
+    for _ in range(40):
+        logits = rng.normal(scale=1.0, size=(tree.num_nodes, vocab))
+        tokens = drafted_tokens(tree, logits, rng, hit=0.4)
+        got = accept_greedy(tree, tokens, logits, rule, table)
+        node, nxt = ref_greedy(tree, tokens, logits, rule, table)
+        assert (got.nodes[-1], got.next_token) == (node, nxt)
+        relaxed_beyond_exact += got.accept_length > accept_greedy(tree, tokens, logits, Rule()).accept_length
+    assert relaxed_beyond_exact > 0
+
+
+def test_greedy_monotone_in_lam_delta_k():
+    tree = build_tree("naive_extend_57")
+    rng = np.random.default_rng(3)
+    vocab = 48
+    table = neighbour_table(rng, vocab, width=20)
+    grids = [
+        [Rule("lantern++", k=10, lam=lam) for lam in (1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0)],
+        [Rule("lantern", k=10, delta=d) for d in (0.0, 0.01, 0.03, 0.1, 0.2, 0.4, 1.0)],
+        [Rule("lantern++", k=k, lam=4.0) for k in (0, 1, 2, 4, 8, 16, 20)],
+        [Rule("lantern", k=k, delta=0.2) for k in (0, 1, 2, 4, 8, 16, 20)],
+    ]
+    grew = 0
+    for _ in range(40):
+        logits = rng.normal(scale=1.5, size=(tree.num_nodes, vocab))
+        tokens = drafted_tokens(tree, logits, rng, hit=0.3)
+        for grid in grids:
+            lengths = [accept_greedy(tree, tokens, logits, r, table).accept_length for r in grid]
+            assert lengths == sorted(lengths), (grid, lengths)
+            grew += lengths[-1] > lengths[0]
+    assert grew > 10
+
+
+def filtered_case(rng, tree, vocab, keep=5):
+    """Logits with most tokens at -inf; every draft's nearest neighbours are zero-probability
+    tokens first, so j >= 1 qualifies with S_j = 0 under lam = 1 / delta = 0."""
+    logits = np.full((tree.num_nodes, vocab), NEG)
+    for i in range(tree.num_nodes):
+        allowed = rng.choice(vocab, size=keep, replace=False)
+        logits[i, allowed] = rng.normal(size=keep)
+    table = neighbour_table(rng, vocab)
+    return logits, table
+
+
+def test_greedy_lam1_delta0_equal_exact_with_filtered_zeros():
+    tree = build_tree("naive_extend_57")
+    rng = np.random.default_rng(11)
+    vocab = 16
+    differs = 0
+    for _ in range(60):
+        logits, table = filtered_case(rng, tree, vocab)
+        tokens = drafted_tokens(tree, logits, rng, hit=0.5)
+        exact = accept_greedy(tree, tokens, logits, Rule())
+        for rule in (Rule("lantern++", k=15, lam=1.0), Rule("lantern", k=15, delta=0.0)):
+            assert accept_greedy(tree, tokens, logits, rule, table) == exact
+        differs += accept_greedy(tree, tokens, logits, Rule("lantern++", k=15, lam=3.0), table) != exact
+    assert differs > 0  # the relaxed rule does act on these cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-worked bound cases (dyadic: every sum below is exact in binary floating point)
+
+
+def uniform_row(vocab, allowed):
+    row = np.full(vocab, NEG)
+    row[list(allowed)] = 0.0  # p = 1 / len(allowed) exactly on the allowed tokens
+    return row
+
+
+def test_greedy_bound_is_inclusive():
+    # root allows tokens 0..7 with p = 1/8 each; argmax (ties) = token 0; the draft is token 5.
+    # Neighbours of 5: 6 (p = 1/8), then 9 (p = 0). S_1 = S_2 = 1/8.
+    tree = build_tree("chain-1")
+    vocab = 16
+    logits = np.stack([uniform_row(vocab, range(8)), uniform_row(vocab, [3])])
+    table = neighbour_table(np.random.default_rng(0), vocab)
+    table[5, :3] = [6, 9, 10]
+    tokens = np.array([1, 5])
+    assert accept_greedy(tree, tokens, logits, Rule()).accept_length == 0
+    # lantern++: bound (lam - 1) * p(x) = 1/8 == S_1 -> p~ = 2/8 > 1/8: accepted
+    assert accept_greedy(tree, tokens, logits, Rule("lantern++", k=3, lam=2.0), table).accept_length == 1
+    assert accept_greedy(tree, tokens, logits, Rule("lantern++", k=3, lam=2.0 - 2**-40), table).accept_length == 0
+    # lantern: bound delta = 1/8 == S_1
+    got = accept_greedy(tree, tokens, logits, Rule("lantern", k=3, delta=0.125), table)
+    assert got.accept_length == 1 and got.next_token == 3
+    assert accept_greedy(tree, tokens, logits, Rule("lantern", k=3, delta=0.125 - 2**-50), table).accept_length == 0
+
+
+def test_greedy_tie_after_raise_goes_to_lowest_id_and_zero_stays_zero():
+    # tokens 4 and 9 at p = 1/2, the draft x has p(x) = 0 and neighbour 9 first.
+    # lantern, delta = 1/2: p~(x) = 0 + 1/2 ties the max: accepted iff x < 4.
+    tree = build_tree("chain-1")
+    vocab = 12
+    logits = np.stack([uniform_row(vocab, [4, 9]), uniform_row(vocab, [0])])
+    table = neighbour_table(np.random.default_rng(1), vocab)
+    for x, expected in [(2, 1), (6, 0)]:
+        table[x, 0] = 9
+        tokens = np.array([0, x])
+        assert accept_greedy(tree, tokens, logits, Rule("lantern", k=2, delta=0.5), table).accept_length == expected
+        # lantern++ cannot lift a zero-probability draft, however large lam is
+        assert accept_greedy(tree, tokens, logits, Rule("lantern++", k=11, lam=1e6), table).accept_length == 0
+
+
+def test_sampling_bound_is_inclusive():
+    # target at the root: p = 1/4 on tokens {1, 5, 6, 7}; draft x = 5 with q(5) = 3/4.
+    # neighbours of 5: 6 (p = 1/4), then 0 (p = 0). accept iff u * 3/4 < p~(5):
+    # exact p~ = 1/4 (u < 1/3); at the bound p~ = 1/2 (u < 2/3).
+    tree = build_tree("chain-1")
+    vocab = 8
+    logits = np.stack([uniform_row(vocab, [1, 5, 6, 7]), uniform_row(vocab, [2])])
+    q = np.zeros((2, vocab))
+    q[0, 5], q[0, 2] = 0.75, 0.25
+    table = neighbour_table(np.random.default_rng(2), vocab)
+    table[5, :2] = [6, 0]
+    seed = next(s for s in range(100) if 1 / 3 < np.random.default_rng(s).random() < 2 / 3)
+
+    def run(rule):
+        return accept_sampling(tree, np.array([0, 5]), logits, q, rule, np.random.default_rng(seed), table)
+
+    assert run(Rule()).accept_length == 0
+    assert run(Rule("lantern++", k=2, lam=2.0)).accept_length == 1
+    assert run(Rule("lantern++", k=2, lam=2.0 - 2**-40)).accept_length == 0
+    got = run(Rule("lantern", k=2, delta=0.25))
+    assert got.accept_length == 1 and got.next_token == 2
+    assert run(Rule("lantern", k=2, delta=0.25 - 2**-50)).accept_length == 0
+
+
+def test_sampling_residual_after_relaxed_rejection():
+    # Rejected x = 5 that borrowed neighbour 6's mass: the residual is max(p~_x - q, 0) with
+    # p~_x = (p(5) + p(6) at 5, 0 at 6): token 6 can no longer be drawn, only 1 and 7.
+    tree = build_tree("chain-1")
+    vocab = 8
+    logits = np.stack([uniform_row(vocab, [1, 5, 6, 7]), uniform_row(vocab, [2])])
+    q = np.zeros((2, vocab))
+    q[0, 5] = 1.0
+    table = neighbour_table(np.random.default_rng(2), vocab)
+    table[5, :2] = [6, 0]
+    seen = {Rule(): set(), Rule("lantern++", k=2, lam=2.0): set()}
+    for seed in range(400):
+        for rule, out in seen.items():
+            got = accept_sampling(tree, np.array([0, 5]), logits, q, rule, np.random.default_rng(seed), table)
+            if got.accept_length == 0:
+                out.add(got.next_token)
+    assert seen[Rule()] == {1, 6, 7}
+    assert seen[Rule("lantern++", k=2, lam=2.0)] == {1, 7}
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: exactness
+
+
+class ToyModels:
+    """A target and a drafter over a small vocabulary whose next-token logits depend on the
+    whole context (tuples of up to 3 tokens), tabulated so trials are cheap."""
+
+    def __init__(self, vocab, seed):
+        rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        self.p = [rng.normal(scale=1.3, size=(vocab,) * n + (vocab,)) for n in range(4)]
+        # the drafter is a noisy copy of the target, so drafts are often (not always) accepted
+        self.q = [lp + rng.normal(scale=0.8, size=lp.shape) for lp in self.p]
+
+    def step(self, tree, context, rule, rng, table, filters, draft_filter):
+        """Draft the tree from the drafter (Gumbel top-k = without replacement, in rank order),
+        then accept. Returns the emitted tokens."""
+        n = tree.num_nodes
+        ctx = [tuple(context)] + [None] * (n - 1)
+        tokens = np.zeros(n, dtype=np.int64)
+        logits = np.empty((n, self.vocab))
+        q = np.zeros((n, self.vocab))
+        for i in range(n):
+            if i:
+                ctx[i] = ctx[tree.parents[i]] + (int(tokens[i]),)
+            logits[i] = self.p[len(ctx[i])][ctx[i]]
+            kids = tree.children[i]
+            if kids:
+                q[i] = draft_filter(self.q[len(ctx[i])][ctx[i]])
+                with np.errstate(divide="ignore"):
+                    keys = np.log(q[i]) + rng.gumbel(size=self.vocab)
+                for child, token in zip(kids, np.argsort(-keys, kind="stable")):
+                    tokens[child] = token
+        got = accept_sampling(tree, tokens, logits, q, rule, rng, table, **filters)
+        return list(got.tokens) + [got.next_token]
+
+    def joint(self, target_filter):
+        """Exact distribution of the first two emitted tokens."""
+        first = target_filter(self.p[0][()])
+        return np.array([first[a] * target_filter(self.p[1][a]) for a in range(self.vocab)])
+
+
+def first_two(models, tree, rule, trials, seed, filters, table=None):
+    rng = np.random.default_rng(seed)
+    draft_filter = lambda lg: ref_filter(lg, **filters)  # noqa: E731 - same filter as the target
+    counts = np.zeros((models.vocab, models.vocab))
+    for _ in range(trials):
+        out = models.step(tree, (), rule, rng, table, filters, draft_filter)
+        if len(out) < 2:  # one token this step: the next step starts from it
+            out += models.step(tree, (out[0],), rule, rng, table, filters, draft_filter)
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+def chi_square(counts, joint):
+    """(statistic, p-value) of observed counts against the joint, pooling cells expected < 5;
+    tokens the filters remove must never appear."""
+    total = counts.sum()
+    assert counts[joint == 0].sum() == 0
+    expected = (joint * total).ravel()
+    observed = counts.ravel()
+    live = expected > 0
+    small = live & (expected < 5)
+    big = live & ~small
+    f_obs = np.append(observed[big], observed[small].sum())
+    f_exp = np.append(expected[big], expected[small].sum())
+    if f_exp[-1] == 0:
+        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
+    return stats.chisquare(f_obs, f_exp)
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(temperature=0.8, top_k=5, top_p=0.8)],
+                         ids=["plain", "top-k-top-p"])
+def test_sampling_exact_preserves_target_distribution(filters):
+    vocab = 8
+    models = ToyModels(vocab, seed=5)
+    tree = build_tree("kary-3-2")
+    counts = first_two(models, tree, Rule(), trials=20000, seed=17, filters=filters)
+    joint = models.joint(lambda lg: ref_filter(lg, **filters))
+    result = chi_square(counts, joint)
+    assert result.pvalue > 1e-3, result
+
+
+def test_filtered_probs_matches_reference():
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        vocab = int(rng.integers(2, 40))
+        row = rng.normal(scale=2, size=vocab)
+        row[rng.random(vocab) < 0.2] = NEG
+        row[int(rng.integers(vocab))] = 0.0
+        if rng.random() < 0.3:
+            row[:] = np.round(row)  # ties
+        filters = dict(temperature=float(rng.uniform(0.3, 2)), top_k=int(rng.integers(0, vocab + 2)),
+                       top_p=float(rng.choice([1.0, rng.uniform(0.05, 1)])))
+        np.testing.assert_allclose(filtered_probs(row, **filters), ref_filter(row, **filters),
+                                   rtol=0, atol=1e-12)
+
+
+def test_sampling_lam1_delta0_equal_exact_same_random_numbers():
+    tree = build_tree("mc_sim_7b_63")
+    vocab = 16
+    rng = np.random.default_rng(9)
+    differs = 0
+    for trial in range(150):
+        logits, table = filtered_case(rng, tree, vocab, keep=int(rng.integers(2, 8)))
+        filters = [dict(), dict(top_k=3), dict(top_p=0.6), dict(temperature=1.7, top_k=4, top_p=0.9)][trial % 4]
+        q = np.stack([ref_filter(row + rng.normal(scale=0.5, size=vocab), **filters) for row in logits])
+        tokens = np.zeros(tree.num_nodes, dtype=np.int64)
+        for i in range(1, tree.num_nodes):  # drafts: likely tokens of q, repeats allowed
+            tokens[i] = rng.choice(vocab, p=q[tree.parents[i]])
+        exact = accept_sampling(tree, tokens, logits, q, Rule(), np.random.default_rng(trial), **filters)
+        for rule in (Rule("lantern++", k=15, lam=1.0), Rule("lantern", k=15, delta=0.0)):
+            got = accept_sampling(tree, tokens, logits, q, rule, np.random.default_rng(trial), table, **filters)
+            assert got == exact
+        relaxed = accept_sampling(tree, tokens, logits, q, Rule("lantern++", k=15, lam=4.0),
+                                  np.random.default_rng(trial), table, **filters)
+        differs += relaxed != exact
+    assert differs > 0
+
+
+def test_sampling_skips_drafts_outside_q_support():
+    # q has one token; the other two children are padding (q = 0) and must never be accepted,
+    # even where the target likes them, and must not consume random numbers.
+    tree = build_tree("kary-3-1")
+    vocab = 6
+    logits = np.zeros((4, vocab))
+    logits[0, 4] = 5.0
+    q = np.zeros((4, vocab))
+    q[0, 1] = 1.0
+    tokens = np.array([0, 1, 4, 4])
+    for seed in range(50):
+        got = accept_sampling(tree, tokens, logits, q, Rule(), np.random.default_rng(seed))
+        assert got.nodes in [(0,), (0, 1)]
+        rng = np.random.default_rng(seed)
+        u = rng.random()
+        accepted = u * 1.0 < np.exp(0) / (np.exp(5) + 5)
+        assert got.accept_length == int(accepted)
+
+
+def test_acceptance_type():
+    tree = build_tree("chain-2")
+    logits = np.zeros((3, 4))
+    logits[:, 1] = 1.0
+    got = accept_greedy(tree, np.array([0, 1, 1]), logits, Rule())
+    assert got == Acceptance(nodes=(0, 1, 2), tokens=(1, 1), next_token=1, depth=2)
+    assert got.accept_length == 2
