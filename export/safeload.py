@@ -20,7 +20,7 @@ def load_pickle(path):
     try:
         with torch.serialization.safe_globals(ALLOWED_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=False)
-    except (zipfile.BadZipFile, EOFError, RuntimeError) as e:
+    except (zipfile.BadZipFile, EOFError, RuntimeError, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LanternError(f"{path}: unreadable or truncated checkpoint ({first})") from None
     except Exception as e:  # the weights-only unpickler refusing a global lands here
