@@ -22,7 +22,8 @@ def add_generation_options(p):
     p.add_argument("--mode", default="lantern++", choices=("ar", "exact", "lantern", "lantern++"))
     p.add_argument("--lam", type=float, default=2.0, help="LANTERN++ bound: p~(x) <= lam * p(x) (lam >= 1)")
     p.add_argument("--delta", type=float, default=0.1, help="LANTERN bound on the moved mass (0..1)")
-    p.add_argument("--k", type=int, default=100, help="latent neighbours considered per draft token")
+    p.add_argument("--k", type=int, default=None,
+                   help="latent neighbours considered per draft token (default: 100, or all the table has)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")

@@ -34,6 +34,7 @@ from lantern.runtime.manifest import read_manifest
 from lantern.runtime.tree import build_tree
 
 MODES = ("ar", "exact", "lantern", "lantern++")
+DEFAULT_K = 100
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------
     def generate(self, *, classes=None, caption=None, caption_mask=None, mode="lantern++", lam=2.0, delta=0.1,
-                 k=100, greedy=False, temperature=1.0, top_k=0, top_p=1.0, cfg_scale=1.0, cfg_interval=-1,
+                 k=None, greedy=False, temperature=1.0, top_k=0, top_p=1.0, cfg_scale=1.0, cfg_interval=-1,
                  seed=0):
         """Generate one image per class (c2i) or per caption row (t2i). Returns a Generation."""
         if mode not in MODES:
@@ -81,11 +82,17 @@ class Engine:
         if mode != "ar":
             if not self.has_drafter:
                 raise LanternError(f"{self.directory} has no drafter, so it serves mode 'ar' only")
-            rule = acceptance.Rule(mode=mode, k=k if mode != "exact" else 0,
-                                   delta=delta if mode == "lantern" else 0.0, lam=lam if mode == "lantern++" else 1.0)
             if mode != "exact" and self.neighbors is None:
                 raise LanternError(f"{self.directory} has no neighbour table (export with --vq); "
                                    f"mode {mode!r} needs one")
+            width = self.neighbors.shape[1] if self.neighbors is not None else 0
+            if k is None:  # default: up to DEFAULT_K neighbours, as many as the table holds
+                k = min(DEFAULT_K, width)
+            if mode != "exact" and k > width:
+                raise LanternError(f"k = {k} exceeds the engine's neighbour table ({width} per token); "
+                                   f"use k <= {width} or re-export with a larger --neighbors-k")
+            rule = acceptance.Rule(mode=mode, k=k if mode != "exact" else 0,
+                                   delta=delta if mode == "lantern" else 0.0, lam=lam if mode == "lantern++" else 1.0)
         if not greedy:
             acceptance.filtered_probs(np.zeros((1, 2)), temperature, top_k, top_p)  # validates the filters
         cond, key_mask = self._condition_inputs(classes, caption, caption_mask)

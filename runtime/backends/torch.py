@@ -34,7 +34,7 @@ class TorchBackend:
         """Rebuild the graphs from the source checkpoints the manifest records."""
         try:
             import torch  # noqa: F401
-            from lantern.export.engine_sources import load_graph_modules
+            from lantern.export.onnx_export import load_graph_modules
         except ImportError as e:
             raise LanternError(f"the torch backend needs torch and lantern's export extra ({e})") from None
         return cls(load_graph_modules(manifest), manifest["dtype"], threads=threads, device=device)
