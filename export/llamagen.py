@@ -205,12 +205,23 @@ class Attention(nn.Module):
         q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
         k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        keys, values = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-        if self.n_kv_head != self.n_head:
-            repeat = self.n_head // self.n_kv_head
-            keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = _attend(q, past_k, past_v, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1)), k, v
+
+
+def _attend(q, past_k, past_v, k, v, mask):
+    """Softmax attention over [cache, new] without concatenating them: concatenation would copy
+    the whole cache every step in the exported graph. Scores are computed per part and joined
+    (they are only [T, P + T]); query heads are grouped by KV head, so grouped-query attention
+    never repeats the cache either. q [B, H, T, hd]; caches [B, Hkv, P, hd]; k, v [B, Hkv, T, hd]."""
+    B, H, T, hd = q.shape
+    Hkv, P = past_k.shape[1], past_k.shape[2]
+    grouped = q.reshape(B, Hkv, (H // Hkv) * T, hd) * (1.0 / math.sqrt(hd))
+    scores = torch.cat([grouped @ past_k.transpose(-1, -2), grouped @ k.transpose(-1, -2)], dim=-1)
+    scores = scores.reshape(B, H, T, P + T).float().masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).reshape(B, Hkv, (H // Hkv) * T, P + T)
+    out = probs[..., :P] @ past_v + probs[..., P:] @ v
+    return out.reshape(B, H, T, hd)
 
 
 class FeedForward(nn.Module):

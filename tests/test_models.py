@@ -211,3 +211,20 @@ def test_parameter_counts_match_published_sizes():
         with torch.device("meta"):
             model = llamagen.Transformer(llamagen.make_config(name))
         assert abs(llamagen.count_parameters(model) - published) / published < 0.01, name
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_split_attention_equals_sdpa_over_the_concatenated_cache(heads, kv_heads):
+    """The graph attends to [cache, new] without concatenating them; check it against PyTorch's
+    SDPA over the concatenation, with LlamaGen's repeat_interleave for grouped KV heads."""
+    B, T, P, hd = 2, 5, 7, 8
+    q = torch.randn(B, heads, T, hd)
+    past_k, past_v = torch.randn(B, kv_heads, P, hd), torch.randn(B, kv_heads, P, hd)
+    k, v = torch.randn(B, kv_heads, T, hd), torch.randn(B, kv_heads, T, hd)
+    mask = torch.rand(B, 1, T, P + T) > 0.4
+    mask[..., P:] |= torch.eye(T, dtype=torch.bool)
+    rep = heads // kv_heads
+    keys = torch.cat([past_k, k], dim=2).repeat_interleave(rep, dim=1)
+    values = torch.cat([past_v, v], dim=2).repeat_interleave(rep, dim=1)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    torch.testing.assert_close(llamagen._attend(q, past_k, past_v, k, v, mask), expected, rtol=1e-5, atol=1e-5)
