@@ -1,0 +1,511 @@
+"""`lantern-export onnx`: checkpoints -> an engine directory (ONNX graphs + manifest.json).
+
+The graphs are the torch modules of lantern.export.graphs, exported one by one with torch's
+dynamo exporter (`torch.onnx.export(..., dynamo=True)`), named and typed exactly as
+lantern.runtime.manifest.GRAPHS says. Both exporters trace these graphs and the results run on
+ONNX Runtime at any batch / token count / cache length; dynamo is the one used because it keeps
+the modules' dtypes whatever ops they use (the TorchScript exporter lowered SDPA with a boolean
+mask to fp32, so fp16 graphs came out fp32 after the first attention), streams the weights to
+one `<graph>.onnx.data` file (a GPT-XL export peaks near the loader's own footprint), and is the
+supported one (the TorchScript exporter is deprecated). Its cost is time: ~2-3 s per tiny graph,
+where the TorchScript exporter takes a fraction of a second.
+
+The directory is built in a temporary sibling of --out and renamed into place when complete,
+so --out either holds a whole engine or nothing. manifest.json is written last.
+
+Precision: --dtype casts the target and the drafter; LlamaGen's RMSNorm and RoPE still compute
+in fp32 inside (the RoPE table stays fp32), logits and the drafter's top-k probabilities come
+out fp32 as the contracts say. The VQ decoder always stays fp32 (it runs once per image, and
+VQGAN decoders' GroupNorm/attention are prone to fp16 overflow); its manifest entry says so.
+"""
+import contextlib
+import io
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+from lantern.export import checkpoints, llamagen
+from lantern.export.graphs import graph_modules
+from lantern.runtime import manifest as engine_format
+from lantern.runtime.errors import LanternError
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+DEFAULT_OPSET = 18  # the dynamo exporter's own opset; lower ones are not offered
+DEFAULT_TREE = "mc_sim_7b_63"  # EAGLE-1's default and the public LANTERN command line's
+EXTERNAL_DATA_BYTES = 100 * 2**20  # graphs with more weights than this keep them in <file>.data
+DEFAULT_NEIGHBORS_K = 1000  # the public code's default k
+
+# Symbolic dims of the contracts that stay dynamic in the graphs; every other dim is fixed by
+# the model config. Tracing sizes are distinct and > 1 (torch.export specialises 0 and 1).
+DYNAMIC_DIMS = ("B", "T", "P", "P+T", "N", "h", "w", "Hpx", "Wpx")
+_TRACE_SIZES = {"B": 4, "N": 2, "T": 3, "P": 5, "P+T": 8, "h": 2, "w": 3}
+
+_ONNX_TYPES = {"float32": 1, "int64": 7, "bool": 9, "float16": 10, "bfloat16": 16}  # TensorProto codes
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and preparing the models (shared with `check` and the runtime's torch backend)
+
+
+def load_models(target, target_format=None, target_options=None, drafter=None, vq=None):
+    """Load the checkpoints through the strict loaders. Returns {role: (model, info)}."""
+    models = {"target": checkpoints.load_target(target, target_format, **(target_options or {}))}
+    target_args = models["target"][0].args
+    if drafter is not None:
+        models["drafter"] = checkpoints.load_drafter(drafter, target_args)
+        d_args = models["drafter"][0].args
+        if d_args.head_dim != target_args.head_dim:
+            raise LanternError(f"{drafter}: drafter head_dim {d_args.head_dim} (dim {d_args.dim} / {d_args.n_head} heads) "
+                               f"does not fit the target's RoPE table (head_dim {target_args.head_dim})")
+    if vq is not None:
+        from lantern.export.vq import load_vq
+
+        models["vq"] = load_vq(vq)
+        codes = models["vq"][0].config.codebook_size
+        if codes != target_args.vocab_size:
+            raise LanternError(f"{vq}: the VQ codebook has {codes} codes but the target's vocabulary is "
+                               f"{target_args.vocab_size}; image tokens must be the codes")
+    return models
+
+
+def cast_models(models, dtype):
+    """Cast target and drafter to the export dtype in place; the RoPE table stays fp32 (the
+    rotation runs in fp32 inside) and the VQ decoder stays fp32."""
+    if dtype not in DTYPES:
+        raise LanternError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    target = models["target"][0].to(DTYPES[dtype])
+    target.rope = llamagen.rope_table(target.args)
+    if "drafter" in models:
+        models["drafter"][0].to(DTYPES[dtype])
+    if "vq" in models:
+        models["vq"][0].float()
+    return models
+
+
+def load_graph_modules(manifest, verify_sources=False):
+    """The torch graph modules of an engine, rebuilt from the source checkpoints its manifest
+    records (same loaders, options, dtype and candidates as the export): {graph: (contract, module)}."""
+    sources = manifest["sources"]
+    if verify_sources:
+        for role, record in sources.items():
+            _verify_source(role, record)
+    t = sources["target"]
+    models = load_models(t["path"], t["format"], t["options"],
+                         drafter=sources["drafter"]["path"] if "drafter" in sources else None,
+                         vq=sources["vq"]["path"] if "vq" in sources else None)
+    cast_models(models, manifest["dtype"])
+    return graph_modules(models["target"][0], models.get("drafter", (None,))[0], models.get("vq", (None,))[0],
+                         candidates=manifest.get("candidates"))
+
+
+def _source_record(role, path, info, options=None):
+    """Where a checkpoint came from and the sha256 of each of its files (a directory's top-level
+    files), so `check` can tell whether it still compares against the same weights."""
+    path = os.path.abspath(path)
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, name) for name in os.listdir(path) if os.path.isfile(os.path.join(path, name)))
+    record = {"path": path, "format": info["format"],
+              "sha256": {os.path.basename(f): engine_format.sha256(f) for f in files}}
+    if options is not None:
+        record["options"] = options
+    return record
+
+
+def _verify_source(role, record):
+    path = record["path"]
+    for name, digest in record["sha256"].items():
+        file = path if os.path.isfile(path) else os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise LanternError(f"{role} checkpoint {file} is missing; the engine's source is gone (rebuild or restore it)")
+        if engine_format.sha256(file) != digest:
+            raise LanternError(f"{role} checkpoint {file} changed since the export (sha256 differs); "
+                               f"rebuild the engine or restore the checkpoint")
+
+
+# ---------------------------------------------------------------------------------------------
+# One graph
+
+
+def resolve_io(contract, dims, float_dtype):
+    """GRAPHS[contract] with fixed dims filled in and 'float' resolved:
+    {"inputs": {name: {"dtype", "shape"}}, "outputs": {...}} (dynamic dims stay names)."""
+    spec = engine_format.GRAPHS[contract]
+
+    def one(entries):
+        out = {}
+        for name, (kind, shape) in entries.items():
+            out[name] = {"dtype": float_dtype if kind == "float" else kind,
+                         "shape": [d if not isinstance(d, str) or d in DYNAMIC_DIMS else dims[d] for d in shape]}
+        return out
+
+    return {"inputs": one(spec["inputs"]), "outputs": one(spec["outputs"])}
+
+
+def _trace_inputs(io_spec):
+    """Example inputs of the right dtypes and shapes; values only matter for cond_batch (N rows)."""
+    tensors = []
+    for name, entry in io_spec["inputs"].items():
+        shape = [_TRACE_SIZES[d] if isinstance(d, str) else d for d in entry["shape"]]
+        dtype = getattr(torch, entry["dtype"])
+        if name == "cond_batch":
+            tensors.append(torch.full(shape, _TRACE_SIZES["N"], dtype=dtype))
+        elif name in ("temperature", "top_p", "cfg_scale", "attention_mask"):
+            tensors.append(torch.ones(shape, dtype=dtype))
+        else:
+            tensors.append(torch.zeros(shape, dtype=dtype))
+    return tuple(tensors)
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """The exporter prints progress lines and warns about deprecations and torchvision; the
+    export command shows its own progress."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _weight_bytes(module):
+    seen, total = set(), 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def export_graph(module, io_spec, path, opset=DEFAULT_OPSET):
+    """Export one graph module to `path` (plus `path`.data when its weights are large).
+    Returns the file names written."""
+    inputs, outputs = list(io_spec["inputs"]), list(io_spec["outputs"])
+    axes = {name: {i: d for i, d in enumerate(entry["shape"]) if isinstance(d, str)}
+            for name, entry in {**io_spec["inputs"], **io_spec["outputs"]}.items()}
+    external = _weight_bytes(module) > EXTERNAL_DATA_BYTES
+    with _quiet_exporter(), torch.no_grad():
+        program = torch.onnx.export(module, _trace_inputs(io_spec), None, input_names=inputs,
+                                    output_names=outputs, dynamic_axes={k: v for k, v in axes.items() if v},
+                                    opset_version=opset, dynamo=True, external_data=external, verbose=False)
+    _apply_contract(program.model, io_spec, os.path.basename(path))
+    with _quiet_exporter():
+        program.save(path, external_data=external)
+    names = [os.path.basename(path)]
+    if os.path.exists(path + ".data"):
+        names.append(os.path.basename(path) + ".data")
+    return names
+
+
+def _apply_contract(model, io_spec, where):
+    """Check the exported graph's I/O names and dtypes against the contract and name its dims
+    as the contract does (the exporter invents names for derived dims)."""
+    import onnx_ir as ir
+
+    for kind, values in (("inputs", model.graph.inputs), ("outputs", model.graph.outputs)):
+        expected = io_spec[kind]
+        names = [v.name for v in values]
+        if names != list(expected):
+            raise RuntimeError(f"{where}: exported {kind} {names} differ from the contract's {list(expected)}")
+        for value in values:
+            entry = expected[value.name]
+            if value.dtype is None or value.dtype.value != _ONNX_TYPES[entry["dtype"]]:
+                raise RuntimeError(f"{where}: {kind[:-1]} {value.name} has type {value.dtype}, "
+                                   f"the contract says {entry['dtype']}")
+            value.shape = ir.Shape(entry["shape"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine directory
+
+
+def _graph_dims(contract, target_args, drafter_args, candidates):
+    a = target_args
+    if contract == "target":
+        return {"L": a.n_layer, "H": a.kv_heads, "hd": a.head_dim, "D": a.dim, "V": a.vocab_size}
+    if contract == "drafter":
+        return {"H": drafter_args.kv_heads, "hd": drafter_args.head_dim, "D": a.dim, "K": candidates}
+    if contract.startswith("condition"):
+        return {"C": a.cls_token_num, "E": a.caption_dim, "D": a.dim}
+    return {"D": a.dim}
+
+
+def _check_output_dir(out, force):
+    if os.path.lexists(out):
+        if not force:
+            raise LanternError(f"{out} already exists; pass --force to replace it")
+        if not os.path.isdir(out) or os.path.islink(out):
+            raise LanternError(f"{out} exists and is not a directory; not replacing it")
+        if os.listdir(out) and not os.path.isfile(os.path.join(out, "manifest.json")):
+            raise LanternError(f"{out} is a non-empty directory without manifest.json (not an engine); "
+                               f"not replacing it even with --force")
+
+
+def _replace_dir(tmp, out):
+    """Move the finished temporary directory to `out`, replacing an old engine there."""
+    if not os.path.lexists(out):
+        os.rename(tmp, out)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
+    os.rmdir(old)
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _tool_versions():
+    from importlib import metadata
+
+    import onnx
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "onnx": onnx.__version__}
+    for package in ("onnxscript", "onnxruntime", "lantern"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def export_engine(out, target, *, target_format=None, target_options=None, drafter=None, vq=None, tree=None,
+                  dtype="fp32", candidates=None, opset=DEFAULT_OPSET, neighbors_k=None, force=False,
+                  progress=False):
+    """Build the engine directory `out` from checkpoints and return its manifest.
+
+    Everything that can be checked is checked before anything is written; the directory appears
+    at `out` only when complete."""
+    import onnx
+
+    # Options first, then the checkpoints; no file is created until all of it passed.
+    out = os.path.abspath(os.fspath(out))
+    if dtype not in DTYPES:
+        raise LanternError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    if not isinstance(opset, int) or not DEFAULT_OPSET <= opset <= onnx.defs.onnx_opset_version():
+        raise LanternError(f"opset {opset!r} is not supported: the dynamo exporter writes opset "
+                           f"{DEFAULT_OPSET}..{onnx.defs.onnx_opset_version()}")
+    if candidates is not None and (isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1):
+        raise LanternError(f"--candidates must be a positive integer, got {candidates!r}")
+    if drafter is None and tree is not None:
+        raise LanternError("--tree needs --drafter: an engine without a drafter serves mode 'ar' only")
+    if drafter is None and candidates is not None:
+        raise LanternError("--candidates needs --drafter (it is the drafter graph's top-k width)")
+    if vq is None and neighbors_k is not None:
+        raise LanternError("--neighbors-k needs --vq (the neighbours come from the VQ codebook)")
+    _check_output_dir(out, force)
+    draft_tree = None
+    if drafter is not None:
+        from lantern.runtime.tree import build_tree
+
+        draft_tree = build_tree(tree or DEFAULT_TREE)
+
+    stages = ["load"] + ["embed", "condition", "target"] + (["drafter"] if drafter else []) + \
+             (["vq_decoder", "neighbors"] if vq else []) + ["manifest"]
+    bar = _progress(stages, progress)
+    try:
+        return _build(out, bar, target, target_format, target_options, drafter, vq, draft_tree, dtype,
+                      candidates, opset, neighbors_k)
+    finally:
+        bar.close()
+
+
+def _build(out, bar, target, target_format, target_options, drafter, vq, draft_tree, dtype, candidates, opset,
+           neighbors_k):
+    bar.set_description("load")
+    models = load_models(target, target_format, target_options, drafter, vq)
+    t_model, t_info = models["target"]
+    a = t_model.args
+    sources = {"target": _source_record("target", target, t_info, _options_record(target_options))}
+    if drafter is not None:
+        sources["drafter"] = _source_record("drafter", drafter, models["drafter"][1])
+    if vq is not None:
+        sources["vq"] = _source_record("vq", vq, models["vq"][1])
+        n_codes = models["vq"][0].config.codebook_size
+        neighbors_k = min(DEFAULT_NEIGHBORS_K, n_codes - 1) if neighbors_k is None else neighbors_k
+        if isinstance(neighbors_k, bool) or not isinstance(neighbors_k, int) or not 1 <= neighbors_k <= n_codes - 1:
+            raise LanternError(f"--neighbors-k must be in [1, {n_codes - 1}] for {n_codes} codes, got {neighbors_k!r}")
+    cast_models(models, dtype)
+    graphs = graph_modules(t_model, models.get("drafter", (None,))[0], models.get("vq", (None,))[0],
+                           candidates=candidates)
+    if drafter is not None:
+        candidates = graphs["drafter"][1].candidates
+        if candidates > a.vocab_size:
+            raise LanternError(f"--candidates {candidates} exceeds the vocabulary ({a.vocab_size})")
+        if candidates < max(draft_tree.widths):
+            raise LanternError(f"--candidates {candidates} is narrower than tree {draft_tree.name!r}, whose widest "
+                               f"node has {max(draft_tree.widths)} children")
+    bar.update()
+
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the engine is an ordinary directory
+        files, graph_entries = [], {}
+        drafter_args = models["drafter"][0].args if drafter is not None else None
+        for name, (contract, module) in graphs.items():
+            bar.set_description(f"export {name}")
+            graph_dtype = "fp32" if name == "vq_decoder" else dtype
+            io_spec = resolve_io(contract, _graph_dims(contract, a, drafter_args, candidates), DTYPE_NAMES[graph_dtype])
+            path = os.path.join(tmp, engine_format.GRAPH_FILES[name])
+            written = export_graph(module, io_spec, path, opset)
+            files += written
+            graph_entries[name] = {"file": written[0], "contract": contract, "dtype": graph_dtype,
+                                   "external_data": written[1] if len(written) > 1 else None,
+                                   "inputs": list(io_spec["inputs"]), "outputs": list(io_spec["outputs"]),
+                                   "io": {**io_spec["inputs"], **io_spec["outputs"]}}
+            bar.update()
+        neighbors = None
+        if vq is not None:
+            bar.set_description("neighbors")
+            neighbors = _write_neighbors(tmp, models["vq"][0], neighbors_k)
+            files.append(neighbors["file"])
+            bar.update()
+
+        bar.set_description("manifest")
+        manifest = {
+            "format_version": engine_format.FORMAT_VERSION,
+            "model": {"family": "llamagen", "config": a.to_dict(), "config_name": t_info.get("config_name"),
+                      "parameters": t_info["parameters"]},
+            "condition": _condition_record(a),
+            "vocab_size": a.vocab_size,
+            "image_tokens": [0, a.vocab_size],
+            "block_size": a.block_size,
+            "grid_size": a.grid_size,
+            "max_positions": a.max_positions,
+            "has_drafter": drafter is not None,
+            "modes": ["ar"] + (["exact"] if drafter else []) + (["lantern", "lantern++"] if drafter and vq else []),
+            "drafter": None if drafter is None else {"config": drafter_args.to_dict(),
+                                                     "parameters": models["drafter"][1]["parameters"]},
+            "tree": None if draft_tree is None else {**draft_tree.to_json(), "nodes": draft_tree.num_nodes,
+                                                     "depth": draft_tree.depth, "widths": list(draft_tree.widths)},
+            "candidates": candidates,
+            "vq": None if vq is None else {"config": models["vq"][1]["config"],
+                                           "downsample": models["vq"][0].config.downsample,
+                                           "image_size": a.grid_size * models["vq"][0].config.downsample},
+            "neighbors": neighbors,
+            "dtype": dtype,
+            "opset": opset,
+            "graphs": graph_entries,
+            "sources": sources,
+            "tools": _tool_versions(),
+            "build": {"kind": "onnx", "exporter": "torch.onnx.export(dynamo=True)",
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+            "files": engine_format.describe_files(tmp, files),
+        }
+        engine_format.write_manifest(tmp, manifest)
+        _replace_dir(tmp, out)
+        bar.update()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _write_neighbors(directory, vq_model, k):
+    """neighbors.npy from the vectors the decoder consumes (L2-normalised codes for LlamaGen)."""
+    import numpy as np
+
+    from lantern.export.neighbors import nearest_neighbors
+
+    table = nearest_neighbors(vq_model.code_vectors().detach().float().numpy(), k)
+    np.save(os.path.join(directory, "neighbors.npy"), table, allow_pickle=False)
+    return {"file": "neighbors.npy", "k": int(table.shape[1]), "dtype": str(table.dtype),
+            "vectors": "L2-normalised codes (as decoded)" if vq_model.config.codebook_l2_norm else "codes (as decoded)"}
+
+
+def _options_record(options):
+    options = dict(options or {})
+    if options.get("config_file"):
+        options["config_file"] = os.path.abspath(options["config_file"])
+    return options
+
+
+def _condition_record(a):
+    if a.model_type == "c2i":
+        return {"type": "c2i", "cls_token_num": a.cls_token_num, "num_classes": a.num_classes,
+                "null_class": a.num_classes if a.class_dropout_prob > 0 else None}
+    return {"type": "t2i", "cls_token_num": a.cls_token_num, "caption_dim": a.caption_dim,
+            "null_class": None, "unconditional": "the graph's `unconditional` flag selects the null caption"}
+
+
+class _NoBar:
+    def set_description(self, _):
+        pass
+
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(stages, enabled):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=len(stages), unit="stage", file=sys.stderr, bar_format="{desc:<20} {bar} {n}/{total} [{elapsed}]")
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_parser(sub):
+    from lantern.export.inspect_cmd import add_model_options
+
+    p = sub.add_parser("onnx", help="export checkpoints to an engine directory (ONNX graphs + manifest)",
+                       description="Export a LlamaGen target (and a LANTERN drafter, a VQ decoder) to an engine "
+                                   "directory, written atomically. Without --drafter the engine serves 'ar' only.")
+    p.add_argument("--target", required=True, help="target checkpoint: LlamaGen .pt or LANTERN HF directory")
+    add_model_options(p)
+    p.add_argument("--drafter", help="LANTERN/EAGLE drafter directory (config.json + weights)")
+    p.add_argument("--vq", help="LlamaGen VQ tokenizer checkpoint: adds vq_decoder.onnx and neighbors.npy")
+    p.add_argument("--tree", help=f"static draft tree: preset name or JSON file (default {DEFAULT_TREE}; needs --drafter)")
+    p.add_argument("--dtype", default="fp32", help="graph precision: fp32, fp16 or bf16 (default fp32)")
+    p.add_argument("--candidates", type=int, help="top-k width K of the drafter graph (default min(2048, vocab))")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
+    p.add_argument("--neighbors-k", type=int, help=f"latent neighbours per code (default min({DEFAULT_NEIGHBORS_K}, codes - 1))")
+    p.add_argument("--out", required=True, help="engine directory to create, e.g. engines/NAME")
+    p.add_argument("--force", action="store_true", help="replace an existing engine directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args):
+    from lantern.export.inspect_cmd import target_options
+
+    start = time.perf_counter()
+    manifest = export_engine(args.out, args.target, target_format=args.format, target_options=target_options(args),
+                             drafter=args.drafter, vq=args.vq, tree=args.tree, dtype=args.dtype,
+                             candidates=args.candidates, opset=args.opset, neighbors_k=args.neighbors_k,
+                             force=args.force, progress=not args.no_progress)
+    size = sum(f["size"] for f in manifest["files"].values())
+    print(f"engine {args.out}: {', '.join(manifest['graphs'])} ({manifest['dtype']}, opset {manifest['opset']}, "
+          f"{size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f}s")
+    if manifest["has_drafter"]:
+        tree = manifest["tree"]
+        print(f"modes: {', '.join(manifest['modes'])}; tree {tree['name']} ({tree['nodes']} nodes, depth {tree['depth']}), "
+              f"drafter top-{manifest['candidates']}")
+    else:
+        print("modes: ar only (no --drafter given)")
+    if manifest["neighbors"] is None and manifest["has_drafter"]:
+        print("no neighbour table (no --vq): modes lantern and lantern++ need one")
+    return 0

@@ -1,0 +1,365 @@
+"""ONNX export and `check`: tiny models written in the real checkpoint formats, exported through
+the CLI/API, run on ONNX Runtime and compared with the PyTorch graph modules."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tiny import causal_mask, positions, tiny_drafter, tiny_target
+
+from lantern.export import checkpoints, cli
+from lantern.export import onnx_export
+from lantern.export.check import check_engine
+from lantern.runtime.errors import LanternError
+from lantern.runtime.manifest import GRAPHS, describe_files, read_manifest, write_manifest
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxscript")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints on disk (module scope: written once)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sources")
+    c2i = tiny_target("c2i", seed=0)
+    a = c2i.args
+    config = root / "c2i.json"
+    config.write_text(json.dumps({"dim": a.dim, "n_layer": a.n_layer, "n_head": a.n_head, "vocab_size": a.vocab_size,
+                                  "num_classes": a.num_classes, "block_size": a.block_size,
+                                  "multiple_of": a.multiple_of, "cls_token_num": 1, "model_type": "c2i"}))
+    checkpoints.save_llamagen_pt(c2i, root / "c2i.pt")
+    checkpoints.save_drafter(tiny_drafter(c2i, seed=1), root / "c2i_drafter")
+    t2i = tiny_target("t2i", seed=2)
+    checkpoints.save_hf_target(t2i, root / "t2i")
+    checkpoints.save_drafter(tiny_drafter(t2i, seed=3), root / "t2i_drafter", fmt="safetensors")
+    # A drafter that does not fit (other hidden size).
+    other = tiny_target("c2i", dim=48, n_head=6)
+    checkpoints.save_drafter(tiny_drafter(other), root / "wide_drafter")
+    paths = {"root": root, "c2i": str(root / "c2i.pt"), "c2i_config": str(config),
+             "c2i_drafter": str(root / "c2i_drafter"), "t2i": str(root / "t2i"),
+             "t2i_drafter": str(root / "t2i_drafter"), "wide_drafter": str(root / "wide_drafter")}
+    try:
+        from lantern.export import vq
+
+        torch.manual_seed(0)
+        model = vq.VQModel(vq.VQConfig(codebook_size=a.vocab_size, codebook_embed_dim=8, encoder_ch_mult=(1, 2),
+                                       decoder_ch_mult=(1, 2), z_channels=16, ch=32, num_res_blocks=1))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+        vq.save_vq(model.eval(), root / "vq.pt")
+        paths["vq"] = str(root / "vq.pt")
+    except ImportError:
+        paths["vq"] = None
+    return paths
+
+
+@pytest.fixture(scope="module")
+def c2i_engine(sources, tmp_path_factory):
+    """fp32 c2i engine: llamagen-pt target + .bin drafter + VQ decoder, through the API."""
+    out = tmp_path_factory.mktemp("engines") / "c2i"
+    manifest = onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]},
+                                         drafter=sources["c2i_drafter"], vq=sources["vq"])
+    return str(out), manifest
+
+
+def _export_cli(sources, out, *extra):
+    return cli.main(["onnx", "--target", sources["c2i"], "--config", sources["c2i_config"], "--out", str(out),
+                     "--no-progress", *extra])
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines that pass
+
+
+def test_c2i_engine_passes_check(c2i_engine, capsys):
+    out, manifest = c2i_engine
+    expected = {"embed", "condition", "target", "drafter"} | ({"vq_decoder"} if manifest["vq"] else set())
+    assert set(manifest["graphs"]) == expected
+    assert manifest["has_drafter"]
+    assert manifest["modes"] == ["ar", "exact"] + (["lantern", "lantern++"] if manifest["vq"] else [])
+    assert manifest["condition"] == {"type": "c2i", "cls_token_num": 1, "num_classes": 10, "null_class": 10}
+    assert manifest["image_tokens"] == [0, 64] and manifest["candidates"] == 64
+    assert manifest["sources"]["target"]["format"] == "llamagen-pt"
+    assert manifest["sources"]["drafter"]["format"] == "drafter"
+    report = check_engine(out)
+    assert report["ok"], report["failures"]
+    ids = [r for r in report["results"] if r["output"] == "topk_ids"]
+    assert ids and all(r["clear"] > 0 for r in ids)  # the id comparison is not vacuous
+    assert cli.main(["check", out]) == 0
+    printed = capsys.readouterr().out
+    assert "target     tree     logits" in printed and "check passed" in printed
+
+
+def test_vq_decoder_and_neighbors(c2i_engine):
+    out, manifest = c2i_engine
+    if manifest["vq"] is None:
+        pytest.skip("lantern.export.vq is not available")
+    from lantern.export.neighbors import nearest_neighbors
+    from lantern.export.vq import load_vq
+
+    table = np.load(os.path.join(out, "neighbors.npy"))
+    assert table.shape == (64, 63) and manifest["neighbors"]["k"] == 63
+    vq, _ = load_vq(manifest["sources"]["vq"]["path"])
+    np.testing.assert_array_equal(table, nearest_neighbors(vq.code_vectors().detach().numpy(), 63))
+    assert manifest["graphs"]["vq_decoder"]["dtype"] == "fp32"
+    assert manifest["vq"]["image_size"] == manifest["grid_size"] * manifest["vq"]["downsample"] == 8
+
+
+def test_t2i_engine_via_cli_passes_check(sources, tmp_path, capsys):
+    out = tmp_path / "t2i"
+    rc = cli.main(["onnx", "--target", sources["t2i"], "--drafter", sources["t2i_drafter"], "--tree", "chain",
+                   "--out", str(out), "--no-progress"])
+    assert rc == 0
+    assert "tree chain (6 nodes, depth 5)" in capsys.readouterr().out
+    manifest = read_manifest(out, verify=True)
+    assert manifest["condition"]["type"] == "t2i" and manifest["condition"]["cls_token_num"] == 6
+    assert manifest["graphs"]["condition"]["contract"] == "condition_t2i"
+    assert manifest["sources"]["target"]["format"] == "lantern-hf"
+    report = check_engine(out)
+    assert report["ok"], report["failures"]
+
+
+def test_fp16_engine_passes_check_with_its_tolerance(sources, tmp_path):
+    out = tmp_path / "fp16"
+    manifest = onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]},
+                                         drafter=sources["c2i_drafter"], tree="kary-2-2", dtype="fp16")
+    assert manifest["dtype"] == "fp16"
+    model = onnx.load(str(out / "target.onnx"))
+    types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
+    assert types["inputs_embeds"] == types["hidden"] == types["past_keys"] == onnx.TensorProto.FLOAT16
+    assert types["logits"] == onnx.TensorProto.FLOAT  # 'float32' in the contract stays fp32
+    # Weights stay fp16 (no fp32 copies), except the RoPE table, which is fp32 by design.
+    sizes = {i.name: i.data_type for i in model.graph.initializer if len(i.dims) == 2 and min(i.dims) > 8}
+    assert sizes and set(sizes.values()) == {onnx.TensorProto.FLOAT16}
+    report = check_engine(out)
+    assert (report["atol"], report["rtol"]) == (1e-3, 1e-2)
+    assert report["ok"], report["failures"]
+    worst = max(r["max_rel"] for r in report["results"] if "max_rel" in r)
+    assert 0 < worst < 5e-3  # fp16 really differs from torch, and by far less than the bound
+
+
+def test_bf16_ar_engine_checks_through_fp32_upcast(sources, tmp_path):
+    out = tmp_path / "bf16"
+    onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]}, dtype="bf16")
+    model = onnx.load(str(out / "target.onnx"))
+    assert {v.type.tensor_type.elem_type for v in model.graph.input if v.name == "past_keys"} == {onnx.TensorProto.BFLOAT16}
+    report = check_engine(out)
+    assert report["ok"], report["failures"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifest and dynamic axes
+
+
+def test_manifest_round_trips_and_names_the_contracts(c2i_engine):
+    out, manifest = c2i_engine
+    assert read_manifest(out, verify=True) == json.loads(json.dumps(manifest))
+    for name, entry in manifest["graphs"].items():
+        spec = GRAPHS[entry["contract"]]
+        assert entry["inputs"] == list(spec["inputs"]) and entry["outputs"] == list(spec["outputs"])
+        assert entry["file"] in manifest["files"]
+        model = onnx.load(os.path.join(out, entry["file"]), load_external_data=False)
+        assert [v.name for v in model.graph.input] == entry["inputs"]
+        for value in list(model.graph.input) + list(model.graph.output):
+            dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+            assert dims == entry["io"][value.name]["shape"]
+    assert manifest["graphs"]["target"]["io"]["attention_mask"]["shape"] == ["B", 1, "T", "P+T"]
+    assert manifest["graphs"]["target"]["io"]["past_keys"]["shape"] == [2, "B", 4, "P", 8]
+    from lantern.runtime.tree import build_tree
+
+    assert build_tree(manifest["tree"]) == build_tree(onnx_export.DEFAULT_TREE)
+    assert manifest["tools"]["torch"] == torch.__version__
+    digest = manifest["sources"]["target"]["sha256"]["c2i.pt"]
+    assert len(digest) == 64
+
+
+def test_dynamic_axes_at_several_batch_sizes_and_cache_lengths(c2i_engine):
+    out, manifest = c2i_engine
+    modules = onnx_export.load_graph_modules(manifest)
+    target = modules["target"][1]
+    session = ort.InferenceSession(os.path.join(out, "target.onnx"), providers=["CPUExecutionProvider"])
+    a = target.target.args
+    gen = torch.Generator().manual_seed(0)
+    for batch, tokens, past in [(1, 1, 0), (1, 1, 9), (3, 4, 2), (5, 2, 12), (2, 17, 0)]:
+        past_k = torch.randn(a.n_layer, batch, a.kv_heads, past, a.head_dim, generator=gen)
+        inputs = (torch.randn(batch, tokens, a.dim, generator=gen), positions(batch, past, tokens),
+                  causal_mask(batch, tokens, past), past_k, torch.randn(past_k.shape, generator=gen))
+        got = session.run(None, {n: x.numpy() for n, x in zip(GRAPHS["target"]["inputs"], inputs)})
+        with torch.no_grad():
+            want = target(*inputs)
+        for g, w in zip(got, want):
+            assert g.shape == tuple(w.shape)
+            np.testing.assert_allclose(g, w.numpy(), atol=1e-5, rtol=1e-4)
+
+    # The drafter: CFG halves N are an input value, so the top-k outputs have N rows.
+    drafter = modules["drafter"][1]
+    session = ort.InferenceSession(os.path.join(out, "drafter.onnx"), providers=["CPUExecutionProvider"])
+    for batch, n, tokens, past in [(1, 1, 1, 0), (6, 3, 2, 7), (4, 4, 5, 1)]:
+        past_k = torch.randn(1, batch, a.kv_heads, past, a.head_dim, generator=gen)
+        inputs = (torch.randn(batch, tokens, a.dim, generator=gen), torch.randint(0, a.vocab_size, (batch, tokens)),
+                  positions(batch, past, tokens), causal_mask(batch, tokens, past), past_k,
+                  torch.randn(past_k.shape, generator=gen), torch.tensor([n]), torch.tensor([3.0]),
+                  torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
+        got = session.run(None, {name: x.numpy() for name, x in zip(GRAPHS["drafter"]["inputs"], inputs)})
+        with torch.no_grad():
+            want = drafter(*inputs)
+        assert got[3].shape == (n, tokens, manifest["candidates"])
+        for g, w in zip(got, want):
+            assert g.shape == tuple(w.shape)
+            if g.dtype != np.int64:
+                np.testing.assert_allclose(g, w.numpy(), atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Failing checks
+
+
+def _perturb_initializer(path):
+    """Change one weight of the largest initializer in place; the file keeps its size."""
+    from onnx import numpy_helper
+
+    model = onnx.load(path)
+    init = max(model.graph.initializer, key=lambda t: np.prod(t.dims))
+    array = numpy_helper.to_array(init).copy()
+    array.flat[: array.size // 4] += 0.05
+    init.CopyFrom(numpy_helper.from_array(array, init.name))
+    onnx.save(model, path)
+
+
+def test_changed_graph_is_caught_by_hash_then_fails_numerically(c2i_engine, tmp_path, capsys):
+    out = tmp_path / "perturbed"
+    shutil.copytree(c2i_engine[0], out)
+    before = os.path.getsize(out / "target.onnx")
+    _perturb_initializer(str(out / "target.onnx"))
+    assert os.path.getsize(out / "target.onnx") == before  # only the hash can tell
+
+    # The changed file without a manifest update: refused before anything runs.
+    with pytest.raises(LanternError, match="target.onnx does not match its sha256"):
+        check_engine(out)
+    assert cli.main(["check", str(out)]) == 2
+    assert "sha256" in capsys.readouterr().err
+
+    # Manifest updated to the new file: the numbers must now disagree.
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"].update(describe_files(out, ["target.onnx"]))
+    write_manifest(out, manifest)
+    report = check_engine(out)
+    assert not report["ok"]
+    assert report["failures"] and all(f.startswith("target/") for f in report["failures"])
+    assert cli.main(["check", str(out)]) == 1
+    assert "check FAILED" in capsys.readouterr().out
+
+
+def test_truncated_file_is_caught_by_size(c2i_engine, tmp_path):
+    out = tmp_path / "truncated"
+    shutil.copytree(c2i_engine[0], out)
+    with open(out / "drafter.onnx", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(LanternError, match="drafter.onnx has 100 bytes"):
+        check_engine(out, verify=False)
+
+
+def _no_graphs(monkeypatch):
+    """Replace the ONNX export by empty files, for tests about everything around it."""
+    monkeypatch.setattr(onnx_export, "export_graph", lambda module, io_spec, path, opset=18: (
+        open(path, "wb").close() or [os.path.basename(path)]))
+
+
+def test_changed_source_checkpoint_is_refused(sources, tmp_path, monkeypatch):
+    target = tmp_path / "c2i.pt"
+    shutil.copy(sources["c2i"], target)
+    out = tmp_path / "engine"
+    _no_graphs(monkeypatch)
+    onnx_export.export_engine(out, target, target_options={"config_file": sources["c2i_config"]})
+    checkpoints.save_llamagen_pt(tiny_target("c2i", seed=7), target)
+    with pytest.raises(LanternError, match="changed since the export"):
+        check_engine(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line, exit 2, nothing written
+
+
+def _leftovers(directory):
+    return [name for name in os.listdir(directory) if name.startswith(".")]
+
+
+@pytest.mark.parametrize("case", ["drafter_mismatch", "unknown_tree", "missing_target", "missing_drafter",
+                                  "unknown_dtype", "tree_without_drafter", "narrow_candidates", "bad_opset"])
+def test_bad_input_is_one_line_and_writes_nothing(sources, tmp_path, capsys, case):
+    out = tmp_path / "engines" / "bad"
+    extra = {
+        "drafter_mismatch": ["--drafter", sources["wide_drafter"]],
+        "unknown_tree": ["--drafter", sources["c2i_drafter"], "--tree", "no_such_tree"],
+        "missing_target": [],
+        "missing_drafter": ["--drafter", str(tmp_path / "nowhere")],
+        "unknown_dtype": ["--dtype", "int8"],
+        "tree_without_drafter": ["--tree", "chain"],
+        "narrow_candidates": ["--drafter", sources["c2i_drafter"], "--candidates", "2"],
+        "bad_opset": ["--opset", "11"],
+    }[case]
+    argv = ["onnx", "--target", sources["c2i"], "--config", sources["c2i_config"], "--out", str(out), "--no-progress"]
+    if case == "missing_target":
+        argv[2] = str(tmp_path / "missing.pt")
+    assert cli.main(argv + extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lantern-export: error: ")
+    expected = {"drafter_mismatch": "does not fit the target", "unknown_tree": "unknown tree preset",
+                "missing_target": "no such file", "missing_drafter": "a drafter is a directory",
+                "unknown_dtype": "unknown dtype 'int8'", "tree_without_drafter": "--tree needs --drafter",
+                "narrow_candidates": "narrower than tree", "bad_opset": "opset 11"}[case]
+    assert expected in err[0]
+    assert not out.exists()
+    assert not out.parent.exists() or _leftovers(out.parent) == []
+
+
+def test_failure_mid_export_leaves_nothing(sources, tmp_path, monkeypatch):
+    out = tmp_path / "engines" / "half"
+    real = onnx_export.export_graph
+
+    def fail_on_target(module, io_spec, path, opset=onnx_export.DEFAULT_OPSET):
+        if path.endswith("target.onnx"):
+            raise RuntimeError("exporter blew up")
+        return real(module, io_spec, path, opset)
+
+    monkeypatch.setattr(onnx_export, "export_graph", fail_on_target)
+    with pytest.raises(RuntimeError, match="blew up"):
+        onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]})
+    assert not out.exists() and _leftovers(out.parent) == []
+
+
+def test_existing_directory_needs_force(sources, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "engine"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")
+    _no_graphs(monkeypatch)  # this is about the directory handling
+    assert _export_cli(sources, out) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert (out / "manifest.json").read_text() == "{}"
+    assert _export_cli(sources, out, "--force") == 0
+    assert json.loads((out / "manifest.json").read_text())["format_version"] == 1
+    assert _leftovers(tmp_path) == []
+    # --force never replaces a directory that is not an engine.
+    other = tmp_path / "not_an_engine"
+    other.mkdir()
+    (other / "precious.txt").write_text("keep")
+    assert _export_cli(sources, other, "--force") == 2
+    assert "not an engine" in capsys.readouterr().err
+    assert (other / "precious.txt").read_text() == "keep"
+
+
+def test_ar_only_engine_says_so(sources, tmp_path, capsys, monkeypatch):
+    _no_graphs(monkeypatch)
+    assert _export_cli(sources, tmp_path / "ar") == 0
+    assert "modes: ar only" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "ar" / "manifest.json").read_text())
+    assert manifest["modes"] == ["ar"] and not manifest["has_drafter"] and manifest["tree"] is None
+    assert set(manifest["graphs"]) == {"embed", "condition", "target"}
