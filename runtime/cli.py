@@ -31,6 +31,7 @@ def add_generation_options(p):
     p.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (> 1 enables CFG)")
     p.add_argument("--cfg-interval", type=int, default=-1, help="use CFG for the first N tokens only (-1: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree", help="draft tree for this run (preset or JSON file; default: the engine's)")
     p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "torch"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
@@ -39,7 +40,7 @@ def add_generation_options(p):
 def generation_kwargs(args):
     return dict(mode=args.mode, lam=args.lam, delta=args.delta, k=args.k, greedy=args.greedy,
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, cfg_scale=args.cfg,
-                cfg_interval=args.cfg_interval, seed=args.seed)
+                cfg_interval=args.cfg_interval, seed=args.seed, tree=args.tree)
 
 
 def build_parser():

@@ -74,8 +74,10 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def generate(self, *, classes=None, caption=None, caption_mask=None, mode="lantern++", lam=2.0, delta=0.1,
                  k=None, greedy=False, temperature=1.0, top_k=0, top_p=1.0, cfg_scale=1.0, cfg_interval=-1,
-                 seed=0):
-        """Generate one image per class (c2i) or per caption row (t2i). Returns a Generation."""
+                 seed=0, tree=None):
+        """Generate one image per class (c2i) or per caption row (t2i). Returns a Generation.
+        tree: another draft tree for this call (preset name, JSON file or paths); its widest node
+        must fit the drafter graph's candidates. Default: the tree the engine was exported with."""
         if mode not in MODES:
             raise LanternError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
         rule = None
@@ -93,11 +95,26 @@ class Engine:
                                    f"use k <= {width} or re-export with a larger --neighbors-k")
             rule = acceptance.Rule(mode=mode, k=k if mode != "exact" else 0,
                                    delta=delta if mode == "lantern" else 0.0, lam=lam if mode == "lantern++" else 1.0)
+        tree = self._tree(tree) if mode != "ar" else None
+        if tree is not None and not greedy and not tree.contiguous:
+            raise LanternError(f"tree {tree.name!r} skips child ranks; sampling needs every node's children to "
+                               f"be ranks 0..w-1 (drafts drawn without replacement in rank order)")
         if not greedy:
             acceptance.filtered_probs(np.zeros((1, 2)), temperature, top_k, top_p)  # validates the filters
         cond, key_mask = self._condition_inputs(classes, caption, caption_mask)
-        run = _Run(self, rule, greedy, temperature, top_k, top_p, cfg_scale, cfg_interval, seed, cond, key_mask)
+        run = _Run(self, tree, rule, greedy, temperature, top_k, top_p, cfg_scale, cfg_interval, seed, cond, key_mask)
         return run.generate()
+
+    def _tree(self, spec):
+        if spec is None:
+            return self.tree
+        tree = build_tree(spec)
+        candidates = self.manifest.get("candidates") or 0
+        if max(tree.widths) > candidates:
+            raise LanternError(f"tree {tree.name!r} needs {max(tree.widths)} children per node but the exported "
+                               f"drafter returns {candidates} candidates; re-export with --candidates "
+                               f"{max(tree.widths)} or pick a narrower tree")
+        return tree
 
     def _condition_inputs(self, classes, caption, caption_mask):
         if self.model_type == "c2i":
@@ -140,8 +157,8 @@ class Engine:
 class _Run:
     """One generate() call: its caches, counters and timers."""
 
-    def __init__(self, engine, rule, greedy, temperature, top_k, top_p, cfg_scale, cfg_interval, seed, cond, key_mask):
-        self.e, self.be, self.rule = engine, engine.backend, rule
+    def __init__(self, engine, tree, rule, greedy, temperature, top_k, top_p, cfg_scale, cfg_interval, seed, cond, key_mask):
+        self.e, self.be, self.tree, self.rule = engine, engine.backend, tree, rule
         self.greedy, self.temperature, self.top_k, self.top_p = greedy, temperature, top_k, top_p
         self.cfg = cfg_scale > 1.0  # LlamaGen runs the unconditional half only when cfg_scale > 1
         self.cfg_scale, self.cfg_interval = cfg_scale, cfg_interval
@@ -268,7 +285,7 @@ class _Run:
     # -- speculative ---------------------------------------------------------------------------
     def start_drafting(self, prefill_out):
         e, B = self.e, self.B
-        self.D = e.block_size + e.tree.num_nodes - 1  # drafter slots: stable pairs, then the tree
+        self.D = e.block_size + self.tree.num_nodes - 1  # drafter slots: stable pairs, then the tree
         self.scratch = e.block_size
         shape = (1, B, e.drafter_kv_heads, self.D, e.drafter_head_dim)
         self.dk, self.dv = self.be.zeros(shape, e.backend.float_dtype), self.be.zeros(shape, e.backend.float_dtype)
@@ -306,7 +323,7 @@ class _Run:
         return np.take_along_axis(ids, order, axis=-1)
 
     def draft(self, active):
-        e, tree, N, B = self.e, self.e.tree, self.N, self.B
+        e, tree, N, B = self.e, self.tree, self.N, self.B
         M = self.pending_hidden.shape[1]
         # depth 0: the pairs accepted last step, ending with the root pair
         j = np.arange(M)
@@ -358,7 +375,7 @@ class _Run:
         return node_tokens, q_ids, q_probs
 
     def verify(self, node_tokens):
-        tree = self.e.tree
+        tree = self.tree
         embeds = self.call("embed", {"input_ids": self.rows(node_tokens)})["inputs_embeds"]
         pos = self.rows(self.length)[:, None] + tree.depths[None, :]
         return self.call("target", {
@@ -366,7 +383,7 @@ class _Run:
             "attention_mask": self.mask(self.visible, tree.mask), "past_keys": self.k_cache, "past_values": self.v_cache})
 
     def accept(self, active, node_tokens, out, q_ids, q_probs):
-        tree, V = self.e.tree, self.e.vocab
+        tree, V = self.tree, self.e.vocab
         logits = self.combined_logits(out["logits"], self.count[:, None] + tree.depths[None, :])
         results = {}
         for n in np.flatnonzero(active):

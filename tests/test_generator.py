@@ -52,6 +52,14 @@ def test_greedy_exact_equals_greedy_ar(request, kind, cfg):
     assert relaxed.stats["mean_accepted_length"] >= exact.stats["mean_accepted_length"]
 
 
+def test_a_run_time_tree_gives_the_same_greedy_tokens(c2i):
+    engine = Engine(c2i, threads=2)
+    ar = engine.generate(mode="ar", greedy=True, cfg_scale=2.0, **inputs("c2i"))
+    for tree in ("chain-3", "kary-4-2", "naive_extend_57"):
+        out = engine.generate(mode="exact", greedy=True, cfg_scale=2.0, tree=tree, **inputs("c2i"))
+        np.testing.assert_array_equal(out.tokens, ar.tokens)
+
+
 def test_cfg_interval_switches_to_conditional_logits(c2i):
     engine = Engine(c2i, threads=2)
     full = engine.generate(mode="ar", greedy=True, cfg_scale=4.0, **inputs("c2i"))
@@ -193,6 +201,8 @@ def test_cli_bad_input_writes_nothing(c2i, t2i, tmp_path, capsys):
         (["generate", t2i, "--caption", str(bad_caption)], "caption features must be [N, 6, 24]"),
         (["generate", c2i, "--classes", "1", "--mode", "lantern++", "--lam", "0.5"], "lam"),
         (["generate", str(tmp_path / "nope"), "--classes", "1"], "no such engine directory"),
+        (["generate", c2i, "--classes", "1", "--tree", "kary-20-2"], "re-export with --candidates 20"),
+        (["generate", c2i, "--classes", "1", "--tree", "no_such_tree"], "no_such_tree"),
     ]
     for argv, message in cases:
         assert run_main(argv + ["--out", str(out)]) == 2
