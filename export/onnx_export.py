@@ -93,7 +93,10 @@ def cast_models(models, dtype):
 def load_graph_modules(manifest, verify_sources=False):
     """The torch graph modules of an engine, rebuilt from the source checkpoints its manifest
     records (same loaders, options, dtype and candidates as the export): {graph: (contract, module)}."""
-    sources = manifest["sources"]
+    sources = manifest.get("sources")
+    if not sources or "target" not in sources:
+        raise LanternError("the engine's manifest records no source checkpoints, so its torch modules cannot be "
+                           "rebuilt; re-export it with `lantern-export onnx`")
     if verify_sources:
         for role, record in sources.items():
             _verify_source(role, record)
@@ -351,7 +354,10 @@ def _build(out, bar, target, target_format, target_options, drafter, vq, draft_t
     bar.update()
 
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise LanternError(f"cannot create {parent}: {e.strerror}") from None
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
     try:
         umask = os.umask(0)
