@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import GRAPHS, read_manifest
+from lantern.export.graphs import graph_layers
+from lantern.runtime.manifest import cache_feeds, graph_io, read_manifest
 
 TOLERANCES = {"fp32": (1e-5, 1e-4), "fp16": (1e-3, 1e-2), "bf16": (1e-4, 2e-3)}
 GARBAGE = 100.0  # scale of the junk in unused cache slots (finite: masked slots get weight 0)
@@ -107,7 +108,8 @@ def _inputs(graph, manifest, rng):
         return [(f"1x{grid}x{grid}", {"codes": rng.integers(0, codes, (1, grid, grid))}),
                 ("2x2x3", {"codes": rng.integers(0, codes, (2, 2, 3))})]
 
-    layers, _, heads, _, head_dim = io["past_keys"]["shape"]
+    layers = sum(name.startswith("past_keys_") for name in io)
+    _, heads, _, head_dim = io["past_keys_0"]["shape"]
     dim = io["inputs_embeds" if graph == "target" else "target_hidden"]["shape"][2]
     cases = []
     for name, b, t, capacity, valid, pos, new_mask in _attention_cases(manifest):
@@ -119,8 +121,8 @@ def _inputs(graph, manifest, rng):
             feeds["input_ids"] = rng.integers(0, vocab, (b, t))
         feeds["position_ids"] = np.ascontiguousarray(np.broadcast_to(pos, (b, t))).astype(np.int64)
         feeds["attention_mask"] = _mask(b, capacity, valid, new_mask)
-        feeds["past_keys"] = _kv(rng, layers, b, heads, capacity, valid, head_dim, fdt)
-        feeds["past_values"] = _kv(rng, layers, b, heads, capacity, valid, head_dim, fdt)
+        feeds.update(cache_feeds(_kv(rng, layers, b, heads, capacity, valid, head_dim, fdt),
+                                 _kv(rng, layers, b, heads, capacity, valid, head_dim, fdt)))
         if graph == "drafter":
             k = manifest["candidates"]
             # prefill: no CFG, no filter; step: CFG halves with every filter; tree: CFG, plain.
@@ -185,7 +187,7 @@ def _upcast_bf16(src, dst):
 
 
 def _torch_run(module, contract, feeds, float_dtype):
-    kinds = GRAPHS[contract]["inputs"]
+    kinds = graph_io(contract, graph_layers(contract, module))["inputs"]
     args = []
     for name, value in feeds.items():
         t = torch.from_numpy(np.ascontiguousarray(value))

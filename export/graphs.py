@@ -1,9 +1,8 @@
 """The engine graphs as torch modules: exactly what goes to ONNX, and what the runtime's torch
-backend runs. Inputs and outputs follow lantern.runtime.manifest.GRAPHS, in that order."""
+backend runs. Inputs and outputs follow lantern.runtime.manifest.graph_io(contract, layers), in that order."""
 import torch
 import torch.nn as nn
 
-from lantern.runtime.manifest import GRAPHS
 
 
 class EmbedGraph(nn.Module):
@@ -39,12 +38,15 @@ class ConditionT2IGraph(nn.Module):
 
 
 class TargetGraph(nn.Module):
+    """Cache inputs come one per layer (past_keys_0.., past_values_0..), see GRAPHS['target']."""
+
     def __init__(self, target):
         super().__init__()
         self.target = target
 
-    def forward(self, inputs_embeds, position_ids, attention_mask, past_keys, past_values):
-        return self.target(inputs_embeds, position_ids, attention_mask, past_keys, past_values)
+    def forward(self, inputs_embeds, position_ids, attention_mask, *caches):
+        layers = len(caches) // 2
+        return self.target(inputs_embeds, position_ids, attention_mask, caches[:layers], caches[layers:])
 
 
 class DrafterGraph(nn.Module):
@@ -63,10 +65,10 @@ class DrafterGraph(nn.Module):
         self.register_buffer("rope", target.rope.clone())
         self.candidates = candidates
 
-    def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys, past_values,
+    def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys_0, past_values_0,
                 cond_batch, cfg_scale, temperature, top_k, top_p):
         hidden, new_k, new_v = self.drafter(target_hidden, input_ids, position_ids, attention_mask,
-                                            past_keys, past_values, self.rope)
+                                            [past_keys_0], [past_values_0], self.rope)
         logits = self.head(hidden).float()
         n = cond_batch[0]
         cond, uncond = logits[:n], logits[logits.shape[0] - n:]
@@ -106,6 +108,7 @@ def graph_modules(target, drafter=None, vq=None, candidates=None):
     return {name: (contract, module.eval()) for name, (contract, module) in graphs.items()}
 
 
-def io_names(contract):
-    spec = GRAPHS[contract]
-    return list(spec["inputs"]), list(spec["outputs"])
+
+def graph_layers(contract, module):
+    """How many per-layer cache inputs a graph has (see manifest.graph_io)."""
+    return module.target.args.n_layer if contract == "target" else 1

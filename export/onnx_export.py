@@ -19,6 +19,7 @@ out fp32 as the contracts say. The VQ decoder always stays fp32 (it runs once pe
 VQGAN decoders' GroupNorm/attention are prone to fp16 overflow); its manifest entry says so.
 """
 import contextlib
+import inspect
 import io
 import logging
 import os
@@ -137,10 +138,10 @@ def _verify_source(role, record):
 # One graph
 
 
-def resolve_io(contract, dims, float_dtype):
-    """GRAPHS[contract] with fixed dims filled in and 'float' resolved:
+def resolve_io(contract, dims, float_dtype, layers=1):
+    """graph_io(contract, layers) with fixed dims filled in and 'float' resolved:
     {"inputs": {name: {"dtype", "shape"}}, "outputs": {...}} (dynamic dims stay names)."""
-    spec = engine_format.GRAPHS[contract]
+    spec = engine_format.graph_io(contract, layers)
 
     def one(entries):
         out = {}
@@ -195,12 +196,10 @@ def export_graph(module, io_spec, path, opset=DEFAULT_OPSET):
     """Export one graph module to `path` (plus `path`.data when its weights are large).
     Returns the file names written."""
     inputs, outputs = list(io_spec["inputs"]), list(io_spec["outputs"])
-    axes = {name: {i: d for i, d in enumerate(entry["shape"]) if isinstance(d, str)}
-            for name, entry in {**io_spec["inputs"], **io_spec["outputs"]}.items()}
     external = _weight_bytes(module) > EXTERNAL_DATA_BYTES
     with _quiet_exporter(), torch.no_grad():
         program = torch.onnx.export(module, _trace_inputs(io_spec), None, input_names=inputs,
-                                    output_names=outputs, dynamic_axes={k: v for k, v in axes.items() if v},
+                                    output_names=outputs, dynamic_shapes=_dynamic_shapes(module, io_spec),
                                     opset_version=opset, dynamo=True, external_data=external, verbose=False)
     _apply_contract(program.model, io_spec, os.path.basename(path))
     with _quiet_exporter():
@@ -209,6 +208,21 @@ def export_graph(module, io_spec, path, opset=DEFAULT_OPSET):
     if os.path.exists(path + ".data"):
         names.append(os.path.basename(path) + ".data")
     return names
+
+
+def _dynamic_shapes(module, io_spec):
+    """torch.export's dynamic_shapes for the contract: every named dim dynamic, keyed by the
+    forward's parameters (a *caches parameter takes the per-layer inputs as a tuple). Derived
+    dims such as P+T are left for the exporter to infer; _apply_contract names them."""
+    specs = [{i: torch.export.Dim.DYNAMIC for i, d in enumerate(entry["shape"]) if isinstance(d, str)} or None
+             for entry in io_spec["inputs"].values()]
+    shapes = {}
+    for param in inspect.signature(module.forward).parameters.values():
+        if param.kind == param.VAR_POSITIONAL:
+            shapes[param.name], specs = tuple(specs), []
+        else:
+            shapes[param.name] = specs.pop(0)
+    return shapes
 
 
 def _apply_contract(model, io_spec, where):
@@ -368,7 +382,8 @@ def _build(out, bar, target, target_format, target_options, drafter, vq, draft_t
         for name, (contract, module) in graphs.items():
             bar.set_description(f"export {name}")
             graph_dtype = "fp32" if name == "vq_decoder" else dtype
-            io_spec = resolve_io(contract, _graph_dims(contract, a, drafter_args, candidates), DTYPE_NAMES[graph_dtype])
+            io_spec = resolve_io(contract, _graph_dims(contract, a, drafter_args, candidates), DTYPE_NAMES[graph_dtype],
+                                 layers=a.n_layer if contract == "target" else 1)
             path = os.path.join(tmp, engine_format.GRAPH_FILES[name])
             written = export_graph(module, io_spec, path, opset)
             files += written

@@ -30,7 +30,7 @@ import numpy as np
 from lantern.runtime import accept as acceptance
 from lantern.runtime.backends import open_backend
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import read_manifest
+from lantern.runtime.manifest import cache_feeds, read_manifest
 from lantern.runtime.tree import build_tree
 
 MODES = ("ar", "exact", "lantern", "lantern++")
@@ -233,12 +233,13 @@ class _Run:
         self.P = cls + e.block_size
         self.k_cache = be.zeros((e.n_layer, B, e.kv_heads, self.P, e.head_dim), e.backend.float_dtype)
         self.v_cache = be.zeros((e.n_layer, B, e.kv_heads, self.P, e.head_dim), e.backend.float_dtype)
+        self.target_caches = cache_feeds(self.k_cache, self.v_cache)
         self.visible = np.zeros((B, self.P), dtype=bool)
         block = np.tril(np.ones((cls, cls), dtype=bool)) & key_ok[:, None, :] | np.eye(cls, dtype=bool)
         out = self.call("target", {
             "inputs_embeds": cond, "position_ids": np.broadcast_to(np.arange(cls, dtype=np.int64), (B, cls)).copy(),
             "attention_mask": self.mask(np.zeros((B, self.P), dtype=bool), block),
-            "past_keys": self.k_cache, "past_values": self.v_cache})
+            **self.target_caches})
         self.commit_target(out, np.arange(B).repeat(cls), np.tile(np.arange(cls), B), np.tile(np.arange(cls), B))
         self.visible[:, :cls] = key_ok
         self.length = np.full(N, cls)  # target cache slots used per image
@@ -265,7 +266,7 @@ class _Run:
         out = self.call("target", {
             "inputs_embeds": embeds, "position_ids": self.positions(self.rows(self.length))[:, None],
             "attention_mask": self.mask(self.visible, np.ones((1, 1), dtype=bool)),
-            "past_keys": self.k_cache, "past_values": self.v_cache})
+            **self.target_caches})
         t1 = time.perf_counter()
         logits = self.combined_logits(out["logits"], self.count[:, None])[:, 0]
         for n in np.flatnonzero(active):
@@ -289,6 +290,7 @@ class _Run:
         self.scratch = e.block_size
         shape = (1, B, e.drafter_kv_heads, self.D, e.drafter_head_dim)
         self.dk, self.dv = self.be.zeros(shape, e.backend.float_dtype), self.be.zeros(shape, e.backend.float_dtype)
+        self.drafter_caches = cache_feeds(self.dk, self.dv)
         self.d_visible = np.zeros((B, self.D), dtype=bool)
         self.d_length = np.zeros(self.N, dtype=np.int64)
         # The first pair: the last condition token's hidden state with the first image token.
@@ -306,7 +308,7 @@ class _Run:
 
     def drafter_call(self, hidden, ids, pos, cache_visible, block):
         feeds = {"target_hidden": hidden, "input_ids": self.rows(ids), "position_ids": self.positions(self.rows(pos)),
-                 "attention_mask": self.mask(cache_visible, block), "past_keys": self.dk, "past_values": self.dv}
+                 "attention_mask": self.mask(cache_visible, block), **self.drafter_caches}
         feeds.update(self.sampler_params)
         if self.cfg and self.cfg_interval >= 0 and self.count.min() >= self.cfg_interval:
             feeds["cfg_scale"] = np.array([1.0], dtype=np.float32)
@@ -380,7 +382,7 @@ class _Run:
         pos = self.rows(self.length)[:, None] + tree.depths[None, :]
         return self.call("target", {
             "inputs_embeds": embeds, "position_ids": self.positions(pos),
-            "attention_mask": self.mask(self.visible, tree.mask), "past_keys": self.k_cache, "past_values": self.v_cache})
+            "attention_mask": self.mask(self.visible, tree.mask), **self.target_caches})
 
     def accept(self, active, node_tokens, out, q_ids, q_probs):
         tree, V = self.tree, self.e.vocab

@@ -44,8 +44,10 @@ GRAPHS = {
             "inputs_embeds": ("float", ["B", "T", "D"]),
             "position_ids": ("int64", ["B", "T"]),
             "attention_mask": ("bool", ["B", 1, "T", "P+T"]),
-            "past_keys": ("float", ["L", "B", "H", "P", "hd"]),
-            "past_values": ("float", ["L", "B", "H", "P", "hd"]),
+            # One input per layer ({i} = 0..L-1): the runtime keeps one [L, B, H, P, hd] buffer and
+            # passes its per-layer views, so no graph ever splits (copies) a stacked cache.
+            "past_keys_{i}": ("float", ["B", "H", "P", "hd"]),
+            "past_values_{i}": ("float", ["B", "H", "P", "hd"]),
         },
         "outputs": {
             "logits": ("float32", ["B", "T", "V"]),
@@ -60,8 +62,8 @@ GRAPHS = {
             "input_ids": ("int64", ["B", "T"]),
             "position_ids": ("int64", ["B", "T"]),
             "attention_mask": ("bool", ["B", 1, "T", "P+T"]),
-            "past_keys": ("float", [1, "B", "H", "P", "hd"]),
-            "past_values": ("float", [1, "B", "H", "P", "hd"]),
+            "past_keys_{i}": ("float", ["B", "H", "P", "hd"]),  # one layer: past_keys_0
+            "past_values_{i}": ("float", ["B", "H", "P", "hd"]),
             # CFG halves: conditional rows [0, N), unconditional rows [B - N, B); without CFG N = B
             # and both halves are the same rows, so the combination is exactly the logits.
             "cond_batch": ("int64", [1]),
@@ -85,6 +87,27 @@ GRAPHS = {
         "outputs": {"image": ("float32", ["B", 3, "Hpx", "Wpx"])},
     },
 }
+
+def graph_io(contract, layers=1):
+    """GRAPHS[contract] with the per-layer entries ('{i}' in the name) expanded for `layers`
+    layers, in order: {"inputs": {name: (kind, shape)}, "outputs": {...}}."""
+    def expand(entries):
+        out = {}
+        for name, value in entries.items():
+            names = [name.format(i=i) for i in range(layers)] if "{i}" in name else [name]
+            out.update({n: value for n in names})
+        return out
+
+    spec = GRAPHS[contract]
+    return {"inputs": expand(spec["inputs"]), "outputs": expand(spec["outputs"])}
+
+
+def cache_feeds(keys, values):
+    """Per-layer cache inputs from stacked [L, ...] buffers (views, no copies)."""
+    feeds = {f"past_keys_{i}": keys[i] for i in range(len(keys))}
+    feeds.update({f"past_values_{i}": values[i] for i in range(len(values))})
+    return feeds
+
 
 GRAPH_FILES = {"embed": "embed.onnx", "condition": "condition.onnx", "target": "target.onnx",
                "drafter": "drafter.onnx", "vq_decoder": "vq_decoder.onnx"}

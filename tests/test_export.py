@@ -14,7 +14,7 @@ from lantern.export import checkpoints, cli
 from lantern.export import onnx_export
 from lantern.export.check import check_engine
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import GRAPHS, describe_files, read_manifest, write_manifest
+from lantern.runtime.manifest import describe_files, graph_io, read_manifest, write_manifest
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
@@ -134,7 +134,7 @@ def test_fp16_engine_passes_check_with_its_tolerance(sources, tmp_path):
     assert manifest["dtype"] == "fp16"
     model = onnx.load(str(out / "target.onnx"))
     types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
-    assert types["inputs_embeds"] == types["hidden"] == types["past_keys"] == onnx.TensorProto.FLOAT16
+    assert types["inputs_embeds"] == types["hidden"] == types["past_keys_0"] == onnx.TensorProto.FLOAT16
     assert types["logits"] == onnx.TensorProto.FLOAT  # 'float32' in the contract stays fp32
     # Weights stay fp16 (no fp32 copies), except the RoPE table, which is fp32 by design.
     sizes = {i.name: i.data_type for i in model.graph.initializer if len(i.dims) == 2 and min(i.dims) > 8}
@@ -150,7 +150,7 @@ def test_bf16_ar_engine_checks_through_fp32_upcast(sources, tmp_path):
     out = tmp_path / "bf16"
     onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]}, dtype="bf16")
     model = onnx.load(str(out / "target.onnx"))
-    assert {v.type.tensor_type.elem_type for v in model.graph.input if v.name == "past_keys"} == {onnx.TensorProto.BFLOAT16}
+    assert {v.type.tensor_type.elem_type for v in model.graph.input if v.name == "past_keys_0"} == {onnx.TensorProto.BFLOAT16}
     report = check_engine(out)
     assert report["ok"], report["failures"]
 
@@ -163,7 +163,7 @@ def test_manifest_round_trips_and_names_the_contracts(c2i_engine):
     out, manifest = c2i_engine
     assert read_manifest(out, verify=True) == json.loads(json.dumps(manifest))
     for name, entry in manifest["graphs"].items():
-        spec = GRAPHS[entry["contract"]]
+        spec = graph_io(entry["contract"], 2 if entry["contract"] == "target" else 1)
         assert entry["inputs"] == list(spec["inputs"]) and entry["outputs"] == list(spec["outputs"])
         assert entry["file"] in manifest["files"]
         model = onnx.load(os.path.join(out, entry["file"]), load_external_data=False)
@@ -172,7 +172,8 @@ def test_manifest_round_trips_and_names_the_contracts(c2i_engine):
             dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
             assert dims == entry["io"][value.name]["shape"]
     assert manifest["graphs"]["target"]["io"]["attention_mask"]["shape"] == ["B", 1, "T", "P+T"]
-    assert manifest["graphs"]["target"]["io"]["past_keys"]["shape"] == [2, "B", 4, "P", 8]
+    assert manifest["graphs"]["target"]["io"]["past_keys_1"]["shape"] == ["B", 4, "P", 8]
+    assert "past_keys_2" not in manifest["graphs"]["target"]["io"]
     from lantern.runtime.tree import build_tree
 
     assert build_tree(manifest["tree"]) == build_tree(onnx_export.DEFAULT_TREE)
@@ -190,9 +191,10 @@ def test_dynamic_axes_at_several_batch_sizes_and_cache_lengths(c2i_engine):
     gen = torch.Generator().manual_seed(0)
     for batch, tokens, past in [(1, 1, 0), (1, 1, 9), (3, 4, 2), (5, 2, 12), (2, 17, 0)]:
         past_k = torch.randn(a.n_layer, batch, a.kv_heads, past, a.head_dim, generator=gen)
+        past_v = torch.randn(past_k.shape, generator=gen)
         inputs = (torch.randn(batch, tokens, a.dim, generator=gen), positions(batch, past, tokens),
-                  causal_mask(batch, tokens, past), past_k, torch.randn(past_k.shape, generator=gen))
-        got = session.run(None, {n: x.numpy() for n, x in zip(GRAPHS["target"]["inputs"], inputs)})
+                  causal_mask(batch, tokens, past), *past_k, *past_v)
+        got = session.run(None, {n: x.numpy() for n, x in zip(graph_io("target", a.n_layer)["inputs"], inputs)})
         with torch.no_grad():
             want = target(*inputs)
         for g, w in zip(got, want):
@@ -203,12 +205,12 @@ def test_dynamic_axes_at_several_batch_sizes_and_cache_lengths(c2i_engine):
     drafter = modules["drafter"][1]
     session = ort.InferenceSession(os.path.join(out, "drafter.onnx"), providers=["CPUExecutionProvider"])
     for batch, n, tokens, past in [(1, 1, 1, 0), (6, 3, 2, 7), (4, 4, 5, 1)]:
-        past_k = torch.randn(1, batch, a.kv_heads, past, a.head_dim, generator=gen)
+        past_k = torch.randn(batch, a.kv_heads, past, a.head_dim, generator=gen)
         inputs = (torch.randn(batch, tokens, a.dim, generator=gen), torch.randint(0, a.vocab_size, (batch, tokens)),
                   positions(batch, past, tokens), causal_mask(batch, tokens, past), past_k,
                   torch.randn(past_k.shape, generator=gen), torch.tensor([n]), torch.tensor([3.0]),
                   torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
-        got = session.run(None, {name: x.numpy() for name, x in zip(GRAPHS["drafter"]["inputs"], inputs)})
+        got = session.run(None, {name: x.numpy() for name, x in zip(graph_io("drafter")["inputs"], inputs)})
         with torch.no_grad():
             want = drafter(*inputs)
         assert got[3].shape == (n, tokens, manifest["candidates"])

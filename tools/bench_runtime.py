@@ -21,6 +21,8 @@ import time
 
 import numpy as np
 
+from lantern.runtime.manifest import cache_feeds
+
 
 def build_engine(directory, model, tree, threads):
     import torch
@@ -64,7 +66,7 @@ def target_feeds(engine, T, filled, capacity, batch=1):
     mask[..., capacity:] = np.tril(np.ones((T, T), dtype=bool))
     return {"inputs_embeds": np.random.default_rng(0).normal(size=(batch, T, dim)).astype(dt) * 0.02,
             "position_ids": np.broadcast_to(np.minimum(filled + np.arange(T), e.max_positions - 1), (batch, T)).copy(),
-            "attention_mask": mask, "past_keys": cache, "past_values": cache.copy()}
+            "attention_mask": mask, **cache_feeds(cache, cache.copy())}
 
 
 def main(argv=None):

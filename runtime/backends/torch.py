@@ -5,7 +5,7 @@ lantern.export's loaders, so it needs torch and the export extra; caches live on
 import numpy as np
 
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import GRAPHS
+from lantern.runtime.manifest import graph_io
 
 _TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -24,7 +24,8 @@ class TorchBackend:
         self.dtype = getattr(torch, _TORCH_DTYPES[dtype])
         self.float_dtype = np.float16 if dtype == "fp16" else np.float32
         self.graphs = {name: module.to(self.device) for name, (_, module) in graphs.items()}
-        contracts = {name: GRAPHS[contract] for name, (contract, _) in graphs.items()}
+        contracts = {name: graph_io(contract, module.target.args.n_layer if contract == "target" else 1)
+                     for name, (contract, module) in graphs.items()}
         self.inputs = {name: list(c["inputs"]) for name, c in contracts.items()}
         self.outputs = {name: list(c["outputs"]) for name, c in contracts.items()}
         self.kinds = {name: {k: v[0] for k, v in c["inputs"].items()} for name, c in contracts.items()}
