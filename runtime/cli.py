@@ -43,9 +43,7 @@ def generation_kwargs(args):
                 cfg_interval=args.cfg_interval, seed=args.seed, tree=args.tree)
 
 
-def build_parser():
-    parser = argparse.ArgumentParser(prog="lantern-run", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_parser(sub):
     g = sub.add_parser("generate", help="generate images: tokens.npy, stats.json and PNGs into --out")
     g.add_argument("engine", help="engine directory (from lantern-export onnx)")
     add_generation_options(g)
@@ -54,11 +52,11 @@ def build_parser():
     g.add_argument("--caption-mask", help=".npy [N, tokens] of 0/1: which caption tokens are real")
     g.add_argument("--out", required=True, help="output directory")
     g.set_defaults(func=run_generate)
-    try:
-        from lantern.tools import quality
-        quality.add_parser(sub)
-    except ImportError:
-        pass
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="lantern-run", description=__doc__)
+    add_parser(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
@@ -104,8 +102,8 @@ def run_generate(args):
     return 0
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def main(argv=None, parser=None):
+    args = (parser or build_parser()).parse_args(argv)
     try:
         return args.func(args) or 0
     except LanternError as e:

@@ -468,6 +468,9 @@ class _Run:
             # tokens per target step after prefill, the bonus token included (LANTERN's tau)
             "mean_accepted_length": float((self.e.block_size - 1) / steps.mean()) if steps.mean() else 0.0,
             "mean_accepted_drafts": float(np.mean(self.stats_accepted)) if self.stats_accepted else 0.0,
+            # steps (per image) that accepted 0, 1, ..., depth draft tokens
+            "accepted_histogram": np.bincount(self.stats_accepted, minlength=self.tree.depth + 1).tolist()
+            if speculative else [],
             "seconds": total,
             "tokens_per_second": self.N * self.e.block_size / total,
             "phase_seconds": phases,

@@ -1,0 +1,167 @@
+"""`lantern-export demo`: the whole toolchain on the bundled demo model, in one command.
+
+Exports the shipped checkpoints (real LlamaGen / LANTERN / VQ formats, see demo_model/MODEL_CARD.md)
+to engines/demo, checks every graph against PyTorch, generates the same grid of images with `ar`,
+`exact` and `lantern++` on ONNX Runtime CPU, prints a table and writes the images and a report
+(report.json, report.md with plots) to engines/demo/report/.
+"""
+import json
+import os
+import time
+
+import numpy as np
+
+from lantern.runtime.errors import LanternError
+
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+DEFAULTS = dict(tree="mc_sim_7b_63", lam=2.0, k=20, cfg=3.0, temperature=1.0, top_k=0, per_class=2, seed=0)
+
+
+def add_parser(sub):
+    p = sub.add_parser("demo", help="export, check and run the bundled demo model; write a report")
+    p.add_argument("--out", default=os.path.join("engines", "demo"), help="engine directory (default engines/demo)")
+    p.add_argument("--model-dir", default=DEMO_DIR, help="the demo checkpoints (default: the bundled ones)")
+    p.add_argument("--tree", default=DEFAULTS["tree"])
+    p.add_argument("--lam", type=float, default=DEFAULTS["lam"])
+    p.add_argument("--k", type=int, default=DEFAULTS["k"])
+    p.add_argument("--cfg", type=float, default=DEFAULTS["cfg"])
+    p.add_argument("--per-class", type=int, default=DEFAULTS["per_class"], help="images per class in the grid")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default 2)")
+    p.set_defaults(func=run)
+
+
+def demo_sources(model_dir):
+    files = {"target": "gpt.pt", "target_config": "gpt.json", "drafter": "drafter", "vq": "vq.pt"}
+    paths = {k: os.path.join(model_dir, v) for k, v in files.items()}
+    missing = [v for v in paths.values() if not os.path.exists(v)]
+    if missing:
+        raise LanternError(f"{model_dir}: the demo model is incomplete (missing {', '.join(missing)}); "
+                           f"retrain it with `python -m lantern.tools.train_demo --out {model_dir}`")
+    return paths
+
+
+def run(args):
+    from lantern.export.check import check_engine
+    from lantern.export.onnx_export import export_engine
+    from lantern.runtime.generator import Engine
+    from lantern.runtime.png import image_grid, write_png
+
+    start = time.perf_counter()
+    src = demo_sources(args.model_dir)
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and not os.path.isfile(os.path.join(out, "manifest.json")) and os.listdir(out):
+        raise LanternError(f"{out} exists and is not an engine directory; pick another --out")
+    print(f"[1/4] exporting the demo model to {out}")
+    export_engine(out, src["target"], target_options={"config_file": src["target_config"]}, drafter=src["drafter"],
+                  vq=src["vq"], tree=args.tree, force=True, progress=True)
+    print("[2/4] checking every graph on ONNX Runtime against PyTorch")
+    report = check_engine(out)
+    worst = max((r.get("max_abs", 0.0) for r in report["results"]), default=0.0)
+    if not report["ok"]:
+        raise LanternError(f"check failed: {report['failures'][0]}")
+    print(f"      check passed ({len(report['results'])} outputs compared, worst abs error {worst:.2e})")
+
+    engine = Engine(out, threads=args.threads)
+    with open(os.path.join(args.model_dir, "classifier.json")) as f:
+        class_names = json.load(f)["class_names"]
+    classes = [c for c in range(len(class_names)) for _ in range(args.per_class)]
+    common = dict(classes=classes, cfg_scale=args.cfg, temperature=DEFAULTS["temperature"], top_k=DEFAULTS["top_k"],
+                  seed=args.seed)
+    runs = [("ar", {}), ("exact", {}), ("lantern++", dict(lam=args.lam, k=args.k))]
+    print(f"[3/4] generating {len(classes)} images ({args.per_class} per class) with "
+          + ", ".join(m for m, _ in runs) + f" (sampling, CFG {args.cfg}, tree {args.tree})")
+    engine.generate(mode="exact", **{**common, "classes": classes[:2]})  # warm up the sessions
+    results = {}
+    for mode, extra in runs:
+        results[mode] = engine.generate(mode=mode, **common, **extra)
+    # Latency at batch 1 (one image per call), the setting of the paper's speedups.
+    single = {}
+    for mode, extra in runs:
+        times = [engine.generate(mode=mode, **{**common, "classes": [c]}, **extra).stats["seconds"]
+                 for c in range(0, len(class_names), max(1, len(class_names) // 5))]
+        single[mode] = float(np.median(times))
+
+    print("[4/4] writing images and the report")
+    report_dir = os.path.join(out, "report")
+    os.makedirs(report_dir, exist_ok=True)
+    rows = []
+    for mode, r in results.items():
+        s = r.stats
+        images = engine.decode(r.tokens)
+        name = mode.replace("+", "p")
+        write_png(os.path.join(report_dir, f"{name}.png"), image_grid(images, ncols=args.per_class * 3))
+        rows.append({"mode": mode, "steps_per_image": s["steps_per_image"],
+                     "mean_accepted_length": s["mean_accepted_length"], "batch_seconds": s["seconds"],
+                     "speedup_batch": results["ar"].stats["seconds"] / s["seconds"],
+                     "latency_batch1_seconds": single[mode], "speedup_batch1": single["ar"] / single[mode],
+                     "accepted_histogram": s.get("accepted_histogram", []), "image": f"{name}.png",
+                     "phase_seconds": s["phase_seconds"]})
+    summary = {"engine": out, "settings": {**vars_of(args), "classes": len(class_names), "images": len(classes)},
+               "check": {"ok": report["ok"], "worst_abs_error": worst}, "results": rows,
+               "seconds_total": time.perf_counter() - start}
+    with open(os.path.join(report_dir, "report.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    _plots(report_dir, rows)
+    _markdown(report_dir, summary, class_names)
+    _print_table(rows)
+    print(f"report: {os.path.join(report_dir, 'report.md')}  ({summary['seconds_total']:.0f} s in all)")
+    return 0
+
+
+def vars_of(args):
+    return {k: v for k, v in vars(args).items() if k != "func"}
+
+
+def _print_table(rows):
+    head = f"{'mode':10s} {'steps/img':>9s} {'accepted':>9s} {'batch s':>8s} {'speedup':>8s} {'1-img s':>8s} {'speedup':>8s}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['mode']:10s} {r['steps_per_image']:9.1f} {r['mean_accepted_length']:9.2f} {r['batch_seconds']:8.2f} "
+              f"{r['speedup_batch']:7.2f}x {r['latency_batch1_seconds']:8.3f} {r['speedup_batch1']:7.2f}x")
+
+
+def _plots(report_dir, rows):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    modes = [r["mode"] for r in rows]
+    axes[0].bar(modes, [r["mean_accepted_length"] for r in rows], color=["#888", "#4a7", "#c63"][: len(rows)])
+    axes[0].set_ylabel("tokens per target step")
+    axes[0].set_title("mean accepted length")
+    for r in rows:
+        hist = np.asarray(r["accepted_histogram"], dtype=float)
+        if hist.sum():
+            axes[1].plot(np.arange(len(hist)), hist / hist.sum(), marker="o", label=r["mode"])
+    axes[1].set_xlabel("draft tokens accepted in a step")
+    axes[1].set_ylabel("share of steps")
+    axes[1].set_title("acceptance per depth")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(report_dir, "acceptance.png"), dpi=100)
+    plt.close(fig)
+
+
+def _markdown(report_dir, summary, class_names):
+    rows = summary["results"]
+    lines = ["# lantern demo report", "",
+             f"Engine `{summary['engine']}`; settings: " + ", ".join(f"{k}={v}" for k, v in summary["settings"].items()
+                                                                 if k not in ("model_dir", "out")) + ".",
+             f"Check: {'passed' if summary['check']['ok'] else 'FAILED'} (worst absolute error "
+             f"{summary['check']['worst_abs_error']:.2e}).", "",
+             "| mode | steps/image | mean accepted length | batch s | speedup | 1-image s | speedup |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['steps_per_image']:.1f} | {r['mean_accepted_length']:.2f} | "
+                     f"{r['batch_seconds']:.2f} | {r['speedup_batch']:.2f}x | {r['latency_batch1_seconds']:.3f} | "
+                     f"{r['speedup_batch1']:.2f}x |")
+    lines += ["", "![acceptance](acceptance.png)", "", f"Grids: {summary['settings']['per_class']} images per class, in class order "
+             f"({', '.join(class_names)}), three classes per row.", ""]
+    for r in rows:
+        lines += [f"## {r['mode']}", "", f"![{r['mode']}]({r['image']})", ""]
+    with open(os.path.join(report_dir, "report.md"), "w") as f:
+        f.write("\n".join(lines))

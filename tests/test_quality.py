@@ -1,0 +1,30 @@
+"""The quality harness's Fréchet distance against an independent scipy computation."""
+import numpy as np
+import pytest
+from scipy import linalg
+
+from lantern.tools.quality import frechet_distance, methods
+
+
+def scipy_frechet(a, b):
+    mu_a, mu_b = a.mean(0), b.mean(0)
+    sa, sb = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
+    root = linalg.sqrtm(sa @ sb).real
+    return float(((mu_a - mu_b) ** 2).sum() + np.trace(sa + sb - 2 * root))
+
+
+@pytest.mark.parametrize("n,d", [(400, 8), (60, 16)])
+def test_frechet_distance_matches_scipy(n, d):
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(n, d)) @ rng.normal(size=(d, d))
+    b = rng.normal(size=(n, d)) * 2 + 1
+    assert frechet_distance(a, b) == pytest.approx(scipy_frechet(a, b), rel=1e-6)
+    assert frechet_distance(a, a) == pytest.approx(0.0, abs=1e-8)
+    assert frechet_distance(a, a + 3) == pytest.approx(9.0 * d, rel=1e-9)
+
+
+def test_sweep_covers_the_issue():
+    names = [m for m, _ in methods([1, 1.5, 2, 3, 5], [5, 20], [0.1, 0.3])]
+    assert names[:2] == ["ar", "exact"]
+    assert "lantern++ k=20 lam=1.5" in names and "lantern k=20 delta=0.3" in names
+    assert len(names) == 2 + 10 + 2
