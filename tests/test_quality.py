@@ -28,3 +28,13 @@ def test_sweep_covers_the_issue():
     assert names[:2] == ["ar", "exact"]
     assert "lantern++ k=20 lam=1.5" in names and "lantern k=20 delta=0.3" in names
     assert len(names) == 2 + 10 + 2
+
+
+def test_projection_keeps_the_main_directions():
+    from lantern.tools.quality import project
+
+    rng = np.random.default_rng(1)
+    ref = rng.normal(size=(500, 3)) @ np.diag([10.0, 1.0, 0.1])
+    p = project(ref, ref, 1)
+    assert p.shape == (500, 1)
+    assert abs(np.corrcoef(p[:, 0], ref[:, 0])[0, 1]) > 0.999

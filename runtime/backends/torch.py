@@ -68,7 +68,7 @@ class TorchBackend:
         return array.detach().float().cpu().numpy() if array.is_floating_point() else array.cpu().numpy()
 
     def take(self, array, rows, cols):
-        return array[self.torch.as_tensor(rows, device=self.device), self.torch.as_tensor(cols, device=self.device)]
+        return array[self.torch.as_tensor(np.array(rows), device=self.device), self.torch.as_tensor(np.array(cols), device=self.device)]
 
     def commit(self, cache, new, rows, src, dst):
         t = self.torch.as_tensor
