@@ -32,7 +32,7 @@ def add_parser(sub):
 
 
 def demo_sources(model_dir):
-    files = {"target": "gpt.pt", "target_config": "gpt.json", "drafter": "drafter", "vq": "vq.pt"}
+    files = {"target": "gpt.pt", "target_config": "gpt_config.json", "drafter": "drafter", "vq": "vq.pt"}
     paths = {k: os.path.join(model_dir, v) for k, v in files.items()}
     missing = [v for v in paths.values() if not os.path.exists(v)]
     if missing:
@@ -89,6 +89,7 @@ def run(args):
     for mode, r in results.items():
         s = r.stats
         images = engine.decode(r.tokens)
+        images = images.repeat(3, axis=1).repeat(3, axis=2) if images.shape[1] < 128 else images  # easier to see
         name = mode.replace("+", "p")
         write_png(os.path.join(report_dir, f"{name}.png"), image_grid(images, ncols=args.per_class * 3))
         rows.append({"mode": mode, "steps_per_image": s["steps_per_image"],
