@@ -17,9 +17,6 @@ from lantern.tools.train_demo import DEMO_DIR, load_demo
 from lantern.tools.train_drafter import collect_generations, evaluate_drafter
 from lantern.tools.train_target import generate, load_demo_target
 
-pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DEMO_DIR, "gpt.pt")),
-                                reason="export/demo_model not built (python -m lantern.tools.train_demo)")
-
 
 @pytest.fixture(scope="module")
 def demo():

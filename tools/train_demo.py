@@ -17,6 +17,7 @@ import time
 import torch
 
 from lantern.export.checkpoints import load_drafter, save_drafter
+from lantern.export.demo import DEMO_DIR
 from lantern.export.llamagen import count_parameters
 from lantern.export.vq import load_vq, save_vq
 from lantern.runtime.png import image_grid, to_uint8, write_png
@@ -26,7 +27,6 @@ from lantern.tools.train_drafter import collect_generations, evaluate_drafter, t
 from lantern.tools.train_target import demo_gpt_args, evaluate_target, load_demo_target, save_target, train_target
 from lantern.tools.train_vq import demo_vq_config, encode_images, evaluate_vq, train_vq
 
-DEMO_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "export", "demo_model")
 CFG_SCALE = 3.0
 
 
