@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from lantern.runtime.errors import LanternError
+from lantern.runtime.errors import cli_main
 
 
 def build_parser():
@@ -20,16 +20,7 @@ def build_parser():
 
 
 def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args) or 0
-    except LanternError as e:
-        print(f"lantern-export: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("lantern-export: interrupted", file=sys.stderr)
-        return 130
+    return cli_main(build_parser(), argv, "lantern-export")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,18 @@ from lantern.runtime.errors import LanternError
 # Configs (LlamaGen's ModelArgs field names)
 
 
+class _Heads:
+    @property
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self):
+        return self.dim // self.n_head
+
+
 @dataclass(frozen=True)
-class ModelArgs:
+class ModelArgs(_Heads):
     dim: int = 4096
     n_layer: int = 32
     n_head: int = 32
@@ -44,14 +54,6 @@ class ModelArgs:
     block_size: int = 256
     # Not in LlamaGen's ModelArgs: the FFN width when a converted checkpoint states it.
     intermediate_size: Optional[int] = None
-
-    @property
-    def kv_heads(self):
-        return self.n_kv_head or self.n_head
-
-    @property
-    def head_dim(self):
-        return self.dim // self.n_head
 
     @property
     def ffn_hidden(self):
@@ -347,7 +349,7 @@ class Transformer(nn.Module):
 
 
 @dataclass(frozen=True)
-class DrafterArgs:
+class DrafterArgs(_Heads):
     dim: int
     n_head: int
     n_kv_head: Optional[int]
@@ -355,14 +357,6 @@ class DrafterArgs:
     vocab_size: int
     norm_eps: float = 1e-6
     fc_bias: bool = True
-
-    @property
-    def kv_heads(self):
-        return self.n_kv_head or self.n_head
-
-    @property
-    def head_dim(self):
-        return self.dim // self.n_head
 
     def to_dict(self):
         return dataclasses.asdict(self)

@@ -8,7 +8,7 @@ import tempfile
 
 import numpy as np
 
-from lantern.runtime.errors import LanternError
+from lantern.runtime.errors import LanternError, cli_main
 
 
 def _classes(text):
@@ -103,15 +103,7 @@ def run_generate(args):
 
 
 def main(argv=None, parser=None):
-    args = (parser or build_parser()).parse_args(argv)
-    try:
-        return args.func(args) or 0
-    except LanternError as e:
-        print(f"lantern-run: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("lantern-run: interrupted", file=sys.stderr)
-        return 130
+    return cli_main(parser or build_parser(), argv, "lantern-run")
 
 
 if __name__ == "__main__":
