@@ -14,7 +14,7 @@ import numpy as np
 from lantern.runtime.errors import LanternError
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
-DEFAULTS = dict(tree="mc_sim_7b_63", lam=2.0, k=20, cfg=3.0, temperature=1.0, top_k=0, per_class=2, seed=0)
+DEFAULTS = dict(tree="mc_sim_7b_63", lam=5.0, k=20, cfg=3.0, temperature=1.0, top_k=0, per_class=2, seed=0)
 
 
 def add_parser(sub):
@@ -27,7 +27,8 @@ def add_parser(sub):
     p.add_argument("--cfg", type=float, default=DEFAULTS["cfg"])
     p.add_argument("--per-class", type=int, default=DEFAULTS["per_class"], help="images per class in the grid")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
-    p.add_argument("--threads", type=int, default=2, help="ONNX Runtime intra-op threads (default 2)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="ONNX Runtime intra-op threads (default 1: the demo model is too small to gain from more)")
     p.set_defaults(func=run)
 
 
