@@ -29,6 +29,7 @@ Conventions (the rest of the runtime relies on them):
   one row per leaf in node order.
 - children[i]: node i's children in rank order.
 """
+import functools
 import json
 import os
 import re
@@ -143,7 +144,7 @@ class Tree:
         """The spec: the paths of all nodes but the root, in node order, as lists."""
         return [list(p) for p in self.paths[1:]]
 
-    @property
+    @functools.cached_property
     def contiguous(self):
         """True when every node's children have ranks 0..w-1 with no gap (sampling needs it)."""
         return all(tuple(int(self.ranks[c]) for c in kids) == tuple(range(len(kids)))
