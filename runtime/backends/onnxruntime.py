@@ -29,6 +29,9 @@ class OnnxRuntimeBackend:
         options.intra_op_num_threads = threads or os.cpu_count() or 1
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Each graph has its own session and thread pool, and the decoding loop alternates between
+        # them: idle threads spinning after a drafter call would steal the cores the target needs.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.sessions = {}
         for graph, entry in manifest["graphs"].items():
             path = os.path.join(directory, entry["file"])
