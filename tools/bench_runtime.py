@@ -76,6 +76,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--engine", help="reuse or create the engine here")
+    p.add_argument("--plot", help="also draw the latency curve L(T) and L(T)/L(1) to this PNG")
     args = p.parse_args(argv)
 
     from lantern.runtime.generator import Engine
@@ -128,6 +129,29 @@ def main(argv=None):
         "host_goal_met": all(g["host_fraction_of_step"] <= 0.10 for g in generation.values()),
     }
     print(json.dumps(report, indent=2))
+    if args.plot:
+        _plot(args.plot, curve, report)
+
+
+def _plot(path, curve, report):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = sorted(curve)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.plot(tokens, [1000 * curve[t] for t in tokens], marker="o")
+    ax.set_xlabel("tokens per target call (T): 1 = AR step, root + tree nodes = verification")
+    ax.set_ylabel("target step (ms)")
+    base = 1000 * curve[1]
+    right = ax.secondary_yaxis("right", functions=(lambda ms: ms / base, lambda r: r * base))
+    right.set_ylabel("L(T) / L(1): accepted length to break even")
+    ax.set_title(f"{report['model']} on ONNX Runtime CPU, {report['threads']} threads, context {report['context']}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
