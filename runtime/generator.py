@@ -174,8 +174,7 @@ class _Run:
     def call(self, graph, feeds):
         t = time.perf_counter()
         out = self.be.run(graph, feeds)
-        if hasattr(self.be, "synchronize"):
-            self.be.synchronize()
+        self.be.synchronize()
         self.times["engine"] += time.perf_counter() - t
         self.engine_calls += 1
         return out
@@ -249,7 +248,6 @@ class _Run:
         for n in range(N):
             self.tokens[n, 0] = self.draw(logits[n])
         self.count[:] = 1
-        self.last_hidden = out["hidden"]
         self.times["prefill"] += time.perf_counter() - t0
         return out
 
@@ -314,15 +312,17 @@ class _Run:
             feeds["cfg_scale"] = np.array([1.0], dtype=np.float32)
         return self.call("drafter", feeds)
 
-    def children(self, ids, probs):
-        """Children tokens of a set of parents, in rank order: the drafter's top choices (greedy)
-        or a draw without replacement from its distribution (Gumbel top-k), as acceptance assumes."""
+    def children(self, ids, probs, width):
+        """The first `width` children of a set of parents, in rank order: the drafter's top
+        choices (greedy) or a draw without replacement from its distribution (Gumbel top-k), as
+        acceptance assumes. Only the drawn ones are sorted, not all K candidates."""
         if self.greedy:
-            return ids
+            return ids[..., :width]
         with np.errstate(divide="ignore"):
-            keys = np.log(probs) + self.rng.gumbel(size=probs.shape)
-        order = np.argsort(-keys, axis=-1, kind="stable")
-        return np.take_along_axis(ids, order, axis=-1)
+            keys = -(np.log(probs) + self.rng.gumbel(size=probs.shape))
+        best = np.argpartition(keys, width - 1, axis=-1)[..., :width]
+        best = np.take_along_axis(best, np.argsort(np.take_along_axis(keys, best, axis=-1), axis=-1, kind="stable"), -1)
+        return np.take_along_axis(ids, best, axis=-1)
 
     def draft(self, active):
         e, tree, N, B = self.e, self.tree, self.N, self.B
@@ -351,7 +351,7 @@ class _Run:
         q_ids = {0: topk_ids[np.arange(N), last]}
         q_probs = {0: topk_probs[np.arange(N), last]}
         parent_hidden = self.be.take(out["hidden_out"], np.arange(B)[:, None], self.rows(last)[:, None])
-        parent_ids = self.children(q_ids[0][:, None], q_probs[0][:, None])  # [N, 1, K]
+        parent_ids = self.children(q_ids[0][:, None], q_probs[0][:, None], tree.levels[0].width)  # [N, 1, w]
         root_pos = self.pending_pos + last
 
         for d, level in enumerate(tree.levels, start=1):
@@ -373,7 +373,7 @@ class _Run:
             for i, node in enumerate(level.nodes):
                 q_ids[int(node)], q_probs[int(node)] = ids[:, i], probs[:, i]
             parent_hidden = out["hidden_out"]
-            parent_ids = self.children(ids, probs)
+            parent_ids = self.children(ids, probs, tree.levels[d].width)
         return node_tokens, q_ids, q_probs
 
     def verify(self, node_tokens):
@@ -424,12 +424,10 @@ class _Run:
         for n in results:
             cols[self.halves == n, : new_len[n]] = path_nodes[n]
             tokens[n, : new_len[n]] = self.tokens[n, self.count[n]: self.count[n] + new_len[n]]
-        done = [n for n in range(N) if n not in results]
         self.pending_hidden = self.be.take(out["hidden"], np.arange(self.B)[:, None], cols)
         self.pending_tokens = tokens
         self.pending_pos = self.length + 1
-        self.pending_len = np.maximum(new_len, 1)
-        self.pending_len[done] = 1
+        self.pending_len = np.maximum(new_len, 1)  # finished images keep a dummy pair, never committed
         self.length += new_len
         self.count += new_len
 

@@ -9,6 +9,7 @@ never copies a whole cache and never knows which backend runs:
     numpy(array) -> np.ndarray            back to the host
     take(array, rows, cols) -> array      array[rows, cols] (rows, cols: int arrays)
     commit(cache, new, rows, src, dst)    cache[:, rows, :, dst] = new[:, rows, :, src]
+    synchronize()                         wait for queued device work (timers read after it)
     float_dtype                           the engine's float dtype as numpy understands it
 """
 from lantern.runtime.errors import LanternError
