@@ -138,8 +138,10 @@ class Engine:
             raise LanternError("caption features contain NaN or inf")
         if caption_mask is None:
             caption_mask = np.ones(caption.shape[:2], dtype=bool)
-        caption_mask = np.asarray(caption_mask).astype(bool).reshape(-1, self.cls) if np.ndim(caption_mask) <= 2 else None
-        if caption_mask is None or caption_mask.shape != caption.shape[:2]:
+        caption_mask = np.asarray(caption_mask).astype(bool)
+        if caption_mask.ndim == 1:
+            caption_mask = caption_mask[None]
+        if caption_mask.shape != caption.shape[:2]:
             raise LanternError(f"caption mask must be [N, {self.cls}] matching the features")
         # As LlamaGen's sampler: padded caption rows are zeroed and their keys hidden.
         return caption * caption_mask[..., None], caption_mask
