@@ -1,17 +1,7 @@
-"""The engine graphs as torch modules: exactly what goes to ONNX, and what the runtime's torch
-backend runs. Inputs and outputs follow lantern.runtime.manifest.graph_io(contract, layers), in that order."""
+"""The engine graphs of a LlamaGen engine as torch modules: exactly what goes to ONNX, and what the
+runtime's torch backend runs. Inputs and outputs follow lantern.runtime.manifest.GRAPHS, in order."""
 import torch
 import torch.nn as nn
-
-
-
-class EmbedGraph(nn.Module):
-    def __init__(self, target):
-        super().__init__()
-        self.tok_embeddings = target.tok_embeddings
-
-    def forward(self, input_ids):
-        return self.tok_embeddings(input_ids)
 
 
 class ConditionC2IGraph(nn.Module):
@@ -38,25 +28,34 @@ class ConditionT2IGraph(nn.Module):
 
 
 class TargetGraph(nn.Module):
-    """Cache inputs come one per layer (past_keys_0.., past_values_0..), see GRAPHS['target']."""
+    """The target embeds its own ids: an id below V is an image token, an id V + j is row j of
+    cond_embeds (the condition tokens of prefill). Caches come one input per layer."""
 
     def __init__(self, target):
         super().__init__()
         self.target = target
+        self.vocab = target.args.vocab_size
 
-    def forward(self, inputs_embeds, position_ids, attention_mask, *caches):
+    def forward(self, input_ids, cond_embeds, position_ids, attention_mask, *caches):
+        is_cond = input_ids >= self.vocab
+        tokens = self.target.tok_embeddings(torch.where(is_cond, 0, input_ids))
+        rows = (input_ids - self.vocab).clamp(0, cond_embeds.shape[1] - 1)
+        cond = torch.gather(cond_embeds, 1, rows[..., None].expand(-1, -1, cond_embeds.shape[2]))
+        x = torch.where(is_cond[..., None], cond.to(tokens.dtype), tokens)
         layers = len(caches) // 2
-        return self.target(inputs_embeds, position_ids, attention_mask, caches[:layers], caches[layers:])
+        return self.target(x, position_ids, attention_mask, caches[:layers], caches[layers:])
 
 
 class DrafterGraph(nn.Module):
     """Drafter layer + the target's output head + CFG combination + filtering + top-K, so only K
     candidates per node cross to the host.
 
-    Filtering follows LlamaGen's sampler: logits / temperature, keep the top_k best, keep the
-    nucleus (a token stays while the probability mass before it is <= top_p), renormalise. Top-k
-    here keeps exactly top_k by rank (LlamaGen keeps ties at the threshold too); this only shapes
-    the drafter's proposal, which acceptance corrects for."""
+    CFG without shape inputs: row b's unconditional partner is row cfg_pair[b] (itself without
+    CFG), combined = l[pair] + cfg_scale * (l - l[pair]). Filtering follows LlamaGen's sampler:
+    logits / temperature, keep the top_k best, keep the nucleus (a token stays while the
+    probability mass before it is <= top_p), renormalise. Top-k here keeps exactly top_k by rank
+    (LlamaGen keeps ties at the threshold too); this only shapes the drafter's proposal, which
+    acceptance corrects for."""
 
     def __init__(self, drafter, target, candidates):
         super().__init__()
@@ -66,13 +65,12 @@ class DrafterGraph(nn.Module):
         self.candidates = candidates
 
     def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys_0, past_values_0,
-                cond_batch, cfg_scale, temperature, top_k, top_p):
+                cfg_pair, cfg_scale, temperature, top_k, top_p):
         hidden, new_k, new_v = self.drafter(target_hidden, input_ids, position_ids, attention_mask,
                                             [past_keys_0], [past_values_0], self.rope)
         logits = self.head(hidden).float()
-        n = cond_batch[0]
-        cond, uncond = logits[:n], logits[logits.shape[0] - n:]
-        combined = uncond + cfg_scale * (cond - uncond)
+        partner = logits[cfg_pair]
+        combined = partner + cfg_scale * (logits - partner)
         values, ids = torch.topk(combined, self.candidates, dim=-1)
         scaled = values / temperature
         rank = torch.arange(self.candidates, device=values.device)
@@ -96,7 +94,6 @@ class VQDecoderGraph(nn.Module):
 def graph_modules(target, drafter=None, vq=None, candidates=None):
     """{graph name: (contract name, module)} for an engine of these models."""
     graphs = {
-        "embed": ("embed", EmbedGraph(target)),
         "condition": (f"condition_{target.args.model_type}",
                       ConditionC2IGraph(target) if target.args.model_type == "c2i" else ConditionT2IGraph(target)),
         "target": ("target", TargetGraph(target)),
@@ -106,7 +103,6 @@ def graph_modules(target, drafter=None, vq=None, candidates=None):
     if vq is not None:
         graphs["vq_decoder"] = ("vq_decoder", VQDecoderGraph(vq))
     return {name: (contract, module.eval()) for name, (contract, module) in graphs.items()}
-
 
 
 def graph_layers(contract, module):

@@ -91,23 +91,22 @@ def cast_models(models, dtype):
     return models
 
 
-def load_graph_modules(manifest, verify_sources=False):
+def load_graph_modules(manifest, verify=False):
     """The torch graph modules of an engine, rebuilt from the source checkpoints its manifest
     records (same loaders, options, dtype and candidates as the export): {graph: (contract, module)}."""
-    sources = manifest.get("sources")
+    sources = manifest.sources
     if not sources or "target" not in sources:
         raise LanternError("the engine's manifest records no source checkpoints, so its torch modules cannot be "
                            "rebuilt; re-export it with `lantern-export onnx`")
-    if verify_sources:
-        for role, record in sources.items():
-            _verify_source(role, record)
+    if verify:
+        verify_sources(manifest)
     t = sources["target"]
     models = load_models(t["path"], t["format"], t["options"],
                          drafter=sources["drafter"]["path"] if "drafter" in sources else None,
                          vq=sources["vq"]["path"] if "vq" in sources else None)
-    cast_models(models, manifest["dtype"])
+    cast_models(models, manifest.dtype)
     return graph_modules(models["target"][0], models.get("drafter", (None,))[0], models.get("vq", (None,))[0],
-                         candidates=manifest.get("candidates"))
+                         candidates=manifest.candidates)
 
 
 def _source_record(role, path, info, options=None):
@@ -121,6 +120,12 @@ def _source_record(role, path, info, options=None):
     if options is not None:
         record["options"] = options
     return record
+
+
+def verify_sources(manifest):
+    """LanternError unless every source checkpoint the manifest records is there, unchanged."""
+    for role, record in manifest.sources.items():
+        _verify_source(role, record)
 
 
 def _verify_source(role, record):
@@ -159,9 +164,7 @@ def _trace_inputs(io_spec):
     for name, entry in io_spec["inputs"].items():
         shape = [_TRACE_SIZES[d] if isinstance(d, str) else d for d in entry["shape"]]
         dtype = getattr(torch, entry["dtype"])
-        if name == "cond_batch":
-            tensors.append(torch.full(shape, _TRACE_SIZES["N"], dtype=dtype))
-        elif name in ("temperature", "top_p", "cfg_scale", "attention_mask"):
+        if name in ("temperature", "top_p", "cfg_scale", "attention_mask"):
             tensors.append(torch.ones(shape, dtype=dtype))
         else:
             tensors.append(torch.zeros(shape, dtype=dtype))
@@ -250,9 +253,10 @@ def _apply_contract(model, io_spec, where):
 def _graph_dims(contract, target_args, drafter_args, candidates):
     a = target_args
     if contract == "target":
-        return {"L": a.n_layer, "H": a.kv_heads, "hd": a.head_dim, "D": a.dim, "V": a.vocab_size}
+        return {"L": a.n_layer, "H": a.kv_heads, "hd": a.head_dim, "D": a.dim, "V": a.vocab_size,
+                "C": a.cls_token_num}
     if contract == "drafter":
-        return {"H": drafter_args.kv_heads, "hd": drafter_args.head_dim, "D": a.dim, "K": candidates}
+        return {"L": 1, "H": drafter_args.kv_heads, "hd": drafter_args.head_dim, "D": a.dim, "K": candidates}
     if contract.startswith("condition"):
         return {"C": a.cls_token_num, "E": a.caption_dim, "D": a.dim}
     return {"D": a.dim}
@@ -387,50 +391,47 @@ def _build(out, bar, target, target_format, target_options, drafter, vq, draft_t
             path = os.path.join(tmp, engine_format.GRAPH_FILES[name])
             written = export_graph(module, io_spec, path, opset)
             files += written
-            graph_entries[name] = {"file": written[0], "contract": contract, "dtype": graph_dtype,
-                                   "external_data": written[1] if len(written) > 1 else None,
-                                   "inputs": list(io_spec["inputs"]), "outputs": list(io_spec["outputs"]),
-                                   "io": {**io_spec["inputs"], **io_spec["outputs"]}}
+            graph_entries[name] = engine_format.Graph(
+                file=written[0], contract=contract, dtype=graph_dtype,
+                inputs={k: engine_format.TensorSpec(v["dtype"], tuple(v["shape"])) for k, v in io_spec["inputs"].items()},
+                outputs={k: engine_format.TensorSpec(v["dtype"], tuple(v["shape"])) for k, v in io_spec["outputs"].items()},
+                external_data=written[1] if len(written) > 1 else None)
             bar.update()
         neighbors = None
         if vq is not None:
             bar.set_description("neighbors")
             neighbors = _write_neighbors(tmp, models["vq"][0], neighbors_k)
-            files.append(neighbors["file"])
+            files.append(neighbors.file)
             bar.update()
 
         bar.set_description("manifest")
-        manifest = {
-            "format_version": engine_format.FORMAT_VERSION,
-            "model": {"family": "llamagen", "config": a.to_dict(), "config_name": t_info.get("config_name"),
-                      "parameters": t_info["parameters"]},
-            "condition": _condition_record(a),
-            "vocab_size": a.vocab_size,
-            "image_tokens": [0, a.vocab_size],
-            "block_size": a.block_size,
-            "grid_size": a.grid_size,
-            "max_positions": a.max_positions,
-            "has_drafter": drafter is not None,
-            "modes": ["ar"] + (["exact"] if drafter else []) + (["lantern", "lantern++"] if drafter and vq else []),
-            "drafter": None if drafter is None else {"config": drafter_args.to_dict(),
-                                                     "parameters": models["drafter"][1]["parameters"]},
-            "tree": None if draft_tree is None else {**draft_tree.to_json(), "nodes": draft_tree.num_nodes,
-                                                     "depth": draft_tree.depth, "widths": list(draft_tree.widths)},
-            "candidates": candidates,
-            "vq": None if vq is None else {"config": models["vq"][1]["config"],
-                                           "downsample": models["vq"][0].config.downsample,
-                                           "image_size": a.grid_size * models["vq"][0].config.downsample},
-            "neighbors": neighbors,
-            "dtype": dtype,
-            "opset": opset,
-            "graphs": graph_entries,
-            "sources": sources,
-            "tools": _tool_versions(),
-            "build": {"kind": "onnx", "exporter": "torch.onnx.export(dynamo=True)",
-                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-            "files": engine_format.describe_files(tmp, files),
-        }
-        engine_format.write_manifest(tmp, manifest)
+        vq_model = models["vq"][0] if vq is not None else None
+        manifest = engine_format.Manifest(
+            family="llamagen",
+            model={"config": a.to_dict(), "config_name": t_info.get("config_name"), "parameters": t_info["parameters"]},
+            target=_shape(a.n_layer, a.dim, a.n_head, a.kv_heads, a.head_dim, a.ffn_hidden),
+            condition=_condition_record(a),
+            vocabulary=engine_format.Vocabulary(size=a.vocab_size, image_start=0, image_end=a.vocab_size),
+            image=engine_format.Image(grid_height=a.grid_size, grid_width=a.grid_size,
+                                      pixels=a.grid_size * vq_model.config.downsample if vq_model else None),
+            max_positions=a.max_positions,
+            dtype=dtype, opset=opset, graphs=graph_entries,
+            modes=("ar",) + (("exact",) if drafter else ()) + (("lantern", "lantern++") if drafter and vq else ()),
+            drafter=None if drafter is None else _shape(1, drafter_args.dim, drafter_args.n_head, drafter_args.kv_heads,
+                                                        drafter_args.head_dim, drafter_args.intermediate_size),
+            drafter_config=None if drafter is None else {"config": drafter_args.to_dict(),
+                                                         "parameters": models["drafter"][1]["parameters"]},
+            tree=None if draft_tree is None else draft_tree.to_json(),
+            candidates=candidates,
+            neighbors=neighbors,
+            vq=None if vq is None else {"config": models["vq"][1]["config"], "downsample": vq_model.config.downsample,
+                                        "vectors": "L2-normalised codes (as decoded)" if vq_model.config.codebook_l2_norm
+                                        else "codes (as decoded)"},
+            sources=sources, tools=_tool_versions(),
+            build={"kind": "onnx", "exporter": "torch.onnx.export(dynamo=True)",
+                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+            files=engine_format.describe_files(tmp, files))
+        manifest.write(tmp)
         _replace_dir(tmp, out)
         bar.update()
     except BaseException:
@@ -447,8 +448,12 @@ def _write_neighbors(directory, vq_model, k):
 
     table = nearest_neighbors(vq_model.code_vectors().detach().float().numpy(), k)
     np.save(os.path.join(directory, "neighbors.npy"), table, allow_pickle=False)
-    return {"file": "neighbors.npy", "k": int(table.shape[1]), "dtype": str(table.dtype),
-            "vectors": "L2-normalised codes (as decoded)" if vq_model.config.codebook_l2_norm else "codes (as decoded)"}
+    return engine_format.Neighbors(file="neighbors.npy", k=int(table.shape[1]), dtype=str(table.dtype))
+
+
+def _shape(layers, dim, query_heads, kv_heads, head_dim, ffn_hidden):
+    return engine_format.Shape(layers=layers, dim=dim, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim,
+                               ffn_hidden=ffn_hidden)
 
 
 def _options_record(options):
@@ -460,10 +465,9 @@ def _options_record(options):
 
 def _condition_record(a):
     if a.model_type == "c2i":
-        return {"type": "c2i", "cls_token_num": a.cls_token_num, "num_classes": a.num_classes,
-                "null_class": a.num_classes if a.class_dropout_prob > 0 else None}
-    return {"type": "t2i", "cls_token_num": a.cls_token_num, "caption_dim": a.caption_dim,
-            "null_class": None, "unconditional": "the graph's `unconditional` flag selects the null caption"}
+        return engine_format.Condition(kind="class", tokens=a.cls_token_num, num_classes=a.num_classes,
+                                       null_class=a.num_classes if a.class_dropout_prob > 0 else None)
+    return engine_format.Condition(kind="caption", tokens=a.cls_token_num, caption_dim=a.caption_dim)
 
 
 class _NoBar:
@@ -518,15 +522,27 @@ def run(args):
                              drafter=args.drafter, vq=args.vq, tree=args.tree, dtype=args.dtype,
                              candidates=args.candidates, opset=args.opset, neighbors_k=args.neighbors_k,
                              force=args.force, progress=not args.no_progress)
-    size = sum(f["size"] for f in manifest["files"].values())
-    print(f"engine {args.out}: {', '.join(manifest['graphs'])} ({manifest['dtype']}, opset {manifest['opset']}, "
+    size = sum(f.size for f in manifest.files.values())
+    print(f"engine {args.out}: {', '.join(manifest.graphs)} ({manifest.dtype}, opset {manifest.opset}, "
           f"{size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f}s")
-    if manifest["has_drafter"]:
-        tree = manifest["tree"]
-        print(f"modes: {', '.join(manifest['modes'])}; tree {tree['name']} ({tree['nodes']} nodes, depth {tree['depth']}), "
-              f"drafter top-{manifest['candidates']}")
+    if manifest.tree is not None:
+        from lantern.runtime.tree import build_tree
+
+        tree = build_tree(manifest.tree)
+        print(f"modes: {', '.join(manifest.modes)}; tree {tree.name} ({tree.num_nodes} nodes, depth {tree.depth}), "
+              f"drafter top-{manifest.candidates}")
     else:
         print("modes: ar only (no --drafter given)")
-    if manifest["neighbors"] is None and manifest["has_drafter"]:
+    if manifest.neighbors is None and manifest.tree is not None:
         print("no neighbour table (no --vq): modes lantern and lantern++ need one")
     return 0
+
+
+def open_torch_backend(directory, threads=None, device="cpu", manifest=None):
+    """The runtime's torch backend over an engine's graphs rebuilt from its source checkpoints."""
+    from lantern.runtime.backends.torch import TorchBackend
+    from lantern.runtime.manifest import read_manifest
+
+    manifest = manifest or read_manifest(directory)
+    modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
+    return TorchBackend(modules, manifest, threads=threads, device=device)

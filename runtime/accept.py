@@ -1,28 +1,34 @@
-"""Acceptance for static-tree speculative decoding: exact, LANTERN (k, delta), LANTERN++ (k, lam).
+"""Acceptance for static-tree speculative decoding, batched over the images of a step:
+exact, LANTERN (k, delta), LANTERN++ (k, lam), greedy or sampling.
 
 Public API
-    Rule(mode="exact" | "lantern" | "lantern++", k=0, delta=0.0, lam=1.0)
-    accept_greedy(tree, tokens, target_logits, rule, neighbours=None) -> Acceptance
-    accept_sampling(tree, tokens, target_logits, draft_probs, rule, rng, neighbours=None, *,
-                    temperature=1.0, top_k=0, top_p=1.0) -> Acceptance
-    filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0) -> probabilities, float64
-    Acceptance(nodes, tokens, next_token, depth), .accept_length
+    Exact(), Lantern(k, delta), LanternPP(k, lam)      the rules; rule_for(mode, ...) picks one
+    accept_greedy_batch(tree, tokens, logits, rule, neighbours=None) -> Outcome
+    accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, uniforms,
+                          neighbours=None, *, temperature=1.0, top_k=0, top_p=1.0) -> Outcome
+    accept_greedy / accept_sampling                    one image (tests, benchmarks) -> Acceptance
+    filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0) -> float64 probabilities
 
-Inputs (N = tree.num_nodes, V = vocabulary size):
-    tokens         [N] int: node i's token; tokens[0] is the root, already emitted.
-    target_logits  [N, V] float, CFG-combined: row i is the target's prediction for the token
-                   after node i. -inf is allowed (masked tokens); NaN and +inf are errors.
-    draft_probs    [N, V]: row i is the drafter's distribution over node i's children, filtered
-                   like the target (`filtered_probs` is the one definition); rows of leaves unused.
-    neighbours     [V, Kn] int: each token's latent neighbours, nearest first, itself excluded.
-                   Only its first k columns are read; exact mode needs none.
+Inputs (N images, M = tree.num_nodes, V vocabulary, K drafter candidates):
+    tokens       [N, M] int: node i's token; tokens[:, 0] is the root, already emitted.
+    logits       [N, M, V] float, CFG-combined: row i is the target's prediction for the token
+                 after node i. -inf is allowed (masked tokens); NaN and +inf are errors.
+    draft_ids    [N, M, K], draft_probs [N, M, K]: node i's drafter candidates and their
+                 probabilities (sparse, as the drafter graph returns them; rows of leaves unused).
+    uniforms     [N, M] in [0, 1), drawn up front: uniforms[n, i] decides node i when it is
+                 tried as a child; uniforms[n, 0] draws the final token. An image's outcome
+                 depends on its own row only, so a batch gives what each image would alone.
+    neighbours   [V, Kn] int: each token's latent neighbours, nearest first, itself excluded.
+Outcome: path [N, depth + 1] (node indices from the root, -1 past the end), accepted [N] (draft
+tokens accepted), next_token [N], decisions [N, M] int8 (1: on the accepted path, 0: evaluated
+and not on it, -1: never evaluated) — the record a profiler or tree tuner replays.
 
 Relaxation (REFERENCE.md section 1). At a node whose target distribution is p, for a draft x let
 S_j be the sum of p over x's j nearest neighbours (j <= k). Take the largest j with
-S_j <= bound, bound = delta (lantern) or (lam - 1) * p(x) (lantern++), inclusive, and
-p~(x) = p(x) + S_j. S_j never decreases with j, so "largest j" is a count. lam = 1 or delta = 0
-admit only neighbours of zero probability, so S_j = 0 and p~(x) = p(x) bit for bit; under
-lantern++ p(x) = 0 gives bound 0 and p~(x) stays 0.
+S_j <= bound — the rule's own bound: delta (LANTERN) or (lam - 1) * p(x) (LANTERN++), inclusive
+— and p~(x) = p(x) + S_j. S_j never decreases with j, so "largest j" is a count. lam = 1 or
+delta = 0 admit only neighbours of zero probability, so S_j = 0 and p~(x) = p(x) bit for bit;
+under LANTERN++ p(x) = 0 gives bound 0 and p~(x) stays 0.
 
 Greedy. As in the public LANTERN code, greedy runs without a logits processor: the target is
 softmax(logits) with no temperature, top-k or top-p. A node is accepted when its parent is and
@@ -30,24 +36,23 @@ its token x is the argmax of the parent's target with p(x) replaced by p~(x) (ot
 unchanged, no renormalisation, ties to the lowest token id). The deepest accepted node wins,
 ties to the lowest node index (the highest-ranked path); the next token is the argmax of the
 unmodified target there. Work is done on weights w = exp(l - max l) in float64: the argmax and
-the lantern++ bound do not change under normalisation, so a full-row sum (for delta) is the only
+the LANTERN++ bound do not change under normalisation, so a full-row sum (for delta) is the only
 vocabulary-wide work besides one argmax per row. "Accepted" means x == argmax, or S_j > 0 and x
 beats the argmax with p~(x): with S_j = 0 the decision is the exact one, independent of rounding.
-Depths are evaluated one at a time, over the children of accepted nodes only.
 
 Sampling. The target at a node is filtered_probs(logits, temperature, top_k, top_p): logits / T,
 keep the top-k (ties with the k-th value kept, as LlamaGen does), keep the nucleus (the smallest
 set, by decreasing probability, whose mass reaches top_p), renormalise. Multi-draft recursive
 rejection sampling; the drafts are assumed drawn from q without replacement, in rank order:
-    at node n: p = target at n, q = draft_probs[n] (renormalised)
+    at node n: p = target at n, q = node n's candidate probabilities (renormalised)
     for each child c of n in rank order, token x:
         q(x) == 0: skip c (it cannot have been drawn from q: padding past q's support, or a
-                   repeated token); p, q and the random stream are untouched
-        p~(x) from the current p; draw u ~ U[0, 1); accept iff u * q(x) < p~(x)
+                   repeated token); p and q are untouched
+        p~(x) from the current p; accept iff uniforms[c] * q(x) < p~(x)
                    (probability min(1, p~(x) / q(x)))
         rejected:  p <- normalise(max(p~_x - q, 0)); q <- q without x, renormalised
     a child accepted: continue from it with its own p and q; none accepted, or a leaf: the
-    next token is drawn from the current (residual) p.
+    next token is drawn from the current (residual) p with uniforms[0].
 p~_x is the relaxed distribution of the LANTERN paper: p with x raised to p~(x) and the j
 neighbours whose mass moved set to 0 (its total-variation distance to p is S_j). How the public
 code treats the residual after a relaxed rejection: its dynamic-tree path zeroes the target at
@@ -60,9 +65,7 @@ current residual p (later siblings see neighbour mass the earlier rejections lef
 of zero mass (only through rounding, when p~_x == q) falls back to p~_x. The public code divides
 by the drafter's unconditional q(x); here q is renormalised over the untried siblings, which is
 what makes `exact` lossless for drafts drawn without replacement. Exactness needs each node's
-children to have ranks 0..w-1 (Tree.contiguous); accept_sampling refuses other trees.
-Random numbers come only from the Generator passed in: one rng.random() per tried child and one
-for the final token.
+children to have ranks 0..w-1 (Tree.contiguous); sampling refuses other trees.
 """
 import math
 from dataclasses import dataclass
@@ -71,43 +74,101 @@ import numpy as np
 
 from lantern.runtime.errors import LanternError
 
-MODES = ("exact", "lantern", "lantern++")
+# ---------------------------------------------------------------------------------------------
+# Rules: each one its own bound on the neighbour mass S_j a draft may borrow
+
+
+def _check_k(k):
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 0:
+        raise LanternError(f"k must be an integer >= 0 (neighbours per draft), got {k!r}")
 
 
 @dataclass(frozen=True)
-class Rule:
-    """How drafts are accepted. exact: lossless; lantern: k neighbours, additive bound delta in
-    [0, 1]; lantern++: k neighbours, multiplicative bound lam >= 1. k = 0 relaxes nothing."""
+class Exact:
+    """Lossless speculative decoding: nothing is relaxed."""
 
-    mode: str = "exact"
-    k: int = 0
-    delta: float = 0.0
-    lam: float = 1.0
+    name = "exact"
+    k = 0
+    relaxes = False
+
+    def bound(self, p_x, total):
+        return np.zeros_like(p_x)
+
+
+@dataclass(frozen=True)
+class Lantern:
+    """LANTERN: borrow the mass of up to k neighbours while it stays <= delta (a probability)."""
+
+    k: int
+    delta: float
+    name = "lantern"
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise LanternError(f"unknown acceptance mode {self.mode!r}; valid: {', '.join(MODES)}")
-        if isinstance(self.k, (bool, np.bool_)) or not isinstance(self.k, (int, np.integer)) or self.k < 0:
-            raise LanternError(f"k must be an integer >= 0 (neighbours per draft), got {self.k!r}")
-        if self.mode != "lantern" and self.delta != 0.0:
-            raise LanternError(f"delta applies to mode 'lantern' only, not {self.mode!r}")
-        if self.mode != "lantern++" and self.lam != 1.0:
-            raise LanternError(f"lam applies to mode 'lantern++' only, not {self.mode!r}")
-        if self.mode == "exact" and self.k != 0:
-            raise LanternError("k applies to modes 'lantern' and 'lantern++' only, not 'exact'")
+        _check_k(self.k)
         if not (isinstance(self.delta, (int, float, np.floating)) and 0.0 <= self.delta <= 1.0):
             raise LanternError(f"delta must be in [0, 1], got {self.delta!r}")
+
+    @property
+    def relaxes(self):
+        return self.k > 0
+
+    def bound(self, p_x, total):
+        """p_x and total in the same (possibly unnormalised) units: delta is a probability."""
+        return self.delta * total + np.zeros_like(p_x)
+
+
+@dataclass(frozen=True)
+class LanternPP:
+    """LANTERN++: borrow the mass of up to k neighbours while it stays <= (lam - 1) p(x)."""
+
+    k: int
+    lam: float
+    name = "lantern++"
+
+    def __post_init__(self):
+        _check_k(self.k)
         if not (isinstance(self.lam, (int, float, np.floating)) and 1.0 <= self.lam < math.inf):
             raise LanternError(f"lam must be >= 1 and finite, got {self.lam!r}")
 
     @property
     def relaxes(self):
-        return self.mode != "exact" and self.k > 0
+        return self.k > 0
+
+    def bound(self, p_x, total):
+        return (self.lam - 1.0) * p_x
+
+
+RULES = {"exact": Exact, "lantern": Lantern, "lantern++": LanternPP}
+
+
+def rule_for(mode, k=None, delta=None, lam=None):
+    """The rule a mode name stands for (the CLI's --mode), with its parameters."""
+    if mode == "exact":
+        return Exact()
+    if mode == "lantern":
+        return Lantern(k=k, delta=delta)
+    if mode == "lantern++":
+        return LanternPP(k=k, lam=lam)
+    raise LanternError(f"unknown acceptance mode {mode!r}; valid: {', '.join(RULES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Outcomes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One step's acceptance for N images (see the module docstring)."""
+
+    path: np.ndarray  # [N, depth + 1] int64, -1 padded
+    accepted: np.ndarray  # [N] int64: accepted draft tokens
+    next_token: np.ndarray  # [N] int64
+    decisions: np.ndarray  # [N, M] int8
 
 
 @dataclass(frozen=True)
 class Acceptance:
-    """One step's outcome: the accepted nodes (root first) and their tokens (root excluded),
+    """One image's outcome: the accepted nodes (root first) and their tokens (root excluded),
     the token sampled after them, and the depth of the last accepted node."""
 
     nodes: tuple
@@ -121,48 +182,71 @@ class Acceptance:
         return len(self.tokens)
 
 
+def _outcome(tree, last, next_token, decisions):
+    """Paths from the root to each image's last accepted node (ancestors have lower indices)."""
+    n = len(last)
+    path = np.full((n, tree.depth + 1), -1, dtype=np.int64)
+    rows, cols = np.nonzero(tree.mask[last])
+    path[rows, tree.depths[cols]] = cols
+    decisions[rows, cols] = 1
+    return Outcome(path=path, accepted=tree.depths[last].astype(np.int64), next_token=next_token.astype(np.int64),
+                   decisions=decisions)
+
+
+def _single(tree, tokens, outcome):
+    nodes = tuple(int(i) for i in outcome.path[0] if i >= 0)
+    return Acceptance(nodes=nodes, tokens=tuple(int(t) for t in tokens[list(nodes[1:])]),
+                      next_token=int(outcome.next_token[0]), depth=int(outcome.accepted[0]))
+
+
 # ---------------------------------------------------------------------------------------------
 # Greedy
 
 
-def accept_greedy(tree, tokens, target_logits, rule, neighbours=None):
-    """Greedy acceptance over the whole tree; see the module docstring for the semantics."""
-    tokens, logits, neighbours = _check_inputs(tree, tokens, target_logits, rule, neighbours)
-    top = np.argmax(logits, axis=1)  # ties -> lowest id; NaN/+inf/all -inf rows caught below
+def accept_greedy_batch(tree, tokens, logits, rule, neighbours=None):
+    """Greedy acceptance over the whole tree for every image; see the module docstring."""
+    tokens, logits, neighbours = _check_inputs(tree, tokens, logits, rule, neighbours)
+    N, M, V = logits.shape
+    top = np.argmax(logits, axis=2)  # ties -> lowest id; NaN/+inf/all -inf rows caught below
     rowmax = _check_rows(tree, logits, top)
 
-    accepted = np.zeros(tree.num_nodes, dtype=bool)
-    accepted[0] = True
+    accepted = np.zeros((N, M), dtype=bool)
+    accepted[:, 0] = True
+    decisions = np.full((N, M), -1, dtype=np.int8)
     for level in tree.levels:
-        live = accepted[level.parents]
+        live = accepted[:, level.parents]  # [N, n_d]
         if not live.any():
             break
-        nodes, parents = level.nodes[live], level.parents[live]
-        x = tokens[nodes]
-        ok = x == top[parents]
+        x = tokens[:, level.nodes]
+        parent_top = top[:, level.parents]
+        ok = live & (x == parent_top)
         if rule.relaxes:
-            ok |= _relaxed_argmax(logits, rowmax, parents, x, top[parents], neighbours, rule)
-        accepted[nodes[ok]] = True
+            rows, j = np.nonzero(live & ~ok)
+            if rows.size:
+                parents = level.parents[j]
+                ok[rows, j] = _relaxed_argmax(logits, rowmax, rows, parents, x[rows, j], parent_top[rows, j],
+                                              neighbours, rule)
+        accepted[:, level.nodes] = ok
+        decisions[:, level.nodes] = np.where(live, 0, -1)
 
-    reached = np.flatnonzero(accepted)
-    last = int(reached[np.argmax(tree.depths[reached])])  # first of the deepest = lowest index
-    return _result(tree, tokens, last, int(top[last]))
+    # the deepest accepted node, ties to the lowest index
+    score = np.where(accepted, tree.depths[None, :] * (M + 1) + (M - np.arange(M))[None, :], -1)
+    last = score.argmax(axis=1)
+    return _outcome(tree, last, top[np.arange(N), last], decisions)
 
 
-def _relaxed_argmax(logits, rowmax, parents, x, top, neighbours, rule):
-    """Per draft x at row `parents`: with S_j > 0, does p~(x) make x the argmax? (x == top, the
-    exact case, is decided by the caller.)"""
-    m = rowmax[parents]
-    wx = np.exp(logits[parents, x] - m)  # weights relative to the row max, so w(top) == 1 exactly
-    near = _neighbour_slice(neighbours, x, rule.k, logits.shape[1])
-    cum = np.cumsum(np.exp(logits[parents[:, None], near] - m[:, None]), axis=1)
-    if rule.mode == "lantern++":
-        bound = (rule.lam - 1.0) * wx
-    else:  # delta bounds probabilities: S_j / Z <= delta  <=>  S_j <= delta * Z
-        rows, inverse = np.unique(parents, return_inverse=True)
-        z = np.exp(logits[rows] - rowmax[rows, None]).sum(axis=1)
-        bound = rule.delta * z[inverse]
-    _, s = _moved_mass(cum, bound)
+def _relaxed_argmax(logits, rowmax, rows, parents, x, top, neighbours, rule):
+    """Per draft x at (image, parent row): with S_j > 0, does p~(x) make x the argmax?"""
+    m = rowmax[rows, parents]
+    wx = np.exp(logits[rows, parents, x] - m)  # weights relative to the row max: w(top) == 1
+    near = _neighbour_slice(neighbours, x, rule.k, logits.shape[2])
+    cum = np.cumsum(np.exp(logits[rows[:, None], parents[:, None], near] - m[:, None]), axis=1)
+    total = None
+    if isinstance(rule, Lantern):  # delta bounds probabilities: S_j / Z <= delta <=> S_j <= delta Z
+        pairs, inverse = np.unique(rows * logits.shape[1] + parents, return_inverse=True)
+        flat = logits.reshape(-1, logits.shape[2])
+        total = np.exp(flat[pairs] - rowmax.reshape(-1)[pairs, None]).sum(axis=1)[inverse]
+    _, s = _moved_mass(cum, rule.bound(wx, total))
     pt = wx + s
     return (s > 0) & ((pt > 1.0) | ((pt == 1.0) & (x < top)))
 
@@ -175,147 +259,219 @@ def _moved_mass(cum, bound):
     return j, np.where(j > 0, cum[np.arange(len(j)), np.maximum(j - 1, 0)], 0.0)
 
 
+def accept_greedy(tree, tokens, target_logits, rule, neighbours=None):
+    """One image: tokens [M], target_logits [M, V]."""
+    tokens, logits = _one_image(tree, tokens, target_logits)
+    return _single(tree, tokens[0], accept_greedy_batch(tree, tokens, logits, rule, neighbours))
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling
 
 
-def accept_sampling(tree, tokens, target_logits, draft_probs, rule, rng, neighbours=None, *,
-                    temperature=1.0, top_k=0, top_p=1.0):
-    """Recursive rejection sampling down the tree; see the module docstring for the semantics."""
-    tokens, logits, neighbours = _check_inputs(tree, tokens, target_logits, rule, neighbours)
-    _check_filters(temperature, top_k, top_p)
-    _check_rows(tree, logits, np.argmax(logits, axis=1))
-    if not isinstance(rng, np.random.Generator):
-        raise LanternError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
-    draft_probs = np.asarray(draft_probs)
-    if draft_probs.shape != logits.shape:
-        raise LanternError(f"draft_probs has shape {draft_probs.shape}, expected {logits.shape} "
-                           "(nodes x vocabulary, like target_logits)")
+def accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, uniforms, neighbours=None, *,
+                          temperature=1.0, top_k=0, top_p=1.0):
+    """Recursive rejection sampling down the tree for every image; see the module docstring."""
+    tokens, logits, neighbours = _check_inputs(tree, tokens, logits, rule, neighbours)
+    check_filters(temperature, top_k, top_p)
+    N, M, V = logits.shape
+    _check_rows(tree, logits, np.argmax(logits, axis=2))
+    draft_ids, draft_probs = np.asarray(draft_ids), np.asarray(draft_probs)
+    if draft_ids.shape != draft_probs.shape or draft_ids.shape[:2] != (N, M):
+        raise LanternError(f"draft ids/probs have shapes {draft_ids.shape}/{draft_probs.shape}, expected "
+                           f"({N}, {M}, K) each: K candidates per node")
+    uniforms = np.asarray(uniforms, dtype=np.float64)
+    if uniforms.shape != (N, M):
+        raise LanternError(f"uniforms have shape {uniforms.shape}, expected ({N}, {M}): one per node")
     if not tree.contiguous:
         raise LanternError(f"tree {tree.name!r} has a node whose children skip a rank; sampling "
                            "needs ranks 0..w-1 at every node (the skipped drafts are unknown)")
-    vocab = logits.shape[1]
 
-    node = 0
-    p = _filter_row(logits[0], temperature, top_k, top_p)
-    while tree.children[node]:
-        q = _draft_row(draft_probs, node, tree)
-        chosen = None
-        for child in tree.children[node]:
-            x = int(tokens[child])
-            if q[x] <= 0.0:
-                continue
-            pt, lent = _relax(p, x, rule, neighbours, vocab)
-            if rng.random() * q[x] < pt:
-                chosen = child
-                break
-            p = _residual(p, x, pt, lent, q)
-            q[x] = 0.0
-            total = q.sum()
-            if total > 0:
-                q /= total
-        if chosen is None:
+    decisions = np.full((N, M), -1, dtype=np.int8)
+    node = np.zeros(N, dtype=np.int64)
+    p = filtered_probs(logits[:, 0], temperature, top_k, top_p)  # [N, V]
+    going = np.ones(N, dtype=bool)
+    for _ in range(tree.depth):
+        going &= tree.child_at[node, 0] >= 0 if tree.child_at.shape[1] else False
+        rows = np.flatnonzero(going)
+        if rows.size == 0:
             break
-        node = chosen
-        p = _filter_row(logits[node], temperature, top_k, top_p)
-    return _result(tree, tokens, node, _draw(p, rng))
+        ids = draft_ids[rows, node[rows]]
+        q = _draft_rows(draft_probs[rows, node[rows]], tree, node[rows])
+        chosen = np.full(rows.size, -1, dtype=np.int64)
+        for rank in range(tree.child_at.shape[1]):
+            child = tree.child_at[node[rows], rank]
+            t = np.flatnonzero((chosen < 0) & (child >= 0))
+            if t.size == 0:
+                break
+            n, c = rows[t], child[t]
+            x = tokens[n, c]
+            hit = ids[t] == x[:, None]
+            col = hit.argmax(axis=1)
+            qx = np.where(hit.any(axis=1), q[t, col], 0.0)
+            decisions[n, c] = 0
+            live = qx > 0  # a draft outside q's support was not drawn from it: skip it
+            t, n, c, x, col, qx = t[live], n[live], c[live], x[live], col[live], qx[live]
+            pt, lent = _relax(p[n], x, rule, neighbours, V)
+            ok = uniforms[n, c] * qx < pt
+            chosen[t[ok]] = c[ok]
+            bad = ~ok
+            if bad.any():
+                p[n[bad]] = _residual(p[n[bad]], x[bad], pt[bad], lent[bad], ids[t[bad]], q[t[bad]])
+                q[t[bad], col[bad]] = 0.0
+                rest = q[t[bad]]
+                total = rest.sum(axis=1, keepdims=True)
+                q[t[bad]] = np.divide(rest, total, out=rest, where=total > 0)
+        moved = chosen >= 0
+        going[rows[~moved]] = False
+        down = rows[moved]
+        node[down] = chosen[moved]
+        if down.size:
+            p[down] = filtered_probs(logits[down, node[down]], temperature, top_k, top_p)
+    return _outcome(tree, node, inverse_cdf_draw(p, uniforms[:, 0]), decisions)
 
 
 def _relax(p, x, rule, neighbours, vocab):
-    """(p~(x), neighbours that lent mass) against the current distribution p."""
+    """(p~(x) [n], lent [n, k]: the neighbours whose mass moved, -1 elsewhere) against the rows'
+    current p."""
+    px = p[np.arange(len(x)), x]
     if not rule.relaxes:
-        return p[x], None
-    near = _neighbour_slice(neighbours, np.array([x]), rule.k, vocab)[0]
-    cum = np.cumsum(p[near])
-    bound = rule.delta if rule.mode == "lantern" else (rule.lam - 1.0) * p[x]
-    j, s = _moved_mass(cum[None, :], np.array([bound]))
-    if s[0] == 0.0:  # nothing moved (also zero-probability neighbours): p~ is p itself
-        return p[x], None
-    return p[x] + s[0], near[:j[0]]
+        return px, np.zeros((len(x), 0), dtype=np.int64)
+    near = _neighbour_slice(neighbours, x, rule.k, vocab)
+    cum = np.cumsum(np.take_along_axis(p, near, axis=1), axis=1)
+    j, s = _moved_mass(cum, rule.bound(px, 1.0))
+    lent = (np.arange(near.shape[1])[None, :] < j[:, None]) & (s[:, None] > 0)
+    return px + s, np.where(lent, near, -1)
 
 
-def _residual(p, x, pt, lent, q):
-    """normalise(max(p~_x - q, 0)) after rejecting x; p~_x == p when nothing was lent."""
-    if lent is not None:
-        p = p.copy()
-        p[lent] = 0.0
-        p[x] = pt
-    r = np.maximum(p - q, 0.0)
-    total = r.sum()
-    return r / total if total > 0 else p
+def _residual(p, x, pt, lent, ids, q):
+    """normalise(max(p~_x - q, 0)) after rejecting x, per row; p~_x == p when nothing was lent.
+    q is sparse: probabilities q over candidate ids."""
+    p = p.copy()
+    rows, cols = np.nonzero(lent >= 0)
+    p[rows, lent[rows, cols]] = 0.0
+    relaxed = (lent >= 0).any(axis=1)
+    p[np.flatnonzero(relaxed), x[relaxed]] = pt[relaxed]
+    r = p.copy()
+    np.put_along_axis(r, ids, np.maximum(np.take_along_axis(p, ids, axis=1) - q, 0.0), axis=1)
+    total = r.sum(axis=1, keepdims=True)
+    return np.where(total > 0, r / np.where(total > 0, total, 1.0), p)
 
 
-def _draw(p, rng):
-    """Inverse-CDF draw; zero-probability tokens are never returned."""
-    cdf = np.cumsum(p)
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return min(i, int(np.flatnonzero(p)[-1]))
+def inverse_cdf_draw(p, u):
+    """Inverse-CDF draw per row; zero-probability tokens are never returned."""
+    cdf = np.cumsum(p, axis=1)
+    i = (cdf <= (u * cdf[:, -1])[:, None]).sum(axis=1)
+    last = p.shape[1] - 1 - np.argmax(p[:, ::-1] > 0, axis=1)
+    return np.minimum(i, last)
 
 
-def _draft_row(draft_probs, node, tree):
-    q = draft_probs[node].astype(np.float64)  # a copy: removals below must not touch the input
-    if not np.isfinite(q).all() or (q < 0).any():
-        raise LanternError(f"draft_probs row {node} (node path {list(tree.paths[node])}) has "
+def _draft_rows(q, tree, nodes):
+    q = q.astype(np.float64)  # a copy: removals below must not touch the input
+    bad = ~(np.isfinite(q) & (q >= 0)).all(axis=1)
+    if bad.any():
+        node = int(nodes[np.argmax(bad)])
+        raise LanternError(f"draft probabilities of node {node} (path {list(tree.paths[node])}) have "
                            "negative or non-finite entries")
-    total = q.sum()
-    return q / total if total > 0 else q
+    total = q.sum(axis=1, keepdims=True)
+    return np.divide(q, total, out=q, where=total > 0)
 
 
-def filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
-    """Probabilities [..., V] (float64) from logits [V] or [R, V]: logits / temperature, keep the
-    top_k (0 = all; ties with the k-th value kept), keep the smallest set of highest
-    probabilities whose mass reaches top_p (1 = all), renormalise. The target in accept_sampling
-    uses exactly this; filter the drafter's distribution with it too."""
-    _check_filters(temperature, top_k, top_p)
-    logits = np.asarray(logits)
-    if logits.ndim == 1:
-        return _filter_row(logits, temperature, top_k, top_p)
-    return np.stack([_filter_row(row, temperature, top_k, top_p) for row in logits])
-
-
-def _filter_row(row, temperature, top_k, top_p):
-    z = row.astype(np.float64) / temperature
-    vocab = z.shape[0]
-    if 0 < top_k < vocab:
-        kth = np.partition(z, vocab - top_k)[vocab - top_k]
-        z = np.where(z >= kth, z, -np.inf)
-    m = z.max()
-    if not np.isfinite(m):
-        raise LanternError("logits contain NaN or +inf, or are all -inf")
-    p = np.exp(z - m)
-    p /= p.sum()
-    if top_p < 1.0:
-        kept = np.flatnonzero(p)  # sort only what top-k left
-        order = kept[np.argsort(-p[kept], kind="stable")]  # stable: equal probabilities by id
-        before = np.concatenate(([0.0], np.cumsum(p[order])[:-1]))  # mass strictly above
-        p[order[before >= top_p]] = 0.0
-        p /= p.sum()
-    return p
+def accept_sampling(tree, tokens, target_logits, draft_probs, rule, rng, neighbours=None, *,
+                    temperature=1.0, top_k=0, top_p=1.0):
+    """One image, with a dense draft distribution draft_probs [M, V] and the uniforms drawn from
+    `rng` up front (rng.random(M): index 0 draws the final token, index i decides node i)."""
+    tokens, logits = _one_image(tree, tokens, target_logits)
+    draft_probs = np.asarray(draft_probs)
+    if draft_probs.shape != logits.shape[1:]:
+        raise LanternError(f"draft_probs has shape {draft_probs.shape}, expected {logits.shape[1:]} "
+                           "(nodes x vocabulary, like target_logits)")
+    if not isinstance(rng, np.random.Generator):
+        raise LanternError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+    vocab = logits.shape[2]
+    ids = np.broadcast_to(np.arange(vocab), (1, tree.num_nodes, vocab))
+    uniforms = rng.random((1, tree.num_nodes))
+    out = accept_sampling_batch(tree, tokens, logits, ids, draft_probs[None], rule, uniforms, neighbours,
+                                temperature=temperature, top_k=top_k, top_p=top_p)
+    return _single(tree, tokens[0], out)
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared checks and result
+# Filtering (the one definition, for the target here and the drafter's candidates in its graph)
 
 
-def _check_inputs(tree, tokens, target_logits, rule, neighbours):
-    if not isinstance(rule, Rule):
-        raise LanternError(f"rule must be a Rule, got {type(rule).__name__}")
+def filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """Probabilities [..., V] (float64) from logits [..., V]: logits / temperature, keep the
+    top_k (0 = all; ties with the k-th value kept), keep the smallest set of highest
+    probabilities whose mass reaches top_p (1 = all), renormalise."""
+    check_filters(temperature, top_k, top_p)
+    logits = np.asarray(logits)
+    z = logits.astype(np.float64) / temperature
+    vocab = z.shape[-1]
+    if 0 < top_k < vocab:
+        kth = np.partition(z, vocab - top_k, axis=-1)[..., vocab - top_k, None]
+        z = np.where(z >= kth, z, -np.inf)
+    m = z.max(axis=-1, keepdims=True)
+    if not np.isfinite(m).all():
+        raise LanternError("logits contain NaN or +inf, or are all -inf")
+    p = np.exp(z - m)
+    p /= p.sum(axis=-1, keepdims=True)
+    if top_p < 1.0:
+        for row in p.reshape(-1, vocab):
+            kept = np.flatnonzero(row)  # sort only what top-k left
+            order = kept[np.argsort(-row[kept], kind="stable")]  # stable: equal probabilities by id
+            before = np.concatenate(([0.0], np.cumsum(row[order])[:-1]))  # mass strictly above
+            row[order[before >= top_p]] = 0.0
+            row /= row.sum()
+    return p
+
+
+def check_filters(temperature, top_k, top_p):
+    if not (isinstance(temperature, (int, float, np.floating)) and not isinstance(temperature, bool)
+            and 0 < temperature < math.inf):
+        raise LanternError(f"temperature must be > 0 and finite, got {temperature!r}")
+    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise LanternError(f"top_k must be an integer >= 0 (0 = no top-k), got {top_k!r}")
+    if not (isinstance(top_p, (int, float, np.floating)) and not isinstance(top_p, bool) and 0 < top_p <= 1):
+        raise LanternError(f"top_p must be in (0, 1] (1 = no nucleus filter), got {top_p!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared checks
+
+
+def _one_image(tree, tokens, target_logits):
     logits = np.asarray(target_logits)
     n = tree.num_nodes
     if logits.ndim != 2 or logits.shape[0] != n or logits.shape[1] < 1:
         raise LanternError(f"target_logits has shape {logits.shape}, expected ({n}, V): one row "
                            f"per node of tree {tree.name!r}")
-    if not np.issubdtype(logits.dtype, np.floating):
-        raise LanternError(f"target_logits must be floating point, got {logits.dtype}")
-    vocab = logits.shape[1]
     tokens = np.asarray(tokens)
     if tokens.shape != (n,) or not np.issubdtype(tokens.dtype, np.integer):
         raise LanternError(f"tokens must be {n} integers (one per node, root first), got "
                            f"shape {tokens.shape} dtype {tokens.dtype}")
-    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
+    return tokens[None], logits[None]
+
+
+def _check_inputs(tree, tokens, logits, rule, neighbours):
+    if not isinstance(rule, (Exact, Lantern, LanternPP)):
+        raise LanternError(f"rule must be Exact, Lantern or LanternPP, got {type(rule).__name__}")
+    logits = np.asarray(logits)
+    m = tree.num_nodes
+    if logits.ndim != 3 or logits.shape[1] != m or logits.shape[2] < 1:
+        raise LanternError(f"target logits have shape {logits.shape}, expected (N, {m}, V): one row "
+                           f"per node of tree {tree.name!r}")
+    if not np.issubdtype(logits.dtype, np.floating):
+        raise LanternError(f"target logits must be floating point, got {logits.dtype}")
+    vocab = logits.shape[2]
+    tokens = np.asarray(tokens)
+    if tokens.shape != logits.shape[:2] or not np.issubdtype(tokens.dtype, np.integer):
+        raise LanternError(f"tokens must be {logits.shape[:2]} integers (one per node, root first), got "
+                           f"shape {tokens.shape} dtype {tokens.dtype}")
+    bad = np.argwhere((tokens < 0) | (tokens >= vocab))
     if bad.size:
-        i = int(bad[0])
-        raise LanternError(f"token {int(tokens[i])} at node {i} (path {list(tree.paths[i])}) is "
+        n, i = (int(v) for v in bad[0])
+        raise LanternError(f"token {int(tokens[n, i])} at node {i} (path {list(tree.paths[i])}) is "
                            f"outside the vocabulary [0, {vocab})")
     if neighbours is not None:
         neighbours = np.asarray(neighbours)
@@ -324,13 +480,13 @@ def _check_inputs(tree, tokens, target_logits, rule, neighbours):
                                f"Kn): one row per token of the {vocab}-token vocabulary")
         if not np.issubdtype(neighbours.dtype, np.integer):
             raise LanternError(f"neighbour table must hold integer token ids, got {neighbours.dtype}")
-    if rule.mode != "exact":
+    if rule.relaxes:
         if rule.k > vocab - 1:
             raise LanternError(f"k = {rule.k} is out of range [0, {vocab - 1}] for a "
                                f"{vocab}-token vocabulary")
-        if rule.k > 0 and neighbours is None:
-            raise LanternError(f"mode {rule.mode!r} with k = {rule.k} needs a neighbour table")
-        if rule.k > 0 and rule.k > neighbours.shape[1]:
+        if neighbours is None:
+            raise LanternError(f"mode {rule.name!r} with k = {rule.k} needs a neighbour table")
+        if rule.k > neighbours.shape[1]:
             raise LanternError(f"k = {rule.k} exceeds the neighbour table's width "
                                f"{neighbours.shape[1]}")
     return tokens, logits, neighbours
@@ -339,23 +495,14 @@ def _check_inputs(tree, tokens, target_logits, rule, neighbours):
 def _check_rows(tree, logits, top):
     """Each row's max (float64), or LanternError: NaN and +inf win np.argmax and an all -inf row
     has -inf there, so the argmax pass checks every row."""
-    best = logits[np.arange(logits.shape[0]), top].astype(np.float64)
-    bad = np.flatnonzero(~np.isfinite(best))
+    best = np.take_along_axis(logits, top[..., None], axis=2)[..., 0].astype(np.float64)
+    bad = np.argwhere(~np.isfinite(best))
     if bad.size:
-        i = int(bad[0])
-        what = "NaN" if np.isnan(best[i]) else "+inf" if best[i] > 0 else "only -inf"
-        raise LanternError(f"target_logits row {i} (node path {list(tree.paths[i])}) contains "
-                           f"{what}")
+        n, i = (int(v) for v in bad[0])
+        what = "NaN" if np.isnan(best[n, i]) else "+inf" if best[n, i] > 0 else "only -inf"
+        raise LanternError(f"target logits row {i} (node path {list(tree.paths[i])}) contains "
+                           f"{what}" + (f" (image {n})" if logits.shape[0] > 1 else ""))
     return best
-
-
-def _check_filters(temperature, top_k, top_p):
-    if not (isinstance(temperature, (int, float, np.floating)) and 0 < temperature < math.inf):
-        raise LanternError(f"temperature must be > 0 and finite, got {temperature!r}")
-    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise LanternError(f"top_k must be an integer >= 0 (0 = no top-k), got {top_k!r}")
-    if not (isinstance(top_p, (int, float, np.floating)) and 0 < top_p <= 1):
-        raise LanternError(f"top_p must be in (0, 1] (1 = no nucleus filter), got {top_p!r}")
 
 
 def _neighbour_slice(neighbours, x, k, vocab):
@@ -363,14 +510,3 @@ def _neighbour_slice(neighbours, x, k, vocab):
     if near.size and (near.min() < 0 or near.max() >= vocab):
         raise LanternError(f"neighbour table holds ids outside the vocabulary [0, {vocab})")
     return near
-
-
-def _result(tree, tokens, last, next_token):
-    nodes = []
-    i = last
-    while i >= 0:
-        nodes.append(int(i))
-        i = int(tree.parents[i])
-    nodes.reverse()
-    return Acceptance(nodes=tuple(nodes), tokens=tuple(int(t) for t in tokens[nodes[1:]]),
-                      next_token=int(next_token), depth=int(tree.depths[last]))

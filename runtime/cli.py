@@ -1,4 +1,5 @@
-"""`lantern-run`: generate images from an engine directory (no torch needed on the onnxruntime backend)."""
+"""`lantern-run generate`: images from an engine directory (no torch needed on the onnxruntime backend).
+Arguments are checked where the Python API checks them, so both give the same one-line errors."""
 import argparse
 import json
 import os
@@ -18,7 +19,7 @@ def _classes(text):
         raise argparse.ArgumentTypeError(f"class labels are comma-separated integers, got {text!r}") from None
 
 
-def add_generation_options(p):
+def add_generation_options(p, backends=("onnxruntime",)):
     p.add_argument("--mode", default="lantern++", choices=("ar", "exact", "lantern", "lantern++"))
     p.add_argument("--lam", type=float, default=2.0, help="LANTERN++ bound: p~(x) <= lam * p(x) (lam >= 1)")
     p.add_argument("--delta", type=float, default=0.1, help="LANTERN bound on the moved mass (0..1)")
@@ -32,7 +33,7 @@ def add_generation_options(p):
     p.add_argument("--cfg-interval", type=int, default=-1, help="use CFG for the first N tokens only (-1: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tree", help="draft tree for this run (preset or JSON file; default: the engine's)")
-    p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "torch"))
+    p.add_argument("--backend", default="onnxruntime", choices=backends)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
 
@@ -43,15 +44,18 @@ def generation_kwargs(args):
                 cfg_interval=args.cfg_interval, seed=args.seed, tree=args.tree)
 
 
-def add_parser(sub):
+def add_parser(sub, backend_loaders=None):
+    """backend_loaders: {name: loader(engine_dir, threads, device) -> backend} for backends the
+    runtime cannot open by itself (lantern-run adds torch through lantern.export)."""
+    loaders = dict(backend_loaders or {})
     g = sub.add_parser("generate", help="generate images: tokens.npy, stats.json and PNGs into --out")
     g.add_argument("engine", help="engine directory (from lantern-export onnx)")
-    add_generation_options(g)
+    add_generation_options(g, backends=("onnxruntime",) + tuple(loaders))
     g.add_argument("--classes", type=_classes, help="class labels, e.g. 3,7 (c2i engines)")
     g.add_argument("--caption", help="T5 caption features .npy [N, tokens, dim], left-padded (t2i engines)")
     g.add_argument("--caption-mask", help=".npy [N, tokens] of 0/1: which caption tokens are real")
     g.add_argument("--out", required=True, help="output directory")
-    g.set_defaults(func=run_generate)
+    g.set_defaults(func=run_generate, backend_loaders=loaders)
 
 
 def build_parser():
@@ -63,8 +67,16 @@ def build_parser():
 def _load_npy(path, what):
     try:
         return np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise LanternError(f"{path}: cannot read {what} ({e})") from None
+    except (OSError, ValueError, EOFError) as e:
+        raise LanternError(f"{path}: cannot read {what} ({str(e).splitlines()[0]})") from None
+
+
+def open_engine(args):
+    from lantern.runtime.generator import Engine
+
+    loader = args.backend_loaders.get(args.backend)
+    backend = loader(args.engine, args.threads, args.device) if loader else args.backend
+    return Engine(args.engine, backend=backend, threads=args.threads, device=args.device)
 
 
 def write_outputs(out_dir, tokens, stats, images=None):
@@ -88,13 +100,11 @@ def write_outputs(out_dir, tokens, stats, images=None):
 
 
 def run_generate(args):
-    from lantern.runtime.generator import Engine
-
     caption = _load_npy(args.caption, "caption features") if args.caption else None
     mask = _load_npy(args.caption_mask, "caption mask") if args.caption_mask else None
-    engine = Engine(args.engine, backend=args.backend, threads=args.threads, device=args.device)
+    engine = open_engine(args)
     result = engine.generate(classes=args.classes, caption=caption, caption_mask=mask, **generation_kwargs(args))
-    images = engine.decode(result.tokens) if "vq_decoder" in engine.manifest["graphs"] else None
+    images = engine.decode(result.tokens) if "vq_decoder" in engine.manifest.graphs else None
     write_outputs(args.out, result.tokens, result.stats, images)
     s = result.stats
     print(f"{s['images']} images, mode {s['mode']}: {s['steps_per_image']:.1f} steps/image, "

@@ -1,35 +1,42 @@
-"""The engine directory format: what `lantern-export onnx` writes and the runtime reads.
+"""The engine directory format: the typed manifest that `lantern-export` writes and the runtime reads.
 
 engines/NAME/
-  manifest.json     this format (FORMAT_VERSION), written last
-  embed.onnx        token ids -> embeddings            (GRAPHS['embed'])
-  condition.onnx    class ids / caption -> embeddings   (GRAPHS['condition_c2i' | 'condition_t2i'])
-  target.onnx       the AR target: prefill, one-token steps and tree verification (GRAPHS['target'])
-  drafter.onnx      the drafter with top-k and CFG in the graph (GRAPHS['drafter']; absent: `ar` only)
-  vq_decoder.onnx   code grid -> RGB in [-1, 1]         (GRAPHS['vq_decoder']; optional)
-  neighbors.npy     latent neighbours [V, k] of every code, nearest first (optional)
+  manifest.json     this format (SCHEMA_VERSION), written last
+  condition.onnx    class ids / caption -> condition embeddings (LlamaGen)
+  target.onnx       the AR target: prefill, one-token steps and tree verification in one graph
+  drafter.onnx      the drafter with CFG, filters and top-K in the graph (absent: `ar` only)
+  vq_decoder.onnx   code grid -> RGB in [-1, 1] (optional)
+  neighbors.npy     latent neighbours [codes, k] of every code, nearest first (optional)
   *.onnx.data       external weights of a graph
 
-Every file is listed in manifest['files'] with its size and sha256; the runtime checks sizes on
-open and hashes when asked (`lantern-export check`, `open_engine(verify=True)`).
+`Manifest` is the only way into a manifest: export builds one and writes it with `write`, the
+runtime reads it with `read_manifest`, which validates every field (types, ranges, the graphs'
+files, the modes the engine can serve) and refuses unknown fields and other schema versions with
+a line that says to re-export. Nothing else in the code base reads manifest keys.
+
+Every file is listed in `files` with its size and sha256: sizes are checked on every open,
+hashes when asked (`read_manifest(..., verify=True)`, `lantern-export check`).
 """
+import dataclasses
 import hashlib
 import json
+import math
 import os
+from dataclasses import dataclass, field
+from typing import Optional
 
 from lantern.runtime.errors import LanternError
 
-FORMAT_VERSION = 1
+SCHEMA_VERSION = 2
+MODES = ("ar", "exact", "lantern", "lantern++")
+DTYPES = ("fp32", "fp16", "bf16")
 
-# Graph I/O contracts. Symbolic dims: B batch (2N with CFG), N images, T new tokens, P cache
-# slots, L layers, H KV heads, D hidden size, V vocabulary, K drafter candidates.
-# Scalars are shape-[1] tensors. attention_mask is True where a query may attend: the first P
-# columns are the cache slots, the last T the new tokens.
+# Graph I/O contracts. Symbolic dims: B batch rows (2N with CFG: [cond; uncond]), N images,
+# T new tokens, P cache slots, L layers, H KV heads, hd head dim, D hidden size, V vocabulary,
+# K drafter candidates, C condition tokens. Scalars are shape-[1] tensors. attention_mask is
+# True where a query may attend: the first P columns are the cache slots, the last T the new
+# tokens. Entries whose name holds "{i}" repeat once per layer.
 GRAPHS = {
-    "embed": {
-        "inputs": {"input_ids": ("int64", ["B", "T"])},
-        "outputs": {"inputs_embeds": ("float", ["B", "T", "D"])},
-    },
     "condition_c2i": {
         "inputs": {"class_ids": ("int64", ["B"])},
         "outputs": {"cond_embeds": ("float", ["B", "C", "D"])},
@@ -41,17 +48,20 @@ GRAPHS = {
     },
     "target": {
         "inputs": {
-            "inputs_embeds": ("float", ["B", "T", "D"]),
+            # Token ids; an id V + j stands for row j of cond_embeds (the condition tokens), so
+            # prefill, one-token steps and tree verification all feed ids.
+            "input_ids": ("int64", ["B", "T"]),
+            "cond_embeds": ("float", ["B", "C", "D"]),
             "position_ids": ("int64", ["B", "T"]),
             "attention_mask": ("bool", ["B", 1, "T", "P+T"]),
-            # One input per layer ({i} = 0..L-1): the runtime keeps one [L, B, H, P, hd] buffer and
-            # passes its per-layer views, so no graph ever splits (copies) a stacked cache.
+            # One input per layer: the runtime keeps one [L, B, H, P, hd] buffer and passes its
+            # per-layer views, so no graph ever splits (copies) a stacked cache.
             "past_keys_{i}": ("float", ["B", "H", "P", "hd"]),
             "past_values_{i}": ("float", ["B", "H", "P", "hd"]),
         },
         "outputs": {
             "logits": ("float32", ["B", "T", "V"]),
-            "hidden": ("float", ["B", "T", "D"]),
+            "hidden": ("float", ["B", "T", "D"]),  # after the final norm: the drafter's input
             "new_keys": ("float", ["L", "B", "H", "T", "hd"]),
             "new_values": ("float", ["L", "B", "H", "T", "hd"]),
         },
@@ -62,11 +72,11 @@ GRAPHS = {
             "input_ids": ("int64", ["B", "T"]),
             "position_ids": ("int64", ["B", "T"]),
             "attention_mask": ("bool", ["B", 1, "T", "P+T"]),
-            "past_keys_{i}": ("float", ["B", "H", "P", "hd"]),  # one layer: past_keys_0
+            "past_keys_{i}": ("float", ["B", "H", "P", "hd"]),
             "past_values_{i}": ("float", ["B", "H", "P", "hd"]),
-            # CFG halves: conditional rows [0, N), unconditional rows [B - N, B); without CFG N = B
-            # and both halves are the same rows, so the combination is exactly the logits.
-            "cond_batch": ("int64", [1]),
+            # CFG as data, not shapes: row b's unconditional partner is row cfg_pair[b] (itself
+            # without CFG) and its logits are l[pair] + cfg_scale * (l - l[pair]).
+            "cfg_pair": ("int64", ["B"]),
             "cfg_scale": ("float32", [1]),
             "temperature": ("float32", [1]),
             "top_k": ("int64", [1]),  # 0 = no top-k filter (within the K candidates)
@@ -74,12 +84,12 @@ GRAPHS = {
         },
         "outputs": {
             "hidden_out": ("float", ["B", "T", "D"]),
-            "new_keys": ("float", [1, "B", "H", "T", "hd"]),
-            "new_values": ("float", [1, "B", "H", "T", "hd"]),
+            "new_keys": ("float", ["L", "B", "H", "T", "hd"]),
+            "new_values": ("float", ["L", "B", "H", "T", "hd"]),
             # The K best tokens by CFG-combined logit, best first, and their probabilities under
-            # the drafter's filtered distribution (temperature, top-k, top-p) renormalised over them.
-            "topk_ids": ("int64", ["N", "T", "K"]),
-            "topk_probs": ("float32", ["N", "T", "K"]),
+            # the filtered distribution renormalised over them; rows of the conditional half count.
+            "topk_ids": ("int64", ["B", "T", "K"]),
+            "topk_probs": ("float32", ["B", "T", "K"]),
         },
     },
     "vq_decoder": {
@@ -88,9 +98,13 @@ GRAPHS = {
     },
 }
 
+GRAPH_FILES = {"condition": "condition.onnx", "target": "target.onnx", "drafter": "drafter.onnx",
+               "vq_decoder": "vq_decoder.onnx"}
+
+
 def graph_io(contract, layers=1):
-    """GRAPHS[contract] with the per-layer entries ('{i}' in the name) expanded for `layers`
-    layers, in order: {"inputs": {name: (kind, shape)}, "outputs": {...}}."""
+    """GRAPHS[contract] with the per-layer entries expanded for `layers` layers, in order:
+    {"inputs": {name: (kind, shape)}, "outputs": {...}}."""
     def expand(entries):
         out = {}
         for name, value in entries.items():
@@ -109,8 +123,147 @@ def cache_feeds(keys, values):
     return feeds
 
 
-GRAPH_FILES = {"embed": "embed.onnx", "condition": "condition.onnx", "target": "target.onnx",
-               "drafter": "drafter.onnx", "vq_decoder": "vq_decoder.onnx"}
+# ---------------------------------------------------------------------------------------------
+# The typed records
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: str  # numpy-style name: float32, float16, bfloat16, int64, bool
+    shape: tuple  # ints, or names of dims that stay dynamic
+
+
+@dataclass(frozen=True)
+class Graph:
+    file: str
+    contract: str  # a key of GRAPHS
+    dtype: str  # fp32 / fp16 / bf16: the precision of its float tensors
+    inputs: dict  # name -> TensorSpec, in the graph's order
+    outputs: dict
+    external_data: Optional[str] = None  # weights file beside it, if any
+
+    @property
+    def layers(self):
+        """Per-layer cache inputs (0 for graphs without a cache)."""
+        return sum(name.startswith("past_keys_") for name in self.inputs)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the runtime must know of a transformer to size its buffers and estimate a step."""
+
+    layers: int
+    dim: int
+    query_heads: int
+    kv_heads: int
+    head_dim: int
+    ffn_hidden: int
+
+
+@dataclass(frozen=True)
+class Condition:
+    """How a generation is conditioned. kind 'class': one token, a class label per image
+    (null_class is the unconditional row's label, None when the model has no CFG row);
+    kind 'caption': `tokens` caption features of width caption_dim per image."""
+
+    kind: str
+    tokens: int
+    num_classes: Optional[int] = None
+    null_class: Optional[int] = None
+    caption_dim: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The target's logits cover `size` ids; image tokens are ids [image_start, image_end) and a
+    VQ code is its id minus image_start."""
+
+    size: int
+    image_start: int
+    image_end: int
+
+    @property
+    def codes(self):
+        return self.image_end - self.image_start
+
+
+@dataclass(frozen=True)
+class Image:
+    grid_height: int  # latent rows and columns: the generation produces grid_height * grid_width tokens
+    grid_width: int
+    pixels: Optional[int] = None  # image side in pixels when the engine has a VQ decoder
+
+    @property
+    def tokens(self):
+        return self.grid_height * self.grid_width
+
+
+@dataclass(frozen=True)
+class Neighbors:
+    file: str
+    k: int  # neighbours per code
+    dtype: str
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    family: str
+    model: dict  # the family's own config and parameter count, for people and for re-export
+    target: Shape
+    condition: Condition
+    vocabulary: Vocabulary
+    image: Image
+    max_positions: int  # rows of the RoPE table: positions are clamped below it
+    dtype: str
+    opset: int
+    graphs: dict  # name -> Graph
+    modes: tuple
+    files: dict  # relative path -> FileRecord
+    drafter: Optional[Shape] = None
+    drafter_config: Optional[dict] = None
+    tree: Optional[dict] = None  # {"name", "paths"}: the default draft tree
+    candidates: Optional[int] = None  # K: the drafter graph's top-k width
+    neighbors: Optional[Neighbors] = None
+    vq: Optional[dict] = None
+    sources: dict = field(default_factory=dict)  # checkpoints the graphs came from (export reads it)
+    tools: dict = field(default_factory=dict)
+    build: dict = field(default_factory=dict)
+    schema: int = SCHEMA_VERSION
+
+    def to_json(self):
+        return _to_json(self)
+
+    def write(self, directory):
+        """manifest.json in `directory`, atomically (written last by export)."""
+        path = os.path.join(directory, "manifest.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+def _to_json(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and validating
 
 
 def sha256(path, chunk=1 << 20):
@@ -122,51 +275,217 @@ def sha256(path, chunk=1 << 20):
 
 
 def describe_files(directory, names):
-    """manifest['files'] entries for the given relative paths."""
-    return {name: {"size": os.path.getsize(os.path.join(directory, name)),
-                   "sha256": sha256(os.path.join(directory, name))} for name in sorted(names)}
+    """`files` records for the given relative paths."""
+    return {name: FileRecord(size=os.path.getsize(os.path.join(directory, name)),
+                             sha256=sha256(os.path.join(directory, name))) for name in sorted(names)}
 
 
-def write_manifest(directory, manifest):
-    path = os.path.join(directory, "manifest.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+class _Reader:
+    """Typed access to a JSON object; every failure is one LanternError naming the field."""
+
+    def __init__(self, data, where):
+        self.where = where
+        if not isinstance(data, dict):
+            self.fail("", f"must be an object, got {type(data).__name__}")
+        self.data = data
+
+    def fail(self, key, why):
+        raise LanternError(f"{self.where}{'.' + key if key else ''} {why}; re-export the engine with "
+                           f"`lantern-export onnx`")
+
+    def get(self, key, kind, optional=False, check=None, why=""):
+        if key not in self.data:
+            if optional:
+                return None
+            self.fail(key, "is missing")
+        value = self.data[key]
+        if value is None and optional:
+            return None
+        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or (check is not None and not check(value)):
+            self.fail(key, f"is {value!r}, expected {why or kind.__name__}")
+        return value
+
+    def positive(self, key, optional=False):
+        return self.get(key, int, optional, lambda v: v > 0, "a positive integer")
+
+    def obj(self, key, optional=False):
+        value = self.get(key, dict, optional)
+        return None if value is None else _Reader(value, f"{self.where}.{key}")
+
+    def done(self, known):
+        unknown = sorted(set(self.data) - set(known))
+        if unknown:
+            self.fail("", f"has unknown field(s) {', '.join(unknown)} (written by a newer lantern?)")
+
+
+def _fields(cls):
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _shape(r):
+    s = Shape(**{k: r.positive(k) for k in _fields(Shape)})
+    r.done(_fields(Shape))
+    if s.query_heads % s.kv_heads:
+        r.fail("query_heads", f"({s.query_heads}) is not a multiple of kv_heads ({s.kv_heads})")
+    return s
+
+
+def _tensor(r, name):
+    dtype = r.get("dtype", str, check=lambda v: v in ("float32", "float16", "bfloat16", "int64", "bool"),
+                  why="a tensor dtype")
+    shape = r.get("shape", list, check=lambda v: all(isinstance(d, str) or (isinstance(d, int) and not isinstance(d, bool)
+                                                                            and d >= 0) for d in v),
+                  why="a list of dims")
+    r.done(["dtype", "shape"])
+    return TensorSpec(dtype=dtype, shape=tuple(shape))
+
+
+def _graph(r, name):
+    contract = r.get("contract", str, check=lambda v: v in GRAPHS, why=f"one of {', '.join(GRAPHS)}")
+    g = Graph(file=r.get("file", str), contract=contract,
+              dtype=r.get("dtype", str, check=lambda v: v in DTYPES, why=f"one of {', '.join(DTYPES)}"),
+              inputs={k: _tensor(_Reader(v, f"{r.where}.inputs.{k}"), k) for k, v in r.get("inputs", dict).items()},
+              outputs={k: _tensor(_Reader(v, f"{r.where}.outputs.{k}"), k) for k, v in r.get("outputs", dict).items()},
+              external_data=r.get("external_data", str, optional=True))
+    r.done(_fields(Graph))
+    expected = graph_io(contract, max(g.layers, 1))
+    if set(g.inputs) != set(expected["inputs"]) or set(g.outputs) != set(expected["outputs"]):
+        r.fail("inputs", f"do not follow the {contract!r} contract of this lantern version")
+    # in the contract's order, whatever order the file kept
+    return dataclasses.replace(g, inputs={k: g.inputs[k] for k in expected["inputs"]},
+                               outputs={k: g.outputs[k] for k in expected["outputs"]})
+
+
+def _parse(data, where):
+    r = _Reader(data, where)
+    schema = data.get("schema", data.get("format_version")) if isinstance(data, dict) else None
+    if schema != SCHEMA_VERSION:
+        raise LanternError(f"{where}: engine schema {schema!r} is not the supported {SCHEMA_VERSION}; "
+                           f"re-export the engine with this version of `lantern-export onnx`")
+    cond = r.obj("condition")
+    kind = cond.get("kind", str, check=lambda v: v in ("class", "caption"), why="'class' or 'caption'")
+    condition = Condition(kind=kind, tokens=cond.positive("tokens"), num_classes=cond.positive("num_classes", True),
+                          null_class=cond.get("null_class", int, True, lambda v: v >= 0, "an id >= 0"),
+                          caption_dim=cond.positive("caption_dim", True))
+    cond.done(_fields(Condition))
+    if kind == "class" and condition.num_classes is None:
+        cond.fail("num_classes", "is missing (class-conditional engine)")
+    if kind == "caption" and condition.caption_dim is None:
+        cond.fail("caption_dim", "is missing (caption-conditional engine)")
+    voc = r.obj("vocabulary")
+    vocabulary = Vocabulary(size=voc.positive("size"), image_start=voc.get("image_start", int, check=lambda v: v >= 0,
+                                                                            why="an id >= 0"),
+                            image_end=voc.positive("image_end"))
+    voc.done(_fields(Vocabulary))
+    if not vocabulary.image_start < vocabulary.image_end <= vocabulary.size:
+        voc.fail("image_end", f"range [{vocabulary.image_start}, {vocabulary.image_end}) does not fit {vocabulary.size} ids")
+    img = r.obj("image")
+    image = Image(grid_height=img.positive("grid_height"), grid_width=img.positive("grid_width"),
+                  pixels=img.positive("pixels", True))
+    img.done(_fields(Image))
+    graphs = {name: _graph(_Reader(g, f"{where}: graphs.{name}"), name) for name, g in r.get("graphs", dict).items()}
+    files = {}
+    for name, entry in r.get("files", dict).items():
+        fr = _Reader(entry, f"{where}: files.{name}")
+        files[name] = FileRecord(size=fr.get("size", int, check=lambda v: v >= 0, why="a size"),
+                                 sha256=fr.get("sha256", str, check=lambda v: len(v) == 64, why="a sha256"))
+        fr.done(_fields(FileRecord))
+    nb = r.obj("neighbors", optional=True)
+    neighbors = None
+    if nb is not None:
+        neighbors = Neighbors(file=nb.get("file", str), k=nb.positive("k"), dtype=nb.get("dtype", str))
+        nb.done(_fields(Neighbors))
+    drafter = r.obj("drafter", optional=True)
+    m = Manifest(
+        family=r.get("family", str), model=r.get("model", dict), target=_shape(r.obj("target")), condition=condition,
+        vocabulary=vocabulary, image=image, max_positions=r.positive("max_positions"),
+        dtype=r.get("dtype", str, check=lambda v: v in DTYPES, why=f"one of {', '.join(DTYPES)}"),
+        opset=r.positive("opset"), graphs=graphs,
+        modes=tuple(r.get("modes", list, check=lambda v: v and all(x in MODES for x in v) and len(set(v)) == len(v),
+                          why=f"a list of distinct modes from {', '.join(MODES)}")),
+        files=files, drafter=None if drafter is None else _shape(drafter),
+        drafter_config=r.get("drafter_config", dict, optional=True),
+        tree=r.get("tree", dict, optional=True), candidates=r.positive("candidates", optional=True), neighbors=neighbors,
+        vq=r.get("vq", dict, optional=True), sources=r.get("sources", dict), tools=r.get("tools", dict),
+        build=r.get("build", dict), schema=SCHEMA_VERSION)
+    r.done(_fields(Manifest))
+    _check_consistency(m, r)
+    return m
+
+
+def _check_consistency(m, r):
+    """What the modes promise must be there: a drafter, a tree and candidates for speculative
+    modes, a neighbour table for relaxed ones; every graph's file listed."""
+    if "target" not in m.graphs:
+        r.fail("graphs", "has no target graph")
+    if m.vocabulary.size != m.graphs["target"].outputs["logits"].shape[-1]:
+        r.fail("vocabulary.size", f"({m.vocabulary.size}) differs from the target's logits width")
+    if m.graphs["target"].layers != m.target.layers:
+        r.fail("target.layers", f"({m.target.layers}) differs from the target graph's cache inputs")
+    for name, g in m.graphs.items():
+        if g.file not in m.files:
+            r.fail(f"graphs.{name}.file", f"names {g.file}, which `files` does not list")
+        if g.external_data is not None and g.external_data not in m.files:
+            r.fail(f"graphs.{name}.external_data", f"names {g.external_data}, which `files` does not list")
+    if "ar" not in m.modes:
+        r.fail("modes", "lacks 'ar' (every engine serves it)")
+    speculative = [mode for mode in m.modes if mode != "ar"]
+    if speculative:
+        if "drafter" not in m.graphs or m.drafter is None:
+            r.fail("modes", f"lists {', '.join(speculative)} but the engine has no drafter graph")
+        if m.tree is None:
+            r.fail("tree", f"is missing; modes {', '.join(speculative)} need the default draft tree")
+        if m.candidates is None:
+            r.fail("candidates", f"is missing; modes {', '.join(speculative)} need the drafter's top-k width")
+        if m.candidates != m.graphs["drafter"].outputs["topk_ids"].shape[-1]:
+            r.fail("candidates", f"({m.candidates}) differs from the drafter graph's top-k width")
+        from lantern.runtime.tree import build_tree
+
+        tree = build_tree(m.tree)
+        if max(tree.widths) > m.candidates:
+            r.fail("tree", f"{tree.name!r} needs {max(tree.widths)} children per node; the drafter returns {m.candidates}")
+    if {"lantern", "lantern++"} & set(m.modes):
+        if m.neighbors is None:
+            r.fail("neighbors", "is missing; modes lantern and lantern++ need a neighbour table")
+        if m.neighbors.file not in m.files:
+            r.fail("neighbors.file", f"names {m.neighbors.file}, which `files` does not list")
+    if m.condition.kind == "class" and "condition" not in m.graphs:
+        r.fail("graphs", "has no condition graph for a class-conditional engine")
 
 
 def read_manifest(directory, verify=False):
-    """Load and validate an engine directory's manifest. Raises LanternError saying what to rebuild."""
+    """Load and validate an engine directory's manifest: a Manifest, or LanternError saying what
+    to rebuild. Sizes of all files are checked; their sha256 too when verify is true."""
     directory = os.fspath(directory)
     path = os.path.join(directory, "manifest.json")
     if not os.path.isdir(directory):
         raise LanternError(f"{directory}: no such engine directory (build one with `lantern-export onnx`)")
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
     except FileNotFoundError:
-        raise LanternError(f"{directory}: no manifest.json; not an engine directory (rebuild with `lantern-export onnx`)") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise LanternError(f"{path}: unreadable manifest ({e}); rebuild with `lantern-export onnx`") from None
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if version != FORMAT_VERSION:
-        raise LanternError(f"{directory}: manifest format version {version!r} is not the supported {FORMAT_VERSION}; "
-                           f"rebuild the engine with this version of `lantern-export onnx`")
-    for key in ("files", "graphs", "model", "dtype"):
-        if key not in manifest:
-            raise LanternError(f"{path}: manifest lacks {key!r}; rebuild with `lantern-export onnx`")
-    for name, entry in manifest["files"].items():
-        file = os.path.join(directory, name)
-        if not os.path.isfile(file):
-            raise LanternError(f"{directory}: {name} is missing; rebuild the engine with `lantern-export onnx`")
-        size = os.path.getsize(file)
-        if size != entry["size"]:
-            raise LanternError(f"{directory}: {name} has {size} bytes, the manifest says {entry['size']}; "
-                               f"the file was changed or truncated; rebuild the engine")
-        if verify and sha256(file) != entry["sha256"]:
-            raise LanternError(f"{directory}: {name} does not match its sha256 in the manifest; rebuild the engine")
-    for graph, entry in manifest["graphs"].items():
-        if entry["file"] not in manifest["files"]:
-            raise LanternError(f"{path}: graph {graph} names {entry['file']}, which the manifest does not list")
+        raise LanternError(f"{directory}: no manifest.json; not an engine directory (build one with "
+                           f"`lantern-export onnx`)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LanternError(f"{path}: unreadable manifest ({e}); re-export the engine") from None
+    manifest = _parse(data, path)
+    check_files(directory, manifest, verify)
     return manifest
+
+
+def check_files(directory, manifest, verify=False):
+    for name, entry in manifest.files.items():
+        file = os.path.join(directory, name)
+        if os.path.isabs(name) or os.path.normpath(name).startswith(".."):
+            raise LanternError(f"{directory}: manifest lists {name!r}, outside the engine directory; re-export it")
+        if not os.path.isfile(file):
+            raise LanternError(f"{directory}: {name} is missing; re-export the engine with `lantern-export onnx`")
+        size = os.path.getsize(file)
+        if size != entry.size:
+            raise LanternError(f"{directory}: {name} has {size} bytes, the manifest says {entry.size}; "
+                               f"the file was changed or truncated; re-export the engine")
+        if verify and sha256(file) != entry.sha256:
+            raise LanternError(f"{directory}: {name} does not match its sha256 in the manifest; re-export the engine")

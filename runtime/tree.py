@@ -27,7 +27,8 @@ Conventions (the rest of the runtime relies on them):
       tokens[level.nodes] = topk_ids[level.slots, level.ranks]
 - leaf_paths [n_leaves, depth + 1]: the node indices from the root to each leaf, padded with -1,
   one row per leaf in node order.
-- children[i]: node i's children in rank order.
+- children[i]: node i's children in rank order; child_at[i, r]: node i's child of rank r, or -1.
+- `root_only()` is the tree of AR decoding: the root alone, depth 0.
 """
 import functools
 import json
@@ -124,6 +125,7 @@ class Tree:
     levels: tuple  # Level per depth 1..depth
     leaf_paths: np.ndarray  # [n_leaves, depth + 1] int64, -1 padded
     children: tuple  # per node, a tuple of child node indices in rank order
+    child_at: np.ndarray  # [N, max_width] int64: the child of rank r, or -1
 
     @property
     def num_nodes(self):
@@ -138,6 +140,11 @@ class Tree:
     def widths(self):
         """Per depth 1..depth, the top-k a drafter must return (max rank + 1)."""
         return tuple(level.width for level in self.levels)
+
+    @property
+    def max_width(self):
+        """The widest node's child count: the drafter candidates the tree needs (0: root only)."""
+        return max(self.widths, default=0)
 
     @property
     def choices(self):
@@ -280,8 +287,18 @@ def _frozen(a):
     return a
 
 
+def root_only():
+    """The tree of AR decoding: the root alone, no drafts. The decoding loop runs `ar` as this
+    tree: one verification of one token per step, no drafter calls."""
+    return _from_paths([], "ar")
+
+
 def _build(spec, name):
-    paths = [()] + sorted(_validate(spec), key=lambda p: (len(p), p))
+    return _from_paths(_validate(spec), name)
+
+
+def _from_paths(valid_paths, name):
+    paths = [()] + sorted(valid_paths, key=lambda p: (len(p), p))
     index = {p: i for i, p in enumerate(paths)}
     n = len(paths)
     parents = np.array([-1] + [index[p[:-1]] for p in paths[1:]], dtype=np.int64)
@@ -317,6 +334,11 @@ def _build(spec, name):
             leaf_paths[row, depths[i]] = i
             i = parents[i]
 
+    child_at = np.full((n, max((len(c) and int(ranks[c[-1]]) + 1) for c in children)), -1, dtype=np.int64)
+    for i in range(1, n):
+        child_at[parents[i], ranks[i]] = i
+
     return Tree(name=str(name), paths=tuple(paths), parents=_frozen(parents), depths=_frozen(depths),
                 ranks=_frozen(ranks), mask=_frozen(mask), levels=tuple(levels),
-                leaf_paths=_frozen(leaf_paths), children=tuple(tuple(c) for c in children))
+                leaf_paths=_frozen(leaf_paths), children=tuple(tuple(c) for c in children),
+                child_at=_frozen(child_at))

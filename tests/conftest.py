@@ -1,6 +1,24 @@
 import os
 import sys
 
+import pytest
+
 # Tests run on 2 cores; keep torch from oversubscribing them.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.dont_write_bytecode = True
+
+
+@pytest.fixture(scope="session")
+def c2i_engine(tmp_path_factory):
+    """A tiny class-conditional engine (mc_sim_7b_63 tree), exported through the real CLI."""
+    from engines import build_engine
+
+    return build_engine(tmp_path_factory.mktemp("c2i"), "c2i")
+
+
+@pytest.fixture(scope="session")
+def t2i_engine(tmp_path_factory):
+    """A tiny text-conditional engine (naive_extend_57 tree)."""
+    from engines import build_engine
+
+    return build_engine(tmp_path_factory.mktemp("t2i"), "t2i", tree="naive_extend_57")

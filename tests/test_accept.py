@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from lantern.runtime.accept import Acceptance, Rule, accept_greedy, accept_sampling, filtered_probs
+from lantern.runtime.accept import (Acceptance, Exact, Lantern, LanternPP, accept_greedy, accept_greedy_batch,
+                                    accept_sampling, accept_sampling_batch, filtered_probs, rule_for)
 from lantern.runtime.errors import LanternError
 from lantern.runtime.tree import build_tree
 
@@ -68,8 +69,8 @@ def ref_greedy(tree, tokens, logits, rule, table):
         p /= p.sum()
         x = int(tokens[i])
         moved = 0.0
-        if rule.mode != "exact":
-            bound = rule.delta if rule.mode == "lantern" else (rule.lam - 1) * p[x]
+        if rule.name != "exact":
+            bound = rule.delta if rule.name == "lantern" else (rule.lam - 1) * p[x]
             for n in table[x, :rule.k]:
                 if moved + p[n] > bound:
                     break
@@ -112,21 +113,27 @@ def brute_force_exact(spec_paths, tree, tokens, logits):
     (dict(mode="lantern++", k=4, lam=0.5), ["lam must be >= 1", "0.5"]),
     (dict(mode="lantern++", k=4, lam=float("nan")), ["lam must be >= 1"]),
     (dict(mode="lantern++", k=4, lam=float("inf")), ["lam must be >= 1 and finite"]),
+    (dict(mode="lantern++", k=4, lam=None), ["lam must be >= 1"]),
     (dict(mode="lantern", k=4, delta=-0.1), ["delta must be in [0, 1]", "-0.1"]),
     (dict(mode="lantern", k=4, delta=1.5), ["delta must be in [0, 1]", "1.5"]),
     (dict(mode="lantern", k=4, delta=float("nan")), ["delta must be in [0, 1]"]),
     (dict(mode="lantern", k=-1, delta=0.1), ["k must be an integer >= 0", "-1"]),
     (dict(mode="lantern", k=2.5, delta=0.1), ["k must be an integer >= 0", "2.5"]),
     (dict(mode="lantern", k=True, delta=0.1), ["k must be an integer >= 0"]),
-    (dict(mode="exact", k=5), ["k applies to modes"]),
-    (dict(mode="lantern", k=5, lam=2.0), ["lam applies to mode 'lantern++' only"]),
-    (dict(mode="lantern++", k=5, delta=0.2), ["delta applies to mode 'lantern' only"]),
 ])
 def test_rule_errors(kwargs, words):
     with pytest.raises(LanternError) as e:
-        Rule(**kwargs)
+        rule_for(**kwargs)
     for w in words:
         assert w in str(e.value)
+
+
+def test_each_rule_has_its_own_bound():
+    p_x, total = np.array([0.1, 0.3]), np.array([1.0, 2.0])
+    np.testing.assert_array_equal(Exact().bound(p_x, total), [0.0, 0.0])
+    np.testing.assert_allclose(LanternPP(k=3, lam=3.0).bound(p_x, total), [0.2, 0.6])
+    np.testing.assert_allclose(Lantern(k=3, delta=0.25).bound(p_x, total), [0.25, 0.5])
+    assert not Exact().relaxes and not LanternPP(k=0, lam=9.0).relaxes and Lantern(k=1, delta=0.1).relaxes
 
 
 @pytest.fixture
@@ -140,7 +147,7 @@ def small():
     return tree, tokens, logits, q, neighbour_table(rng, vocab)
 
 
-def _greedy_error(small, words, rule=Rule("lantern++", k=3, lam=2.0), **change):
+def _greedy_error(small, words, rule=LanternPP(k=3, lam=2.0), **change):
     tree, tokens, logits, q, table = small
     args = dict(tree=tree, tokens=tokens, target_logits=logits, rule=rule, neighbours=table)
     args.update(change)
@@ -153,8 +160,8 @@ def _greedy_error(small, words, rule=Rule("lantern++", k=3, lam=2.0), **change):
 
 def test_input_errors(small):
     tree, tokens, logits, q, table = small
-    _greedy_error(small, ["k = 8", "[0, 7]"], rule=Rule("lantern++", k=8, lam=2.0))
-    _greedy_error(small, ["k = 5", "width 4"], neighbours=table[:, :4], rule=Rule("lantern", k=5, delta=0.1))
+    _greedy_error(small, ["k = 8", "[0, 7]"], rule=LanternPP(k=8, lam=2.0))
+    _greedy_error(small, ["k = 5", "width 4"], neighbours=table[:, :4], rule=Lantern(k=5, delta=0.1))
     _greedy_error(small, ["shape (7, 7)", "(8, Kn)"], neighbours=table[:7])
     _greedy_error(small, ["integer token ids"], neighbours=table.astype(float))
     bad = table.copy()
@@ -175,10 +182,10 @@ def test_input_errors(small):
     _greedy_error(small, ["tokens must be 7 integers"], tokens=tokens[:6])
     _greedy_error(small, ["tokens must be 7 integers"], tokens=tokens.astype(float))
     _greedy_error(small, ["shape (6, 8)", "(7, V)"], target_logits=logits[:6])
-    _greedy_error(small, ["rule must be a Rule"], rule="exact")
+    _greedy_error(small, ["rule must be Exact, Lantern or LanternPP"], rule="exact")
 
     rng = np.random.default_rng(1)
-    exact = Rule()
+    exact = Exact()
 
     def sampling(words, tree=tree, q=q, rng=rng, **filters):
         with pytest.raises(LanternError) as e:
@@ -190,7 +197,7 @@ def test_input_errors(small):
     sampling(["draft_probs has shape (6, 8)"], q=q[:6])
     negative = q.copy()
     negative[0, 1] = -0.1
-    sampling(["draft_probs row 0", "negative or non-finite"], q=negative)
+    sampling(["draft probabilities of node 0", "negative or non-finite"], q=negative)
     sampling(["temperature must be > 0"], temperature=0.0)
     sampling(["top_k must be an integer >= 0"], top_k=-1)
     sampling(["top_p must be in (0, 1]"], top_p=0.0)
@@ -214,7 +221,7 @@ def test_greedy_exact_is_longest_argmax_prefix(name):
     for _ in range(60):
         logits = rng.normal(size=(tree.num_nodes, vocab)).astype(np.float32)
         tokens = drafted_tokens(tree, logits, rng)
-        got = accept_greedy(tree, tokens, logits, Rule())
+        got = accept_greedy(tree, tokens, logits, Exact())
         node, nxt = brute_force_exact(tree.choices, tree, tokens, logits)
         assert got.nodes[-1] == node and got.next_token == nxt
         assert got.nodes == tuple(i for i in range(tree.num_nodes) if tree.mask[node, i])
@@ -228,12 +235,12 @@ def test_greedy_tie_between_paths_prefers_lowest_index():
     tree = build_tree("kary-3-1")
     logits = np.zeros((4, 5))
     logits[0, 2] = 1.0
-    got = accept_greedy(tree, np.array([0, 2, 2, 2]), logits, Rule())
+    got = accept_greedy(tree, np.array([0, 2, 2, 2]), logits, Exact())
     assert got.nodes == (0, 1) and got.next_token == 0  # all-zero row: lowest id wins
 
 
-@pytest.mark.parametrize("rule", [Rule("lantern++", k=4, lam=2.0), Rule("lantern++", k=12, lam=6.0),
-                                  Rule("lantern", k=4, delta=0.12), Rule("lantern", k=12, delta=0.3)])
+@pytest.mark.parametrize("rule", [LanternPP(k=4, lam=2.0), LanternPP(k=12, lam=6.0),
+                                  Lantern(k=4, delta=0.12), Lantern(k=12, delta=0.3)])
 def test_greedy_relaxed_matches_reference(rule):
     tree = build_tree("mc_sim_7b_63")
     rng = np.random.default_rng(7)
@@ -246,7 +253,7 @@ def test_greedy_relaxed_matches_reference(rule):
         got = accept_greedy(tree, tokens, logits, rule, table)
         node, nxt = ref_greedy(tree, tokens, logits, rule, table)
         assert (got.nodes[-1], got.next_token) == (node, nxt)
-        relaxed_beyond_exact += got.accept_length > accept_greedy(tree, tokens, logits, Rule()).accept_length
+        relaxed_beyond_exact += got.accept_length > accept_greedy(tree, tokens, logits, Exact()).accept_length
     assert relaxed_beyond_exact > 0
 
 
@@ -256,10 +263,10 @@ def test_greedy_monotone_in_lam_delta_k():
     vocab = 48
     table = neighbour_table(rng, vocab, width=20)
     grids = [
-        [Rule("lantern++", k=10, lam=lam) for lam in (1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0)],
-        [Rule("lantern", k=10, delta=d) for d in (0.0, 0.01, 0.03, 0.1, 0.2, 0.4, 1.0)],
-        [Rule("lantern++", k=k, lam=4.0) for k in (0, 1, 2, 4, 8, 16, 20)],
-        [Rule("lantern", k=k, delta=0.2) for k in (0, 1, 2, 4, 8, 16, 20)],
+        [LanternPP(k=10, lam=lam) for lam in (1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0)],
+        [Lantern(k=10, delta=d) for d in (0.0, 0.01, 0.03, 0.1, 0.2, 0.4, 1.0)],
+        [LanternPP(k=k, lam=4.0) for k in (0, 1, 2, 4, 8, 16, 20)],
+        [Lantern(k=k, delta=0.2) for k in (0, 1, 2, 4, 8, 16, 20)],
     ]
     grew = 0
     for _ in range(40):
@@ -291,10 +298,10 @@ def test_greedy_lam1_delta0_equal_exact_with_filtered_zeros():
     for _ in range(60):
         logits, table = filtered_case(rng, tree, vocab)
         tokens = drafted_tokens(tree, logits, rng, hit=0.5)
-        exact = accept_greedy(tree, tokens, logits, Rule())
-        for rule in (Rule("lantern++", k=15, lam=1.0), Rule("lantern", k=15, delta=0.0)):
+        exact = accept_greedy(tree, tokens, logits, Exact())
+        for rule in (LanternPP(k=15, lam=1.0), Lantern(k=15, delta=0.0)):
             assert accept_greedy(tree, tokens, logits, rule, table) == exact
-        differs += accept_greedy(tree, tokens, logits, Rule("lantern++", k=15, lam=3.0), table) != exact
+        differs += accept_greedy(tree, tokens, logits, LanternPP(k=15, lam=3.0), table) != exact
     assert differs > 0  # the relaxed rule does act on these cases
 
 
@@ -317,14 +324,14 @@ def test_greedy_bound_is_inclusive():
     table = neighbour_table(np.random.default_rng(0), vocab)
     table[5, :3] = [6, 9, 10]
     tokens = np.array([1, 5])
-    assert accept_greedy(tree, tokens, logits, Rule()).accept_length == 0
+    assert accept_greedy(tree, tokens, logits, Exact()).accept_length == 0
     # lantern++: bound (lam - 1) * p(x) = 1/8 == S_1 -> p~ = 2/8 > 1/8: accepted
-    assert accept_greedy(tree, tokens, logits, Rule("lantern++", k=3, lam=2.0), table).accept_length == 1
-    assert accept_greedy(tree, tokens, logits, Rule("lantern++", k=3, lam=2.0 - 2**-40), table).accept_length == 0
+    assert accept_greedy(tree, tokens, logits, LanternPP(k=3, lam=2.0), table).accept_length == 1
+    assert accept_greedy(tree, tokens, logits, LanternPP(k=3, lam=2.0 - 2**-40), table).accept_length == 0
     # lantern: bound delta = 1/8 == S_1
-    got = accept_greedy(tree, tokens, logits, Rule("lantern", k=3, delta=0.125), table)
+    got = accept_greedy(tree, tokens, logits, Lantern(k=3, delta=0.125), table)
     assert got.accept_length == 1 and got.next_token == 3
-    assert accept_greedy(tree, tokens, logits, Rule("lantern", k=3, delta=0.125 - 2**-50), table).accept_length == 0
+    assert accept_greedy(tree, tokens, logits, Lantern(k=3, delta=0.125 - 2**-50), table).accept_length == 0
 
 
 def test_greedy_tie_after_raise_goes_to_lowest_id_and_zero_stays_zero():
@@ -337,9 +344,9 @@ def test_greedy_tie_after_raise_goes_to_lowest_id_and_zero_stays_zero():
     for x, expected in [(2, 1), (6, 0)]:
         table[x, 0] = 9
         tokens = np.array([0, x])
-        assert accept_greedy(tree, tokens, logits, Rule("lantern", k=2, delta=0.5), table).accept_length == expected
+        assert accept_greedy(tree, tokens, logits, Lantern(k=2, delta=0.5), table).accept_length == expected
         # lantern++ cannot lift a zero-probability draft, however large lam is
-        assert accept_greedy(tree, tokens, logits, Rule("lantern++", k=11, lam=1e6), table).accept_length == 0
+        assert accept_greedy(tree, tokens, logits, LanternPP(k=11, lam=1e6), table).accept_length == 0
 
 
 def test_sampling_bound_is_inclusive():
@@ -353,17 +360,18 @@ def test_sampling_bound_is_inclusive():
     q[0, 5], q[0, 2] = 0.75, 0.25
     table = neighbour_table(np.random.default_rng(2), vocab)
     table[5, :2] = [6, 0]
-    seed = next(s for s in range(100) if 1 / 3 < np.random.default_rng(s).random() < 2 / 3)
+    # uniforms are drawn up front, one per node: node 1 (the draft) is decided by the second
+    seed = next(s for s in range(100) if 1 / 3 < np.random.default_rng(s).random(2)[1] < 2 / 3)
 
     def run(rule):
         return accept_sampling(tree, np.array([0, 5]), logits, q, rule, np.random.default_rng(seed), table)
 
-    assert run(Rule()).accept_length == 0
-    assert run(Rule("lantern++", k=2, lam=2.0)).accept_length == 1
-    assert run(Rule("lantern++", k=2, lam=2.0 - 2**-40)).accept_length == 0
-    got = run(Rule("lantern", k=2, delta=0.25))
+    assert run(Exact()).accept_length == 0
+    assert run(LanternPP(k=2, lam=2.0)).accept_length == 1
+    assert run(LanternPP(k=2, lam=2.0 - 2**-40)).accept_length == 0
+    got = run(Lantern(k=2, delta=0.25))
     assert got.accept_length == 1 and got.next_token == 2
-    assert run(Rule("lantern", k=2, delta=0.25 - 2**-50)).accept_length == 0
+    assert run(Lantern(k=2, delta=0.25 - 2**-50)).accept_length == 0
 
 
 def test_sampling_residual_after_relaxed_rejection():
@@ -376,14 +384,14 @@ def test_sampling_residual_after_relaxed_rejection():
     q[0, 5] = 1.0
     table = neighbour_table(np.random.default_rng(2), vocab)
     table[5, :2] = [6, 0]
-    seen = {Rule(): set(), Rule("lantern++", k=2, lam=2.0): set()}
+    seen = {Exact(): set(), LanternPP(k=2, lam=2.0): set()}
     for seed in range(400):
         for rule, out in seen.items():
             got = accept_sampling(tree, np.array([0, 5]), logits, q, rule, np.random.default_rng(seed), table)
             if got.accept_length == 0:
                 out.add(got.next_token)
-    assert seen[Rule()] == {1, 6, 7}
-    assert seen[Rule("lantern++", k=2, lam=2.0)] == {1, 7}
+    assert seen[Exact()] == {1, 6, 7}
+    assert seen[LanternPP(k=2, lam=2.0)] == {1, 7}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +472,7 @@ def test_sampling_exact_preserves_target_distribution(filters):
     vocab = 8
     models = ToyModels(vocab, seed=5)
     tree = build_tree("kary-3-2")
-    counts = first_two(models, tree, Rule(), trials=20000, seed=17, filters=filters)
+    counts = first_two(models, tree, Exact(), trials=20000, seed=17, filters=filters)
     joint = models.joint(lambda lg: ref_filter(lg, **filters))
     result = chi_square(counts, joint)
     assert result.pvalue > 1e-3, result
@@ -497,11 +505,11 @@ def test_sampling_lam1_delta0_equal_exact_same_random_numbers():
         tokens = np.zeros(tree.num_nodes, dtype=np.int64)
         for i in range(1, tree.num_nodes):  # drafts: likely tokens of q, repeats allowed
             tokens[i] = rng.choice(vocab, p=q[tree.parents[i]])
-        exact = accept_sampling(tree, tokens, logits, q, Rule(), np.random.default_rng(trial), **filters)
-        for rule in (Rule("lantern++", k=15, lam=1.0), Rule("lantern", k=15, delta=0.0)):
+        exact = accept_sampling(tree, tokens, logits, q, Exact(), np.random.default_rng(trial), **filters)
+        for rule in (LanternPP(k=15, lam=1.0), Lantern(k=15, delta=0.0)):
             got = accept_sampling(tree, tokens, logits, q, rule, np.random.default_rng(trial), table, **filters)
             assert got == exact
-        relaxed = accept_sampling(tree, tokens, logits, q, Rule("lantern++", k=15, lam=4.0),
+        relaxed = accept_sampling(tree, tokens, logits, q, LanternPP(k=15, lam=4.0),
                                   np.random.default_rng(trial), table, **filters)
         differs += relaxed != exact
     assert differs > 0
@@ -518,10 +526,9 @@ def test_sampling_skips_drafts_outside_q_support():
     q[0, 1] = 1.0
     tokens = np.array([0, 1, 4, 4])
     for seed in range(50):
-        got = accept_sampling(tree, tokens, logits, q, Rule(), np.random.default_rng(seed))
+        got = accept_sampling(tree, tokens, logits, q, Exact(), np.random.default_rng(seed))
         assert got.nodes in [(0,), (0, 1)]
-        rng = np.random.default_rng(seed)
-        u = rng.random()
+        u = np.random.default_rng(seed).random(4)[1]  # the uniform of node 1, the only q-supported child
         accepted = u * 1.0 < np.exp(0) / (np.exp(5) + 5)
         assert got.accept_length == int(accepted)
 
@@ -530,6 +537,87 @@ def test_acceptance_type():
     tree = build_tree("chain-2")
     logits = np.zeros((3, 4))
     logits[:, 1] = 1.0
-    got = accept_greedy(tree, np.array([0, 1, 1]), logits, Rule())
+    got = accept_greedy(tree, np.array([0, 1, 1]), logits, Exact())
     assert got == Acceptance(nodes=(0, 1, 2), tokens=(1, 1), next_token=1, depth=2)
     assert got.accept_length == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched acceptance (what the decoding loop runs) against one image at a time
+
+
+def batch_case(rng, tree, n, vocab, k):
+    """Logits with some filtered (-inf) entries, each node's k distinct candidates with random
+    probabilities (some zero), drafts drawn mostly from the candidates, uniforms per node."""
+    m = tree.num_nodes
+    logits = rng.normal(scale=1.5, size=(n, m, vocab))
+    logits[rng.random((n, m, vocab)) < 0.15] = NEG
+    logits[:, :, 0] = 0.0  # keep every row finite
+    ids = np.stack([[rng.permutation(vocab)[:k] for _ in range(m)] for _ in range(n)])
+    probs = rng.random((n, m, k)) ** 3
+    probs[rng.random((n, m, k)) < 0.1] = 0.0
+    probs /= probs.sum(axis=2, keepdims=True)
+    tokens = rng.integers(vocab, size=(n, m))
+    for i in range(1, m):
+        parent = tree.parents[i]
+        pick = rng.random(n) < 0.8
+        tokens[pick, i] = ids[pick, parent, tree.ranks[i] % k]
+    top = np.argmax(logits, axis=2)
+    greedy_hit = rng.random((n, m)) < 0.5
+    for i in range(1, m):
+        tokens[greedy_hit[:, i], i] = top[greedy_hit[:, i], tree.parents[i]]
+    return logits, tokens, ids, probs, rng.random((n, m))
+
+
+RULES_UNDER_TEST = [Exact(), LanternPP(k=4, lam=3.0), Lantern(k=4, delta=0.2), LanternPP(k=1, lam=1.0)]
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampling"])
+def test_batched_acceptance_equals_per_image(greedy):
+    rng = np.random.default_rng(21)
+    vocab, k, n = 20, 6, 5
+    table = neighbour_table(rng, vocab)
+    seen_lengths = set()
+    for trial in range(40):
+        tree = build_tree(["mc_sim_7b_63", "kary-3-3", "chain-4"][trial % 3])
+        rule = RULES_UNDER_TEST[trial % len(RULES_UNDER_TEST)]
+        filters = [dict(), dict(temperature=0.7, top_k=6, top_p=0.8)][trial % 2]
+        logits, tokens, ids, probs, uniforms = batch_case(rng, tree, n, vocab, k)
+
+        def run(rows):
+            if greedy:
+                return accept_greedy_batch(tree, tokens[rows], logits[rows], rule, table)
+            return accept_sampling_batch(tree, tokens[rows], logits[rows], ids[rows], probs[rows], rule,
+                                         uniforms[rows], table, **filters)
+
+        batch = run(slice(None))
+        for i in range(n):
+            one = run(slice(i, i + 1))
+            for field in ("path", "accepted", "next_token", "decisions"):
+                np.testing.assert_array_equal(getattr(batch, field)[i], getattr(one, field)[0],
+                                              err_msg=f"trial {trial} image {i} {field}")
+        seen_lengths.update(batch.accepted.tolist())
+        # the record is consistent: the path's nodes are exactly the decisions marked 1
+        for i in range(n):
+            on_path = set(batch.path[i][batch.path[i] >= 0].tolist())
+            assert on_path == set(np.flatnonzero(batch.decisions[i] == 1).tolist())
+            assert len(on_path) == batch.accepted[i] + 1
+    assert len(seen_lengths) >= 3  # the cases reach several depths
+
+
+def test_sparse_candidates_equal_the_dense_distribution():
+    """Sampling acceptance over the drafter's sparse top-K equals the same q written densely."""
+    rng = np.random.default_rng(5)
+    vocab, k = 16, 5
+    table = neighbour_table(rng, vocab)
+    tree = build_tree("kary-2-3")
+    for trial in range(60):
+        rule = RULES_UNDER_TEST[trial % len(RULES_UNDER_TEST)]
+        logits, tokens, ids, probs, uniforms = batch_case(rng, tree, 1, vocab, k)
+        dense = np.zeros((1, tree.num_nodes, vocab))
+        np.put_along_axis(dense, ids, probs, axis=2)
+        all_ids = np.broadcast_to(np.arange(vocab), dense.shape)
+        a = accept_sampling_batch(tree, tokens, logits, ids, probs, rule, uniforms, table)
+        b = accept_sampling_batch(tree, tokens, logits, all_ids, dense, rule, uniforms, table)
+        for field in ("path", "accepted", "next_token", "decisions"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=f"trial {trial} {field}")

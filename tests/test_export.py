@@ -14,7 +14,7 @@ from lantern.export import checkpoints, cli
 from lantern.export import onnx_export
 from lantern.export.check import check_engine
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import describe_files, graph_io, read_manifest, write_manifest
+from lantern.runtime.manifest import Condition, describe_files, graph_io, read_manifest
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
@@ -81,35 +81,35 @@ def _export_cli(sources, out, *extra):
 
 def test_c2i_engine_passes_check(c2i_engine):
     out, manifest = c2i_engine
-    expected = {"embed", "condition", "target", "drafter"} | ({"vq_decoder"} if manifest["vq"] else set())
-    assert set(manifest["graphs"]) == expected
-    assert manifest["has_drafter"]
-    assert manifest["modes"] == ["ar", "exact"] + (["lantern", "lantern++"] if manifest["vq"] else [])
-    assert manifest["condition"] == {"type": "c2i", "cls_token_num": 1, "num_classes": 10, "null_class": 10}
-    assert manifest["image_tokens"] == [0, 64] and manifest["candidates"] == 64
-    assert manifest["sources"]["target"]["format"] == "llamagen-pt"
-    assert manifest["sources"]["drafter"]["format"] == "drafter"
+    expected = {"condition", "target", "drafter"} | ({"vq_decoder"} if manifest.vq else set())
+    assert set(manifest.graphs) == expected
+    assert manifest.modes == ("ar", "exact") + (("lantern", "lantern++") if manifest.vq else ())
+    assert manifest.condition == Condition(kind="class", tokens=1, num_classes=10, null_class=10)
+    assert (manifest.vocabulary.image_start, manifest.vocabulary.image_end) == (0, 64) and manifest.candidates == 64
+    assert manifest.sources["target"]["format"] == "llamagen-pt"
+    assert manifest.sources["drafter"]["format"] == "drafter"
     report = check_engine(out)
     assert report["ok"], report["failures"]
     ids = [r for r in report["results"] if r["output"] == "topk_ids"]
     assert ids and all(r["clear"] > 0 for r in ids)  # the id comparison is not vacuous
     cases = {(r["graph"], r["case"]) for r in report["results"]}
-    assert {("target", "prefill"), ("target", "step"), ("target", "tree"), ("drafter", "tree")} <= cases
+    assert {("target", "prefill"), ("target", "step"), ("target", "tree"), ("drafter", "tree"),
+            ("drafter", "draft0")} <= cases
 
 
 def test_vq_decoder_and_neighbors(c2i_engine):
     out, manifest = c2i_engine
-    if manifest["vq"] is None:
+    if manifest.vq is None:
         pytest.skip("lantern.export.vq is not available")
     from lantern.export.neighbors import nearest_neighbors
     from lantern.export.vq import load_vq
 
     table = np.load(os.path.join(out, "neighbors.npy"))
-    assert table.shape == (64, 63) and manifest["neighbors"]["k"] == 63
-    vq, _ = load_vq(manifest["sources"]["vq"]["path"])
+    assert table.shape == (64, 63) and manifest.neighbors.k == 63
+    vq, _ = load_vq(manifest.sources["vq"]["path"])
     np.testing.assert_array_equal(table, nearest_neighbors(vq.code_vectors().detach().numpy(), 63))
-    assert manifest["graphs"]["vq_decoder"]["dtype"] == "fp32"
-    assert manifest["vq"]["image_size"] == manifest["grid_size"] * manifest["vq"]["downsample"] == 8
+    assert manifest.graphs["vq_decoder"].dtype == "fp32"
+    assert manifest.image.pixels == manifest.image.grid_width * manifest.vq["downsample"] == 8
 
 
 def test_t2i_engine_via_cli_passes_check(sources, tmp_path, capsys):
@@ -119,9 +119,9 @@ def test_t2i_engine_via_cli_passes_check(sources, tmp_path, capsys):
     assert rc == 0
     assert "tree chain (6 nodes, depth 5)" in capsys.readouterr().out
     manifest = read_manifest(out, verify=True)
-    assert manifest["condition"]["type"] == "t2i" and manifest["condition"]["cls_token_num"] == 6
-    assert manifest["graphs"]["condition"]["contract"] == "condition_t2i"
-    assert manifest["sources"]["target"]["format"] == "lantern-hf"
+    assert manifest.condition.kind == "caption" and manifest.condition.tokens == 6
+    assert manifest.graphs["condition"].contract == "condition_t2i"
+    assert manifest.sources["target"]["format"] == "lantern-hf"
     assert cli.main(["check", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "target     tree     logits" in printed and "check passed" in printed
@@ -131,10 +131,10 @@ def test_fp16_engine_passes_check_with_its_tolerance(sources, tmp_path):
     out = tmp_path / "fp16"
     manifest = onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]},
                                          drafter=sources["c2i_drafter"], tree="kary-2-2", dtype="fp16")
-    assert manifest["dtype"] == "fp16"
+    assert manifest.dtype == "fp16"
     model = onnx.load(str(out / "target.onnx"))
     types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
-    assert types["inputs_embeds"] == types["hidden"] == types["past_keys_0"] == onnx.TensorProto.FLOAT16
+    assert types["cond_embeds"] == types["hidden"] == types["past_keys_0"] == onnx.TensorProto.FLOAT16
     assert types["logits"] == onnx.TensorProto.FLOAT  # 'float32' in the contract stays fp32
     # Weights stay fp16 (no fp32 copies), except the RoPE table, which is fp32 by design.
     sizes = {i.name: i.data_type for i in model.graph.initializer if len(i.dims) == 2 and min(i.dims) > 8}
@@ -161,24 +161,27 @@ def test_bf16_ar_engine_checks_through_fp32_upcast(sources, tmp_path):
 
 def test_manifest_round_trips_and_names_the_contracts(c2i_engine):
     out, manifest = c2i_engine
-    assert read_manifest(out, verify=True) == json.loads(json.dumps(manifest))
-    for name, entry in manifest["graphs"].items():
-        spec = graph_io(entry["contract"], 2 if entry["contract"] == "target" else 1)
-        assert entry["inputs"] == list(spec["inputs"]) and entry["outputs"] == list(spec["outputs"])
-        assert entry["file"] in manifest["files"]
-        model = onnx.load(os.path.join(out, entry["file"]), load_external_data=False)
-        assert [v.name for v in model.graph.input] == entry["inputs"]
+    assert read_manifest(out, verify=True) == manifest
+    for name, entry in manifest.graphs.items():
+        spec = graph_io(entry.contract, 2 if entry.contract == "target" else 1)
+        assert list(entry.inputs) == list(spec["inputs"]) and list(entry.outputs) == list(spec["outputs"])
+        assert entry.file in manifest.files
+        model = onnx.load(os.path.join(out, entry.file), load_external_data=False)
+        assert [v.name for v in model.graph.input] == list(entry.inputs)
+        io = {**entry.inputs, **entry.outputs}
         for value in list(model.graph.input) + list(model.graph.output):
             dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
-            assert dims == entry["io"][value.name]["shape"]
-    assert manifest["graphs"]["target"]["io"]["attention_mask"]["shape"] == ["B", 1, "T", "P+T"]
-    assert manifest["graphs"]["target"]["io"]["past_keys_1"]["shape"] == ["B", 4, "P", 8]
-    assert "past_keys_2" not in manifest["graphs"]["target"]["io"]
+            assert dims == list(io[value.name].shape)
+    target = manifest.graphs["target"]
+    assert target.inputs["attention_mask"].shape == ("B", 1, "T", "P+T")
+    assert target.inputs["past_keys_1"].shape == ("B", 4, "P", 8)
+    assert target.inputs["cond_embeds"].shape == ("B", 1, 32)
+    assert "past_keys_2" not in target.inputs
     from lantern.runtime.tree import build_tree
 
-    assert build_tree(manifest["tree"]) == build_tree(onnx_export.DEFAULT_TREE)
-    assert manifest["tools"]["torch"] == torch.__version__
-    digest = manifest["sources"]["target"]["sha256"]["c2i.pt"]
+    assert build_tree(manifest.tree) == build_tree(onnx_export.DEFAULT_TREE)
+    assert manifest.tools["torch"] == torch.__version__
+    digest = manifest.sources["target"]["sha256"]["c2i.pt"]
     assert len(digest) == 64
 
 
@@ -192,7 +195,8 @@ def test_dynamic_axes_at_several_batch_sizes_and_cache_lengths(c2i_engine):
     for batch, tokens, past in [(1, 1, 0), (1, 1, 9), (3, 4, 2), (5, 2, 12), (2, 17, 0)]:
         past_k = torch.randn(a.n_layer, batch, a.kv_heads, past, a.head_dim, generator=gen)
         past_v = torch.randn(past_k.shape, generator=gen)
-        inputs = (torch.randn(batch, tokens, a.dim, generator=gen), positions(batch, past, tokens),
+        ids = torch.randint(0, a.vocab_size + 1, (batch, tokens), generator=gen)  # V: the condition token
+        inputs = (ids, torch.randn(batch, 1, a.dim, generator=gen), positions(batch, past, tokens),
                   causal_mask(batch, tokens, past), *past_k, *past_v)
         got = session.run(None, {n: x.numpy() for n, x in zip(graph_io("target", a.n_layer)["inputs"], inputs)})
         with torch.no_grad():
@@ -201,19 +205,20 @@ def test_dynamic_axes_at_several_batch_sizes_and_cache_lengths(c2i_engine):
             assert g.shape == tuple(w.shape)
             np.testing.assert_allclose(g, w.numpy(), atol=1e-5, rtol=1e-4)
 
-    # The drafter: CFG halves N are an input value, so the top-k outputs have N rows.
+    # The drafter: CFG partners are an input value (cfg_pair), never a shape.
     drafter = modules["drafter"][1]
     session = ort.InferenceSession(os.path.join(out, "drafter.onnx"), providers=["CPUExecutionProvider"])
-    for batch, n, tokens, past in [(1, 1, 1, 0), (6, 3, 2, 7), (4, 4, 5, 1)]:
+    for batch, tokens, past in [(1, 1, 0), (6, 2, 7), (4, 5, 1)]:
         past_k = torch.randn(batch, a.kv_heads, past, a.head_dim, generator=gen)
+        pair = (torch.arange(batch) + batch // 2) % batch
         inputs = (torch.randn(batch, tokens, a.dim, generator=gen), torch.randint(0, a.vocab_size, (batch, tokens)),
                   positions(batch, past, tokens), causal_mask(batch, tokens, past), past_k,
-                  torch.randn(past_k.shape, generator=gen), torch.tensor([n]), torch.tensor([3.0]),
+                  torch.randn(past_k.shape, generator=gen), pair, torch.tensor([3.0]),
                   torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]))
         got = session.run(None, {name: x.numpy() for name, x in zip(graph_io("drafter")["inputs"], inputs)})
         with torch.no_grad():
             want = drafter(*inputs)
-        assert got[3].shape == (n, tokens, manifest["candidates"])
+        assert got[3].shape == (batch, tokens, manifest.candidates)
         for g, w in zip(got, want):
             assert g.shape == tuple(w.shape)
             if g.dtype != np.int64:
@@ -250,9 +255,8 @@ def test_changed_graph_is_caught_by_hash_then_fails_numerically(c2i_engine, tmp_
     assert "sha256" in capsys.readouterr().err
 
     # Manifest updated to the new file: the numbers must now disagree.
-    manifest = json.loads((out / "manifest.json").read_text())
-    manifest["files"].update(describe_files(out, ["target.onnx"]))
-    write_manifest(out, manifest)
+    manifest = read_manifest(out)
+    manifest.replace(files={**manifest.files, **describe_files(out, ["target.onnx"])}).write(out)
     assert cli.main(["check", str(out)]) == 1
     printed = capsys.readouterr().out.splitlines()
     failed = [line.split()[0] for line in printed if line.endswith("FAIL") or " FAIL (" in line]
@@ -347,7 +351,7 @@ def test_existing_directory_needs_force(sources, tmp_path, capsys, monkeypatch):
     assert "already exists; pass --force" in capsys.readouterr().err
     assert (out / "manifest.json").read_text() == "{}"
     assert _export_cli(sources, out, "--force") == 0
-    assert json.loads((out / "manifest.json").read_text())["format_version"] == 1
+    assert json.loads((out / "manifest.json").read_text())["schema"] == 2
     assert _leftovers(tmp_path) == []
     # --force never replaces a directory that is not an engine.
     other = tmp_path / "not_an_engine"
@@ -363,5 +367,5 @@ def test_ar_only_engine_says_so(sources, tmp_path, capsys, monkeypatch):
     assert _export_cli(sources, tmp_path / "ar") == 0
     assert "modes: ar only" in capsys.readouterr().out
     manifest = json.loads((tmp_path / "ar" / "manifest.json").read_text())
-    assert manifest["modes"] == ["ar"] and not manifest["has_drafter"] and manifest["tree"] is None
-    assert set(manifest["graphs"]) == {"embed", "condition", "target"}
+    assert manifest["modes"] == ["ar"] and manifest["drafter"] is None and manifest["tree"] is None
+    assert set(manifest["graphs"]) == {"condition", "target"}

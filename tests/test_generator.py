@@ -11,6 +11,7 @@ from scipy import stats
 
 from engines import build_engine, captions
 from lantern.export import checkpoints
+from lantern.export.onnx_export import open_torch_backend
 from lantern.runtime import accept as acceptance
 from lantern.runtime.cli import main as run_main
 from lantern.runtime.generator import Engine
@@ -20,13 +21,13 @@ torch.set_grad_enabled(False)
 
 
 @pytest.fixture(scope="module")
-def c2i(tmp_path_factory):
-    return build_engine(tmp_path_factory.mktemp("c2i"), "c2i")
+def c2i(c2i_engine):
+    return c2i_engine
 
 
 @pytest.fixture(scope="module")
-def t2i(tmp_path_factory):
-    return build_engine(tmp_path_factory.mktemp("t2i"), "t2i", tree="naive_extend_57")
+def t2i(t2i_engine):
+    return t2i_engine
 
 
 def inputs(kind, n=3):
@@ -71,7 +72,7 @@ def test_cfg_interval_switches_to_conditional_logits(c2i):
 
 def test_torch_backend_agrees_with_onnxruntime(c2i):
     ort_engine = Engine(c2i, threads=2)
-    torch_engine = Engine(c2i, backend="torch", threads=2)
+    torch_engine = Engine(c2i, backend=open_torch_backend(c2i, threads=2))
     for mode in ("ar", "exact"):
         a = ort_engine.generate(mode=mode, greedy=True, cfg_scale=4.0, **inputs("c2i"))
         b = torch_engine.generate(mode=mode, greedy=True, cfg_scale=4.0, **inputs("c2i"))
@@ -115,7 +116,7 @@ def test_relaxed_tokens_are_consistent_with_a_full_forward(request, kind):
     engine_dir = request.getfixturevalue(kind)
     engine = Engine(engine_dir, threads=2)
     cond = inputs(kind)
-    rule = acceptance.Rule(mode="lantern++", k=8, lam=3.0)
+    rule = acceptance.LanternPP(k=8, lam=3.0)
     out = engine.generate(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, **cond)
     assert out.stats["mean_accepted_drafts"] > 1
     logits = full_forward_logits(engine_dir, kind, out.tokens, 4.0, cond)
@@ -225,17 +226,17 @@ def test_damaged_engine_directories_are_refused(c2i, tmp_path):
     with pytest.raises(LanternError, match="drafter.onnx is missing"):
         Engine(d)
     d = copy()
-    data = bytearray((d / "embed.onnx").read_bytes())
+    data = bytearray((d / "condition.onnx").read_bytes())
     data[-1] ^= 1
-    (d / "embed.onnx").write_bytes(bytes(data))
+    (d / "condition.onnx").write_bytes(bytes(data))
     Engine(d)  # same size: only a hash check catches it
     with pytest.raises(LanternError, match="sha256"):
         Engine(d, verify=True)
     d = copy()
     m = json.loads((d / "manifest.json").read_text())
-    m["format_version"] = 99
+    m["schema"] = 99
     (d / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(LanternError, match="format version 99"):
+    with pytest.raises(LanternError, match="engine schema 99 is not the supported"):
         Engine(d)
 
 
@@ -244,7 +245,7 @@ def test_ar_only_engine(tmp_path):
     engine = Engine(d, threads=2)
     assert engine.generate(mode="ar", greedy=True, classes=[1]).tokens.shape == (1, 36)
     from lantern.runtime.errors import LanternError
-    with pytest.raises(LanternError, match="serves mode 'ar' only"):
+    with pytest.raises(LanternError, match="serves modes ar, not 'exact'"):
         engine.generate(mode="exact", classes=[1])
 
 

@@ -80,14 +80,15 @@ def run(args):
     from lantern.tools.train_classifier import load_classifier
 
     engine = Engine(args.engine, threads=args.threads)
-    if engine.model_type != "c2i" or "vq_decoder" not in engine.manifest["graphs"] or not engine.has_drafter:
+    m = engine.manifest
+    if m.condition.kind != "class" or "vq_decoder" not in m.graphs or "lantern++" not in m.modes:
         raise LanternError(f"{args.engine}: the quality harness needs a class-conditional engine with a drafter "
                            f"and a VQ decoder")
     from lantern.export import demo
 
     path = args.classifier or os.path.join(demo.DEMO_DIR, "classifier.safetensors")
     classifier = load_classifier(path)
-    n_classes = engine.config["num_classes"]
+    n_classes = m.condition.num_classes
     classes = np.repeat(np.arange(n_classes), args.per_class)
     out_dir = args.out or os.path.join(args.engine, "quality")
     os.makedirs(out_dir, exist_ok=True)

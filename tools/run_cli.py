@@ -1,4 +1,5 @@
-"""`lantern-run`: `generate` (the runtime's, torch-free on ONNX Runtime) and `quality` (the harness)."""
+"""`lantern-run`: `generate` (the runtime's, torch-free on ONNX Runtime; `--backend torch` runs the
+graphs' PyTorch modules, rebuilt through lantern.export) and `quality` (the harness)."""
 import argparse
 import sys
 
@@ -6,10 +7,16 @@ from lantern.runtime import cli as runtime_cli
 from lantern.tools import quality
 
 
+def _torch_backend(engine_dir, threads, device):
+    from lantern.export.onnx_export import open_torch_backend
+
+    return open_torch_backend(engine_dir, threads=threads, device=device)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="lantern-run", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    runtime_cli.add_parser(sub)
+    runtime_cli.add_parser(sub, backend_loaders={"torch": _torch_backend})
     quality.add_parser(sub)
     return parser
 

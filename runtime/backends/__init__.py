@@ -1,29 +1,65 @@
-"""Engine backends behind one small protocol (Polygraphy-style: a loader per backend, one runner).
+"""Engine backends behind one small protocol (Polygraphy's split: a loader per backend, one runner).
 
-A backend opens the graphs of an engine directory and runs them by name:
-    run(graph, feeds: {input name: array}) -> {output name: array}
-It also owns the arrays that stay in place between calls (the KV caches), so the decoding loop
-never copies a whole cache and never knows which backend runs:
-    zeros(shape, dtype) -> array          a buffer of the backend's kind
-    asarray(np_array) -> array            host data in the backend's kind
-    numpy(array) -> np.ndarray            back to the host
-    take(array, rows, cols) -> array      array[rows, cols] (rows, cols: int arrays)
-    commit(cache, new, rows, src, dst)    cache[:, rows, :, dst] = new[:, rows, :, src]
-    synchronize()                         wait for queued device work (timers read after it)
-    float_dtype                           the engine's float dtype as numpy understands it
+A backend runs the graphs of an engine directory by name and owns the arrays that live on its
+device (KV caches, hidden states), so the decoding loop never copies a whole cache and never
+knows which backend runs. `open_backend(name, ...)` picks one from the registry.
 """
+from typing import Protocol
+
 from lantern.runtime.errors import LanternError
 
-BACKENDS = ("onnxruntime", "torch")
+
+class Backend(Protocol):
+    name: str
+    float_dtype: object  # the engine's float dtype as numpy understands it
+
+    def zeros(self, shape):
+        """A float buffer of the engine dtype on the backend's device."""
+
+    def bind(self, plan):
+        """Prepare every call of a StepPlan once (bind its feed buffers, preallocate outputs).
+        Optional work: run() must also accept calls that were never bound."""
+
+    def run(self, call):
+        """Run call.graph on call.feeds -> {output name: array} (the call's bound outputs when
+        it was bound; valid until the same call runs again)."""
+
+    def numpy(self, array):
+        """A host numpy array of the values."""
+
+    def gather(self, src, rows, cols, out):
+        """out[i, j] = src[rows[i, j], cols[i, j]] in place (hidden states between calls)."""
+
+    def copy(self, src, out):
+        """out[...] = src in place."""
+
+    def commit(self, cache, new, rows, src, dst):
+        """cache[:, rows, :, dst] = new[:, rows, :, src] (KV entries the loop keeps)."""
+
+    def synchronize(self):
+        """Wait for queued device work (timers read after it)."""
+
+
+def _onnxruntime(directory, manifest, **options):
+    from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    return OnnxRuntimeBackend(directory, manifest, **options)
+
+
+def _torch(directory, manifest, modules=None, **options):
+    if modules is None:
+        raise LanternError("the torch backend runs the graphs as torch modules, which lantern.export rebuilds from "
+                           "the engine's source checkpoints: use `lantern-run` (it does that) or "
+                           "lantern.export.torch_graphs.open_torch_backend(engine_dir)")
+    from lantern.runtime.backends.torch import TorchBackend
+
+    return TorchBackend(modules, manifest, **options)
+
+
+BACKENDS = {"onnxruntime": _onnxruntime, "torch": _torch}
 
 
 def open_backend(name, directory, manifest, **options):
-    if name == "onnxruntime":
-        from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
-        return OnnxRuntimeBackend(directory, manifest, **options)
-    if name == "torch":
-        from lantern.runtime.backends.torch import TorchBackend
-        return TorchBackend.from_engine(directory, manifest, **options)
-    if name == "tensorrt":
-        raise LanternError("the tensorrt backend is not built yet; use onnxruntime or torch")
-    raise LanternError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
+    if name not in BACKENDS:
+        raise LanternError(f"unknown backend {name!r}; valid: {', '.join(BACKENDS)}")
+    return BACKENDS[name](directory, manifest, **options)

@@ -1,30 +1,44 @@
-"""ONNX Runtime backend: one InferenceSession per graph. On the CPU EP numpy inputs are passed
-without copies, so the preallocated KV caches (numpy arrays owned here) are read in place."""
+"""ONNX Runtime backend: one InferenceSession per graph.
+
+Two ways to run a call: plain `session.run(feeds)` (outputs are fresh arrays every call), or,
+for calls of a bound StepPlan, IOBinding: each call's feed buffers are bound once as OrtValues
+that share their memory, and its outputs go into buffers preallocated once, so a step allocates
+nothing that grows with the cache or the vocabulary. On the CPU provider numpy buffers are bound
+in place; the same code is what the CUDA provider runs with device OrtValues.
+"""
 import os
 
 import numpy as np
 
 from lantern.runtime.errors import LanternError
 
-_NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": None}
+_NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+              "tensor(bool)": np.bool_}
 
 
 class OnnxRuntimeBackend:
     name = "onnxruntime"
 
-    def __init__(self, directory, manifest, threads=None, device="cpu"):
+    def __init__(self, directory, manifest, threads=None, device="cpu", io_binding=True):
         try:
             import onnxruntime as ort
         except ImportError:
             raise LanternError("onnxruntime is not installed: pip install 'lantern[cpu]' (or [gpu])") from None
-        if manifest["dtype"] == "bf16":
+        if manifest.dtype not in _NUMPY_DTYPES:
             raise LanternError("ONNX Runtime's CPU kernels do not run bf16 graphs; export fp32/fp16 or use TensorRT")
-        self.float_dtype = _NUMPY_DTYPES[manifest["dtype"]]
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise LanternError(f"threads must be a positive integer, got {threads!r}")
+        self.ort = ort
+        self.float_dtype = _NUMPY_DTYPES[manifest.dtype]
+        self.io_binding = io_binding
         providers = ["CPUExecutionProvider"]
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise LanternError("the CUDA execution provider is not available (install onnxruntime-gpu)")
             providers.insert(0, "CUDAExecutionProvider")
+        elif device != "cpu":
+            raise LanternError(f"unknown device {device!r}; valid: cpu, cuda")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads or os.cpu_count() or 1
         options.inter_op_num_threads = 1
@@ -33,28 +47,56 @@ class OnnxRuntimeBackend:
         # them: idle threads spinning after a drafter call would steal the cores the target needs.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.sessions = {}
-        for graph, entry in manifest["graphs"].items():
-            path = os.path.join(directory, entry["file"])
+        for graph, entry in manifest.graphs.items():
+            path = os.path.join(directory, entry.file)
             try:
                 self.sessions[graph] = ort.InferenceSession(path, options, providers=providers)
             except Exception as e:  # ORT raises its own exception types
-                raise LanternError(f"{path}: ONNX Runtime cannot load it ({str(e).splitlines()[0]}); rebuild the engine") from None
+                raise LanternError(f"{path}: ONNX Runtime cannot load it ({str(e).splitlines()[0]}); "
+                                   f"re-export the engine") from None
         self.outputs = {g: [o.name for o in s.get_outputs()] for g, s in self.sessions.items()}
+        self._bound = {}  # id(call) -> (call, IOBinding)
 
-    def run(self, graph, feeds):
-        return dict(zip(self.outputs[graph], self.sessions[graph].run(None, feeds)))
+    def zeros(self, shape):
+        return np.zeros(shape, dtype=self.float_dtype)
 
-    def zeros(self, shape, dtype):
-        return np.zeros(shape, dtype=dtype)
+    def bind(self, plan):
+        if not self.io_binding:
+            return
+        for call in plan.calls.values():
+            session = self.sessions[call.graph]
+            binding = session.io_binding()
+            for name, buffer in call.feeds.items():
+                binding.bind_ortvalue_input(name, self.ort.OrtValue.ortvalue_from_numpy(buffer))
+            call.outputs = {}
+            for out in session.get_outputs():
+                buffer = np.zeros(call.output_shapes[out.name], dtype=_ORT_TYPES[out.type])
+                binding.bind_ortvalue_output(out.name, self.ort.OrtValue.ortvalue_from_numpy(buffer))
+                call.outputs[out.name] = buffer
+            self._bound[id(call)] = (call, binding)
 
-    def asarray(self, array):
-        return np.ascontiguousarray(array)
+    def run(self, call):
+        bound = self._bound.get(id(call))
+        if bound is not None and bound[0] is call:
+            self.sessions[call.graph].run_with_iobinding(bound[1])
+            return call.outputs
+        return dict(zip(self.outputs[call.graph], self.sessions[call.graph].run(None, call.feeds)))
+
+    def release(self, plan):
+        """Forget a plan's bindings (the engine keeps one plan at a time)."""
+        for call in plan.calls.values():
+            self._bound.pop(id(call), None)
 
     def numpy(self, array):
         return array
 
-    def take(self, array, rows, cols):
-        return np.ascontiguousarray(array[rows, cols])
+    def gather(self, src, rows, cols, out):
+        flat = src.reshape(-1, *src.shape[2:])
+        np.take(flat, (np.asarray(rows) * src.shape[1] + np.asarray(cols)).reshape(-1), axis=0,
+                out=out.reshape(-1, *src.shape[2:]))
+
+    def copy(self, src, out):
+        np.copyto(out, src)
 
     def commit(self, cache, new, rows, src, dst):
         cache[:, rows, :, dst] = new[:, rows, :, src]

@@ -1,0 +1,119 @@
+"""Condition adapters: what a generation is conditioned on, turned into the prefill the decoding
+loop feeds the target. One adapter per condition kind of the manifest, chosen once when an engine
+is opened; the loop only sees the `Prefix` it returns.
+
+With classifier-free guidance the batch is [cond; uncond]: rows [0, N) are the images'
+conditional rows, rows [N, 2N) their unconditional partners, and both get the same image tokens.
+Each row has its own view of the prefix: which prefix slots its tokens may attend to and a
+position offset (a token in cache slot s sits at position s - offset); LlamaGen's rows all use
+offset 0, the Chameleon family's unconditional rows do not.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from lantern.runtime.errors import LanternError
+
+
+@dataclass(frozen=True)
+class Prefix:
+    images: int  # N
+    cfg: bool
+    ids: np.ndarray  # [B, C] int64: the prefill's target input ids (B = 2N with CFG, else N)
+    positions: np.ndarray  # [B, C] int64
+    key_visible: np.ndarray  # [B, C] bool: prefix slots later tokens may attend to
+    position_offset: np.ndarray  # [B] int64
+    condition_feeds: Optional[dict] = None  # the condition graph's inputs (its output is cond_embeds)
+
+    @property
+    def rows(self):
+        return len(self.ids)
+
+    @property
+    def tokens(self):
+        return self.ids.shape[1]
+
+
+def _cond_token_ids(vocab_size, tokens, rows):
+    """Target ids of the condition tokens: id V + j is row j of cond_embeds (see GRAPHS['target'])."""
+    return np.broadcast_to(vocab_size + np.arange(tokens, dtype=np.int64), (rows, tokens)).copy()
+
+
+class ClassLabels:
+    """LlamaGen c2i: one condition token, a class label per image; the unconditional row uses the
+    null class, as LlamaGen's sampler does."""
+
+    def __init__(self, manifest):
+        self.num_classes = manifest.condition.num_classes
+        self.null_class = manifest.condition.null_class
+        self.vocab_size = manifest.vocabulary.size
+
+    def prefix(self, cfg, classes=None, **others):
+        if classes is None or any(v is not None for v in others.values()):
+            raise LanternError("this is a class-conditional (c2i) engine: give class labels (and nothing else)")
+        try:
+            ids = np.asarray(classes)
+        except (TypeError, ValueError):
+            ids = np.array([None])
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise LanternError(f"class labels must be a non-empty list of integers; got {classes!r}")
+        if ids.min() < 0 or ids.max() >= self.num_classes:
+            raise LanternError(f"class labels must be in [0, {self.num_classes - 1}]; got {ids.tolist()}")
+        if cfg and self.null_class is None:
+            raise LanternError("this model has no null class, so it cannot run classifier-free guidance (use cfg 1)")
+        ids = ids.astype(np.int64)
+        class_ids = np.concatenate([ids, np.full(len(ids), self.null_class, dtype=np.int64)]) if cfg else ids
+        rows = len(class_ids)
+        return Prefix(images=len(ids), cfg=cfg, ids=_cond_token_ids(self.vocab_size, 1, rows),
+                      positions=np.zeros((rows, 1), dtype=np.int64), key_visible=np.ones((rows, 1), dtype=bool),
+                      position_offset=np.zeros(rows, dtype=np.int64), condition_feeds={"class_ids": class_ids})
+
+
+class CaptionFeatures:
+    """LlamaGen t2i: `tokens` T5 caption features per image, left-padded; the unconditional row
+    uses the model's null caption (the condition graph's `unconditional` flag). As LlamaGen's
+    sampler: padded caption rows are zeroed and their keys hidden, in both halves."""
+
+    def __init__(self, manifest, float_dtype):
+        self.tokens = manifest.condition.tokens
+        self.dim = manifest.condition.caption_dim
+        self.vocab_size = manifest.vocabulary.size
+        self.float_dtype = float_dtype
+
+    def prefix(self, cfg, caption=None, caption_mask=None, **others):
+        if caption is None or any(v is not None for v in others.values()):
+            raise LanternError("this is a text-conditional (t2i) engine: give caption features (and a mask)")
+        caption = np.asarray(caption, dtype=np.float32)
+        want = (self.tokens, self.dim)
+        if caption.ndim == 2:
+            caption = caption[None]
+        if caption.ndim != 3 or caption.shape[1:] != want or len(caption) == 0:
+            raise LanternError(f"caption features must be [N, {want[0]}, {want[1]}] with N >= 1 (T5 features, "
+                               f"left-padded); got {list(caption.shape)}")
+        if not np.isfinite(caption).all():
+            raise LanternError("caption features contain NaN or inf")
+        mask = np.ones(caption.shape[:2], dtype=bool) if caption_mask is None else np.asarray(caption_mask)
+        if mask.ndim == 1:
+            mask = mask[None]
+        if mask.shape != caption.shape[:2]:
+            raise LanternError(f"caption mask must be [N, {self.tokens}] matching the features; got {list(mask.shape)}")
+        mask = mask.astype(bool)
+        features = caption * mask[..., None]
+        n = len(features)
+        if cfg:
+            features = np.concatenate([features, np.zeros_like(features)])
+            mask = np.concatenate([mask, mask])
+        rows = len(features)
+        return Prefix(images=n, cfg=cfg, ids=_cond_token_ids(self.vocab_size, self.tokens, rows),
+                      positions=np.broadcast_to(np.arange(self.tokens, dtype=np.int64), (rows, self.tokens)).copy(),
+                      key_visible=mask, position_offset=np.zeros(rows, dtype=np.int64),
+                      condition_feeds={"caption": features.astype(self.float_dtype),
+                                       "unconditional": np.arange(rows) >= n})
+
+
+def condition_adapter(manifest, float_dtype):
+    """The adapter for the engine's condition kind."""
+    if manifest.condition.kind == "class":
+        return ClassLabels(manifest)
+    return CaptionFeatures(manifest, float_dtype)

@@ -1,0 +1,178 @@
+"""Step plans: every engine call a generation makes, derived once from (engine, tree, prefix).
+
+For a tree with M nodes (root included) and depth D, N images and B batch rows (2N with CFG):
+
+  regime    graph       tokens per row (T)
+  condition condition   -                   the prefix's condition inputs -> cond_embeds
+  prefill   target      C                   the prefix (condition tokens or prompt)
+  verify    target      M                   root + all drafts; AR is the root-only tree (M = 1)
+  draft0    drafter     D + 1               last step's accepted pairs, padded to a fixed width
+  draft{d}  drafter     nodes at depth d    d = 1 .. D - 1
+
+Every call's shapes are fixed for the whole generation, and so are its feed buffers: the loop
+writes ids, positions and masks into them in place and gathers hidden states into them on the
+backend's device, so a backend may bind them once (ONNX Runtime IOBinding, TensorRT tensor
+addresses, CUDA graphs). Anything that depends on a step's outcome (how many pairs the last step
+accepted) is padded and masked instead of changing a shape. `shapes()` lists the regimes for
+TensorRT optimization profiles; `step_bytes()` estimates what a step needs so a request the
+machine cannot hold is refused up front.
+
+Caches: target capacity C + image tokens; drafter capacity image tokens (one slot per committed
+pair) + M - 1 scratch slots where the current tree's nodes live while it is drafted.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from lantern.runtime.kvcache import KVCache
+
+
+@dataclass
+class Call:
+    graph: str
+    regime: str
+    feeds: dict  # input name -> buffer of the call's fixed shape
+    output_shapes: dict = field(default_factory=dict)  # output name -> shape
+    outputs: Optional[dict] = None  # preallocated outputs when the backend binds the call
+    tokens: int = 0  # T
+
+
+class StepPlan:
+    def __init__(self, manifest, backend, tree, prefix, settings):
+        """settings: the drafter's sampling inputs {cfg_scale, temperature, top_k, top_p}."""
+        m = manifest
+        self.manifest, self.tree = m, tree
+        self.images, self.rows, self.tokens = prefix.images, prefix.rows, prefix.tokens
+        B, C = prefix.rows, prefix.tokens
+        self.halves = np.arange(B) % self.images  # the image of each batch row
+        self.image_tokens = m.image.tokens
+        t = m.target
+        self.target_cache = KVCache(backend, t.layers, B, t.kv_heads, C + self.image_tokens, t.head_dim)
+        self.drafter_cache = None
+        self.calls = {}
+        target_inputs = m.graphs["target"].inputs
+        shared = {}
+        if "cond_embeds" in target_inputs:
+            shared["cond_embeds"] = backend.zeros((B,) + tuple(target_inputs["cond_embeds"].shape[1:]))
+        if prefix.condition_feeds is not None:
+            feeds = {k: np.zeros_like(v) for k, v in prefix.condition_feeds.items()}
+            self.calls["condition"] = Call("condition", "condition", feeds, self._output_shapes("condition", B, 0))
+        self._target_call("prefill", C, shared)
+        verify = self._target_call("verify", tree.num_nodes, shared)
+        verify.feeds["attention_mask"][:, 0, :, -tree.num_nodes:] = tree.mask
+
+        if tree.depth:
+            d = m.drafter
+            self.scratch = self.image_tokens  # first scratch slot
+            self.drafter_cache = KVCache(backend, d.layers, B, d.kv_heads, self.image_tokens + tree.num_nodes - 1,
+                                         d.head_dim)
+            pair = np.arange(B)
+            if prefix.cfg:
+                pair = (pair + self.images) % B  # [cond; uncond] partners
+            self.settings = {"cfg_pair": pair.astype(np.int64), "cfg_scale": np.zeros(1, dtype=np.float32),
+                             "temperature": np.zeros(1, dtype=np.float32), "top_k": np.zeros(1, dtype=np.int64),
+                             "top_p": np.zeros(1, dtype=np.float32)}
+            self._drafter_call("draft0", tree.depth + 1, backend)
+            for level in tree.levels[:-1]:
+                call = self._drafter_call(f"draft{level.depth}", len(level.nodes), backend)
+                call.feeds["attention_mask"][:, 0, :, -call.tokens:] = np.eye(call.tokens, dtype=bool)
+            # Depth d's nodes see their ancestors at depths 1 .. d-1 in the scratch slots.
+            self.scratch_ancestors = {}
+            for level in tree.levels[:-1]:
+                extra = np.zeros((len(level.nodes), self.drafter_cache.capacity), dtype=bool)
+                anc = tree.mask[level.nodes][:, 1:] & (tree.depths[1:] < level.depth)[None, :]
+                extra[:, self.scratch: self.scratch + tree.num_nodes - 1] = anc
+                self.scratch_ancestors[level.depth] = extra
+        self.reset(prefix, settings)
+
+    def fits(self, prefix):
+        """Whether this plan's shapes serve a prefix (same rows and prefix length)."""
+        return (prefix.rows, prefix.tokens, prefix.images) == (self.rows, self.tokens, self.images)
+
+    def reset(self, prefix, settings):
+        """Start a generation: empty caches, write the prefix's feeds and the sampling settings
+        into the bound buffers (shapes stay)."""
+        C = prefix.tokens
+        self.prefix = prefix
+        self.target_cache.reset()
+        if self.drafter_cache is not None:
+            self.drafter_cache.reset()
+            for name in ("cfg_scale", "temperature", "top_k", "top_p"):
+                self.settings[name][:] = settings[name]
+        if "condition" in self.calls:
+            for name, value in prefix.condition_feeds.items():
+                self.calls["condition"].feeds[name][:] = value
+        feeds = self.calls["prefill"].feeds
+        feeds["input_ids"][:] = prefix.ids
+        feeds["position_ids"][:] = prefix.positions
+        causal = np.tril(np.ones((C, C), dtype=bool))
+        feeds["attention_mask"][:, 0, :, -C:] = causal[None] & prefix.key_visible[:, None, :] | np.eye(C, dtype=bool)
+
+    # -- construction ------------------------------------------------------------------------------
+    def _output_shapes(self, graph, rows, tokens):
+        spec = self.manifest.graphs[graph].outputs
+        dims = {"B": rows, "T": tokens}
+        return {name: tuple(dims.get(d, d) for d in s.shape) for name, s in spec.items()}
+
+    def _feeds(self, graph, rows, tokens, capacity):
+        feeds = {}
+        for name, spec in self.manifest.graphs[graph].inputs.items():
+            if name.startswith("past_") or name == "cond_embeds" or spec.dtype not in ("int64", "bool"):
+                continue
+            shape = {"input_ids": (rows, tokens), "position_ids": (rows, tokens),
+                     "attention_mask": (rows, 1, tokens, capacity + tokens)}.get(name)
+            if shape is not None:
+                feeds[name] = np.zeros(shape, dtype=spec.dtype)
+        return feeds
+
+    def _target_call(self, regime, tokens, shared):
+        cache = self.target_cache
+        feeds = self._feeds("target", self.rows, tokens, cache.capacity)
+        feeds.update(shared)
+        feeds.update(cache.feeds)
+        call = Call("target", regime, feeds, self._output_shapes("target", self.rows, tokens), tokens=tokens)
+        self.calls[regime] = call
+        return call
+
+    def _drafter_call(self, regime, tokens, backend):
+        cache = self.drafter_cache
+        feeds = self._feeds("drafter", self.rows, tokens, cache.capacity)
+        feeds["target_hidden"] = backend.zeros((self.rows, tokens, self.manifest.target.dim))
+        feeds.update(cache.feeds)
+        feeds.update(self.settings)
+        call = Call("drafter", regime, feeds, self._output_shapes("drafter", self.rows, tokens), tokens=tokens)
+        self.calls[regime] = call
+        return call
+
+    # -- what the plan is --------------------------------------------------------------------------
+    def shapes(self):
+        """{regime: (graph, {input: shape})}: the exact shapes of every call (TensorRT profiles)."""
+        return {regime: (call.graph, {name: tuple(np.shape(buf)) for name, buf in call.feeds.items()})
+                for regime, call in self.calls.items()}
+
+
+def estimate_bytes(manifest, tree, prefix, itemsize):
+    """Bytes a generation holds at its peak, from shapes alone (before anything is allocated):
+    caches and feed buffers, the largest call's outputs and working memory (attention scores and
+    softmax, the MLP), and the host's acceptance work on a step's logits. Weights not included."""
+    m, B, C, N = manifest, prefix.rows, prefix.tokens, prefix.images
+    image, M = m.image.tokens, tree.num_nodes
+    calls = [("target", m.target, C, C + image), ("target", m.target, M, C + image)]
+    held = 2 * m.target.layers * B * m.target.kv_heads * (C + image) * m.target.head_dim * itemsize
+    if tree.depth:
+        d, capacity = m.drafter, image + M - 1
+        held += 2 * d.layers * B * d.kv_heads * capacity * d.head_dim * itemsize
+        calls += [("drafter", d, tree.depth + 1, capacity)] + [("drafter", d, len(lv.nodes), capacity)
+                                                               for lv in tree.levels[:-1]]
+    peak = 0
+    for graph, shape, T, capacity in calls:
+        width = m.vocabulary.size if graph == "target" else 2 * (m.candidates or 1)
+        outputs = B * T * (4 * width + itemsize * (shape.dim + 2 * shape.layers * shape.kv_heads * shape.head_dim))
+        feeds = B * T * (capacity + T + 16)
+        scores = 3 * 4 * B * shape.query_heads * T * (capacity + T)
+        mlp = 3 * itemsize * B * T * shape.ffn_hidden
+        held += outputs + feeds  # bound outputs and feed buffers stay allocated per call
+        peak = max(peak, scores + mlp)
+    acceptance = 4 * N * M * m.vocabulary.codes + 8 * 6 * N * m.vocabulary.codes
+    return held + peak + acceptance

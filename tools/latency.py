@@ -1,0 +1,83 @@
+"""Engine call latencies measured through real step plans: the target's verification cost L(T)
+for T tokens and the drafter's cost per call width, at a given cache fill, on the engine's own
+backend. The runtime benchmark plots them; the tree tuner models a step with them.
+
+A call is timed as the loop pays for it: feeds written in place, the plan's bound buffers,
+backend.run + synchronize; the median of `repeats` runs after one warm-up."""
+import time
+
+import numpy as np
+
+from lantern.runtime.plan import StepPlan
+from lantern.runtime.tree import build_tree, root_only
+
+
+def verify_tree(tokens):
+    """A tree whose verification feeds `tokens` tokens (root + tokens - 1 children of the root)."""
+    return root_only() if tokens == 1 else build_tree([[r] for r in range(tokens - 1)], name=f"flat-{tokens}")
+
+
+def draft_tree(width):
+    """A tree with a drafter call of `width` tokens: `width` nodes at depth 1, one below them."""
+    return build_tree([[r] for r in range(width)] + [[0, 0]], name=f"draft-{width}")
+
+
+def plan_for(engine, tree, images, cfg_scale, context):
+    """A plan on the engine's backend with `context` cache slots filled (visible) per row."""
+    prefix = engine.condition.prefix(cfg_scale > 1, **default_condition(engine, images))
+    settings = dict(cfg_scale=cfg_scale, temperature=1.0, top_k=0, top_p=1.0)
+    plan = StepPlan(engine.manifest, engine.backend, tree, prefix, settings)
+    engine.backend.bind(plan)
+    for cache in (plan.target_cache, plan.drafter_cache):
+        if cache is not None:
+            fill = min(context, cache.capacity - tree.num_nodes)
+            cache.visible[:, :fill] = True
+            cache.length[:] = fill
+    return plan
+
+
+def default_condition(engine, images):
+    """Inputs for `images` images of any condition kind (class 0, or blank captions)."""
+    c = engine.manifest.condition
+    if c.kind == "class":
+        return {"classes": [i % c.num_classes for i in range(images)]}
+    return {"caption": np.zeros((images, c.tokens, c.caption_dim), dtype=np.float32)}
+
+
+def time_call(engine, plan, regime, repeats, rng):
+    call = plan.calls[regime]
+    cache = plan.target_cache if call.graph == "target" else plan.drafter_cache
+    V = engine.manifest.vocabulary
+    call.feeds["input_ids"][:] = rng.integers(V.image_start, V.image_end, call.feeds["input_ids"].shape)
+    call.feeds["position_ids"][:] = np.minimum(cache.length[:, None] + np.arange(call.tokens),
+                                               engine.manifest.max_positions - 1)
+    cache.mask_into(call.feeds["attention_mask"])
+    be = engine.backend
+    times = []
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        be.run(call)
+        be.synchronize()
+        if i:
+            times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def verify_latency(engine, tokens, images=1, cfg_scale=1.0, context=256, repeats=7, seed=0):
+    """{T: seconds} of the target call over T new tokens."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for T in tokens:
+        plan = plan_for(engine, verify_tree(T), images, cfg_scale, context)
+        out[T] = time_call(engine, plan, "verify", repeats, rng)
+    return out
+
+
+def draft_latency(engine, widths, images=1, cfg_scale=1.0, context=256, repeats=7, seed=0):
+    """{width: seconds} of one drafter call over `width` tokens."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for W in widths:
+        plan = plan_for(engine, draft_tree(W), images, cfg_scale, context)
+        out[W] = time_call(engine, plan, "draft1", repeats, rng)
+    return out
