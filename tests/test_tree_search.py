@@ -10,7 +10,8 @@ from lantern.runtime.errors import LanternError
 from lantern.runtime.tree import build_tree
 from lantern.tools import tree_report
 from lantern.tools.tree_search import (AcceptanceCounts, Curve, LatencyModel, TreeTable, acceptance_vectors,
-                                       count_accepted_paths, expected_accept_length, search, tree_json)
+                                       calibration_tree, count_accepted_paths, expected_accept_length, search,
+                                       tree_json)
 
 
 def random_vectors(rng, depth, width):
@@ -111,7 +112,7 @@ def simulate_paths(tree, p, rng, steps):
     for _ in range(steps):
         node, path = 0, [0]
         while True:
-            u, edge, nxt = rng.random(), 0.0, None
+            u, nxt = rng.random(), None
             for child in tree.children[node]:
                 d, r = tree.depths[child] - 1, tree.ranks[child]
                 low = sum(p[d][s] for s in range(r))  # ranks below r, present or not
@@ -386,7 +387,8 @@ def test_bad_vectors():
 def test_whatif_cli(tmp_path, capsys):
     lat = tmp_path / "lat.json"
     lat.write_text(json.dumps({"verify_ms": {"1": 20, "64": 21, "128": 38}, "draft_fraction": 0.05, "host_ms": 0.5}))
-    counts = count_accepted_paths("kary-4-3", simulate_paths(build_tree("kary-4-3"), P_IMAGE, np.random.default_rng(0), 2000))
+    steps = simulate_paths(build_tree("kary-4-3"), P_IMAGE, np.random.default_rng(0), 2000)
+    counts = count_accepted_paths("kary-4-3", steps)
     acc = tmp_path / "acc.json"
     acc.write_text(json.dumps(counts.to_json()))
     out, rep, plots = tmp_path / "tree.json", tmp_path / "report.json", tmp_path / "plots"
@@ -422,3 +424,30 @@ def test_acceptance_table_lists_counts():
     text = tree_report.acceptance_table(p, counts)
     lines = text.splitlines()
     assert len(lines) == 3 and "(3)" in lines[1] and "(2)" in lines[2]
+
+
+def test_calibration_tree_covers_every_depth_and_rank():
+    paths = calibration_tree([[0.4, 0.15, 0.08, 0.05]], 128, 8, 8)
+    tree = build_tree(paths)
+    assert tree.depth == 8 and tree.widths == (8,) * 8 and tree.contiguous
+    assert 128 - 8 < tree.num_nodes <= 128
+    assert all(len(kids) in (0, 8) for kids in tree.children)  # opened nodes get every rank
+    # after the spine, the likeliest nodes are opened: the rank-1 child of the root before the
+    # spine's deepest, whose reach is 0.4 ** 7
+    assert [1, 0] in paths
+    with pytest.raises(LanternError, match="spine"):
+        calibration_tree([[0.5]], 20, 8, 8)
+
+
+def test_report_checks_the_model_on_the_calibration_tree():
+    """On steps drawn from the positional model itself, the calibration tree's predicted accepted
+    drafts under the estimated vectors match the measured mean."""
+    rng = np.random.default_rng(4)
+    tree = build_tree(calibration_tree(P_IMAGE, 60, 4, 5))
+    counts = count_accepted_paths(tree, simulate_paths(tree, P_IMAGE, rng, 4000))
+    p = acceptance_vectors(counts)
+    lat = LatencyModel({1: 20, 64: 21}, draft_fraction=0.05)
+    _, report = tree_report.tune(p, lat, 60, 4, 5, counts, calibration=tree)
+    check = report["calibration_check"]
+    assert check["predicted_accepted"] == pytest.approx(check["measured_accepted"], rel=0.05)
+    assert "predicted" in tree_report.format_report(report)

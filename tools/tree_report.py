@@ -27,8 +27,8 @@ import numpy as np
 from lantern.runtime.errors import LanternError, cli_main
 from lantern.runtime.tree import build_tree
 from lantern.tools.tree_search import (DEFAULT_PRIOR_STRENGTH, AcceptanceCounts, LatencyModel,
-                                       acceptance_vectors, ar_candidate, check_vectors, price, search,
-                                       tree_json)
+                                       acceptance_vectors, ar_candidate, check_vectors, expected_accept_length,
+                                       price, search, tree_json)
 
 PRESETS = ("mc_sim_7b_63", "naive_extend_57", "chain-2", "chain-3", "chain-4", "chain-5", "chain-6",
            "kary-2-2", "kary-2-3", "kary-3-2", "kary-4-2")
@@ -53,9 +53,11 @@ def compare_presets(p, latency, candidates, presets=PRESETS):
     return rows
 
 
-def build_report(result, p, latency, candidates, counts=None, presets=PRESETS, planning=False):
+def build_report(result, p, latency, candidates, counts=None, presets=PRESETS, planning=False, calibration=None):
     """A JSON-ready report: the chosen tree (with its paths), AR, the presets under the same model,
-    the acceptance vectors (and counts when measured), the latency points and the search curve."""
+    the acceptance vectors (and counts when measured), the latency points and the search curve.
+    With `calibration` (the tree all the counts were recorded on), also the model's in-sample
+    check: that tree's predicted accepted drafts under p beside the measured mean."""
     report = {
         "planning_aid": bool(planning),
         "chosen": result.best.to_json(),
@@ -69,6 +71,11 @@ def build_report(result, p, latency, candidates, counts=None, presets=PRESETS, p
     if counts is not None:
         report["acceptance_counts"] = counts.to_json()
         report["measured_mean_accept_length"] = counts.mean_accept_length()
+    if calibration is not None and counts is not None:
+        tree = build_tree(calibration)
+        report["calibration_check"] = {
+            "tree": tree.name, "nodes": tree.num_nodes, "depth": tree.depth,
+            "predicted_accepted": expected_accept_length(tree, p), "measured_accepted": counts.mean_accept_length()}
     if planning:
         report["label"] = PLANNING_LABEL
     return report
@@ -114,8 +121,10 @@ def format_report(report):
     lines.append(f"  predicted step compression (tokens per step): {c['tokens_per_step']:.3f}")
     lines.append(f"  predicted step time: {c['step_ms']:.3f} ms (AR step {report['ar']['step_ms']:.3f} ms)")
     lines.append(f"  predicted speedup over AR: {c['speedup_vs_ar']:.3f}x")
-    if report.get("measured_mean_accept_length") is not None:
-        lines.append(f"  calibration tree's measured mean accepted drafts: {report['measured_mean_accept_length']:.3f}")
+    if "calibration_check" in report:
+        cc = report["calibration_check"]
+        lines.append(f"  calibration tree {cc['tree']} ({cc['nodes']} nodes): accepted drafts per step "
+                     f"predicted {cc['predicted_accepted']:.3f}, measured {cc['measured_accepted']:.3f}")
     lines.append("same model, other trees (tokens/step, step ms, speedup):")
     for row in [report["ar"]] + report["presets"]:
         if "skipped" in row:
@@ -222,10 +231,11 @@ def load_acceptance(data, depth, prior_strength=DEFAULT_PRIOR_STRENGTH):
     raise LanternError("acceptance: expected 'accepted' and 'trials' (counts) or 'p' (vectors)")
 
 
-def tune(p, latency, max_nodes, max_depth, candidates, counts=None, presets=PRESETS, planning=False):
+def tune(p, latency, max_nodes, max_depth, candidates, counts=None, presets=PRESETS, planning=False,
+         calibration=None):
     """search + build_report in one call: returns (SearchResult, report dict)."""
     result = search(p, latency, max_nodes, max_depth, candidates)
-    return result, build_report(result, p, latency, candidates, counts, presets, planning)
+    return result, build_report(result, p, latency, candidates, counts, presets, planning, calibration)
 
 
 def write_outputs(report, result, p, latency, counts=None, tree_path=None, report_path=None, plots=None):

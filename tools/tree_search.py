@@ -31,7 +31,7 @@ What is modelled, and what is assumed
   (recursive rejection, children tried in rank order, first accepted wins) matches the model:
   the rank-r child is reached only after ranks 0..r-1 were rejected, whichever tree contains
   them. Relaxed greedy acceptance (LANTERN/LANTERN++) may find several acceptable children; the
-  deepest accepted path wins (ties to the higher rank). The measured p then depends a little on
+  deepest accepted path wins (ties to the better-ranked path). The measured p then depends a little on
   the calibration tree's shape below each node, and the search treats a choice between branches
   as exclusive. Calibrate with a tree wider and deeper than anything the search may pick.
 * Only contiguous trees are built (a node's children have ranks 0..w-1, w <= the drafter's
@@ -60,8 +60,11 @@ nodes (root counted as 1) of a subtree of n nodes whose root sits at depth l, de
     F[l][n] = 1 + max over k = 0..K and a_0..a_{k-1} >= 1 with sum a = n - 1 of
                   sum_r p[l, r] * F[l + 1][a_r]
 the inner max a knapsack over ranks in order. F[0][n] = 1 + E[accepted drafts] = tokens per
-step. Depth limit and budget are searched jointly because the drafter's cost depends on the
-depth (one sequential call per depth) and the verification cost on the node count.
+step. Depth limit and budget are searched jointly, as in Sequoia's hardware-aware optimiser,
+because the drafter's cost depends on the depth (one sequential call per depth) and the
+verification's on the node count; here each drafter call is priced by its width too. For a
+given budget and depth limit the DP maximises tokens per step, not tokens per second: among
+trees of equal size and depth the per-level widths (drafter cost) are not traded against value.
 """
 import functools
 import json
@@ -260,7 +263,8 @@ def check_vectors(p):
     if p.ndim == 1:
         p = p[None, :]
     if p.ndim != 2 or p.size == 0 or p.shape[0] > MAX_DEPTH or p.shape[1] > MAX_WIDTH:
-        raise LanternError(f"acceptance vectors must be [depth <= {MAX_DEPTH}, rank <= {MAX_WIDTH}], got shape {p.shape}")
+        raise LanternError(f"acceptance vectors must be [depth <= {MAX_DEPTH}, rank <= {MAX_WIDTH}], "
+                           f"got shape {p.shape}")
     if not np.isfinite(p).all() or (p < 0).any() or (p > 1).any():
         raise LanternError("acceptance probabilities must be in [0, 1]")
     if (p.sum(1) > 1 + 1e-9).any():
@@ -599,6 +603,42 @@ def search(p, latency, max_nodes, max_depth, candidates):
                                     ar_ms=latency.ar_step_ms()))
     best = max(priced, key=lambda c: c.tokens_per_s)  # ties keep the earlier: AR, then smaller trees
     return SearchResult(best=best, candidates=priced, skipped=skipped)
+
+
+def calibration_tree(p_guess, max_nodes, max_depth, width):
+    """A tree to measure acceptance with: wide at every depth, and widest where the path goes.
+    First the rank-0 spine is opened down to max_depth - 1 (so every depth has a parent with all
+    `width` children), then further nodes in order of their reach under a guess of p (e.g. a flat
+    [[0.5, 0.2, 0.1]] or a previous calibration's vectors), each opened node getting all `width`
+    children, while the tree stays within max_nodes (root included). Returns a list of paths."""
+    p = check_vectors(p_guess)
+    spine = 1 + max_depth * width
+    if not (1 <= width <= MAX_WIDTH and 1 <= max_depth <= MAX_DEPTH and spine <= max_nodes <= MAX_NODES):
+        raise LanternError(f"calibration tree: need 1 <= width <= {MAX_WIDTH}, 1 <= max_depth <= {MAX_DEPTH} and "
+                           f"1 + max_depth * width <= max_nodes <= {MAX_NODES} (the spine alone has "
+                           f"{spine} nodes)")
+
+    def p_at(d, r):  # depths and ranks beyond the guess reuse its last row, with a small floor
+        row = p[min(d, p.shape[0] - 1)]
+        return max(float(row[r]) if r < len(row) else 0.0, 1e-3)
+
+    paths, reach, opened = [], {(): 1.0}, set()
+
+    def open_node(node):
+        opened.add(node)
+        for r in range(width):
+            child = node + (r,)
+            paths.append(list(child))
+            reach[child] = reach[node] * p_at(len(node), r)
+
+    for d in range(max_depth):
+        open_node((0,) * d)
+    while 1 + len(paths) + width <= max_nodes:
+        closed = [n for n in reach if n not in opened and len(n) < max_depth]
+        if not closed:
+            break
+        open_node(max(closed, key=lambda n: (reach[n], [-r for r in n])))
+    return paths
 
 
 def tree_json(candidate):
