@@ -215,6 +215,14 @@ def test_counts_from_records_match_direct_count(spec):
     assert (np.abs(est - p)[enough] < tol[enough]).all()
 
 
+def test_chain_records():
+    counts = AcceptanceCounts()
+    counts.add({"tree": build_tree([[0]]), "active": [True, True], "accept_length": [0, 1],
+                "decisions": np.array([[1, 0], [1, 1]], dtype=np.int8)})
+    assert counts.steps == 2 and counts.trials[0, 0] == 2 and counts.accepted[0, 0] == 1
+    assert counts.trials.sum() == 2
+
+
 def test_non_contiguous_ranks_are_not_counted():
     """A rank-2 child without a rank-1 sibling was tried second, not third: it is not evidence
     for rank 2 and neither count uses it."""
@@ -298,12 +306,15 @@ def test_step_cost_by_hand():
     assert lat.ar_step_ms() == 11
     assert LatencyModel({1: 10, 64: 73}, draft_fraction=0.1).step_ms([[0], [0, 0]]) == pytest.approx(
         0.1 * 12 + 0.1 * 10 + 12)  # depth-0 call of width 3 + depth-1 call of width 1 + verify(3)
+    # the loop's own work per drafter call: mc_sim_7b_63 makes 5 drafter calls
+    with_calls = LatencyModel({1: 10, 64: 73}, draft_ms={1: 1, 64: 64}, host_ms=0.5, draft_host_ms=0.25)
+    assert with_calls.step_ms("mc_sim_7b_63") == pytest.approx(29 + 5 * 0.25 + 35 + 0.5)
 
 
 def test_latency_json(tmp_path):
     path = tmp_path / "lat.json"
     path.write_text(json.dumps({"note": "x", "verify_ms": {"1": 20, "64": 21}, "draft_ms": {"1": 1, "64": 2},
-                                "host_ms": {"1": 0.1, "64": 0.4}, "ar_ms": 20.5}))
+                                "host_ms": {"1": 0.1, "64": 0.4}, "draft_host_ms": 0.2, "ar_ms": 20.5}))
     lat = LatencyModel.from_json(path)
     again = LatencyModel.from_json(lat.to_json())
     assert again.step_ms("kary-2-3") == lat.step_ms("kary-2-3")

@@ -12,7 +12,8 @@ aid: everything it prints is a prediction of the model, nothing is measured.
 
 Latency file (milliseconds; sizes are tokens per call):
   {"verify_ms": {"1": 20, "64": 21, "128": 38}, "draft_fraction": 0.05, "host_ms": 0.3}
-  or "draft_ms": {"1": 1.0, "64": 1.1} instead of draft_fraction; optional "ar_ms", "note".
+  or "draft_ms": {"1": 1.0, "64": 1.1} instead of draft_fraction; optional "draft_host_ms" (loop
+  work per drafter call), "ar_ms", "note".
 Acceptance file: AcceptanceCounts.to_json() ({"accepted": [[..]], "trials": [[..]]}, one row per
 depth, one column per rank), or {"p": [[..], ..]} (per-depth vectors) or {"p": [..]} (one vector
 for every depth).

@@ -21,8 +21,10 @@ What is modelled, and what is assumed
   probability p[d - 1, r], whatever happened elsewhere in the tree, in this step or before.
   At most one child of a node is on the path, so each row of p sums to at most 1. A node is on
   the path with the product of p along its path, and the expected accepted drafts of a tree is
-  the sum of that product over its nodes. Sequoia uses one vector for all depths; a drafter fed
-  its own drafts gets worse with depth, so here the vector depends on the depth.
+  the sum of that product over its nodes. Sequoia uses one vector for all depths; here it
+  depends on the depth: a drafter fed its own drafts gets worse deeper, and reaching a depth
+  at all selects easy image regions (on the demo engine rank 0 went 0.65, 0.50, 0.50, 0.49,
+  0.58, 0.65 over depths 1-6).
 * Independence: the product rule treats the successive levels as independent given the ranks.
   Hard image regions (every depth rejected) and easy ones are averaged into one table; a tree
   that passes easy regions in fewer steps sees a slightly different mix of positions than the
@@ -30,10 +32,11 @@ What is modelled, and what is assumed
 * What is measured is the record's event "on the accepted path", not "acceptable". Sampling
   (recursive rejection, children tried in rank order, first accepted wins) matches the model:
   the rank-r child is reached only after ranks 0..r-1 were rejected, whichever tree contains
-  them. Relaxed greedy acceptance (LANTERN/LANTERN++) may find several acceptable children; the
-  deepest accepted path wins (ties to the better-ranked path). The measured p then depends a little on
-  the calibration tree's shape below each node, and the search treats a choice between branches
-  as exclusive. Calibrate with a tree wider and deeper than anything the search may pick.
+  them. Relaxed greedy acceptance (LANTERN/LANTERN++) may find several acceptable children;
+  the deepest accepted path wins (ties to the better-ranked path). The measured p then depends
+  a little on the calibration tree's shape below each node, and the search treats a choice
+  between branches as exclusive. Calibrate with a tree wider and deeper than anything the
+  search may pick (`calibration_tree`).
 * Only contiguous trees are built (a node's children have ranks 0..w-1, w <= the drafter's
   candidate count K): sampling needs them (Tree.contiguous), and a rank-r estimate is only
   counted where ranks 0..r-1 were present beside it.
@@ -41,9 +44,13 @@ What is modelled, and what is assumed
   tree yields E[accepted] + 1 tokens per step and AR yields 1.
 * Step cost (PLAN_V2 call regimes), for a tree of `nodes` tokens (root included), depth D and
   n_d nodes at depth d: drafter(D + 1) [depth-0 call over last step's accepted pairs, padded]
-  + sum over d = 1..D-1 of drafter(n_d) + verify(nodes) + host(nodes). AR: one target call of
-  T = 1 plus its host work (`ar_ms` when measured). Drafter calls at depth D are not made (the
-  leaves' children are never drafted).
+  + sum over d = 1..D-1 of drafter(n_d) + D * draft_host + verify(nodes) + host(nodes). AR: one
+  target call of T = 1 plus its host work (`ar_ms` when measured). Drafter calls at depth D are
+  not made (the leaves' children are never drafted). Measure each term as the loop pays it:
+  a call's wall time with its feeding and synchronisation, draft_host the loop's own work per
+  drafter call (gathers, masks, cache commits), host the rest of a step (acceptance, commit).
+  Isolated engine calls plus one host figure underpredicted the pre-issue-8 loop's steps 2-4x
+  on the demo engine, mostly host work per drafter call.
 * Not modelled: the end of an image (a step may emit fewer tokens than accepted), a batch's
   images advancing unevenly (a batched generation ends with its slowest image), cache length
   growing during a generation (measure at a mid-generation cache length), prefill and decode.
@@ -88,7 +95,7 @@ def _field(record, name):
     return record[name] if isinstance(record, dict) else getattr(record, name)
 
 
-@dataclass
+@dataclass(eq=False)
 class AcceptanceCounts:
     """accepted[d - 1, r] of trials[d - 1, r]: steps in which a rank-r child at depth d was on
     the accepted path, out of steps in which its parent was (rows of a batch count separately).
@@ -196,7 +203,7 @@ def _path_matrix(tree, decisions, active, accept_length):
     if orphan.any():
         raise LanternError(f"acceptance record: node {int(np.nonzero(orphan)[1][0]) + 1} is on the accepted "
                            "path but its parent is not")
-    per_depth = np.stack([on[:, tree.depths == d].sum(1) for d in range(1, tree.depth + 1)], 1)
+    per_depth = np.stack([on[:, tree.depths == d].sum(1) for d in range(tree.depth + 1)], 1)
     if (per_depth > 1).any():
         raise LanternError("acceptance record: two nodes of one depth are on the accepted path")
     if not (on[:, 1:].sum(1) == accept_length[active]).all():
@@ -356,11 +363,13 @@ class LatencyModel:
     verify_ms   {T: ms}: one target call over T tree tokens (root included), T = 1 .. max.
     draft_ms    {w: ms}: one drafter call of width w; or None with draft_fraction, meaning
                 draft(w) = draft_fraction * verify(w) (a planning shorthand).
-    host_ms     ms of host work per speculative step: a number, or {T: ms} by tree size.
+    host_ms     ms of host work per speculative step besides drafting: a number, or {T: ms}
+                by tree size (acceptance and commit grow with the node count).
+    draft_host_ms  ms of the loop's own work per drafter call (a step of depth D makes D calls).
     ar_ms       one AR step, host work included; default verify(1) + host(1).
     """
 
-    def __init__(self, verify_ms, draft_ms=None, host_ms=0.0, ar_ms=None, draft_fraction=None):
+    def __init__(self, verify_ms, draft_ms=None, host_ms=0.0, ar_ms=None, draft_fraction=None, draft_host_ms=0.0):
         self.verify = Curve(verify_ms, "verification latency")
         if (draft_ms is None) == (draft_fraction is None):
             raise LanternError("latency model: give drafter latency as points (draft_ms) or as "
@@ -370,6 +379,9 @@ class LatencyModel:
             raise LanternError(f"latency model: draft_fraction must be >= 0, got {draft_fraction!r}")
         self.draft = None if draft_ms is None else Curve(draft_ms, "drafter latency")
         self.host = Curve(host_ms if isinstance(host_ms, dict) else {1: host_ms}, "host time")
+        self.draft_host_ms = float(draft_host_ms)
+        if not (0 <= self.draft_host_ms < math.inf):
+            raise LanternError(f"latency model: draft_host_ms must be >= 0, got {draft_host_ms!r}")
         self.ar_ms = None if ar_ms is None else float(ar_ms)
         if self.ar_ms is not None and not (0 < self.ar_ms < math.inf):
             raise LanternError(f"latency model: ar_ms must be a positive number, got {ar_ms!r}")
@@ -401,10 +413,12 @@ class LatencyModel:
             return self.ar_step_ms()
         draft = self.drafter_ms(tree.depth + 1)
         draft += sum(self.drafter_ms(len(level.nodes)) for level in tree.levels[:-1])
+        draft += tree.depth * self.draft_host_ms
         return draft + self.verify(tree.num_nodes) + self.host_step_ms(tree.num_nodes)
 
     def to_json(self):
-        data = {"verify_ms": self.verify.to_json(), "host_ms": self.host.to_json()}
+        data = {"verify_ms": self.verify.to_json(), "host_ms": self.host.to_json(),
+                "draft_host_ms": self.draft_host_ms}
         if self.draft is None:
             data["draft_fraction"] = self.draft_fraction
         else:
@@ -416,19 +430,20 @@ class LatencyModel:
     @classmethod
     def from_json(cls, data):
         """From a dict or a .json file with the constructor's keys ("verify_ms", "draft_ms" or
-        "draft_fraction", "host_ms", "ar_ms"); unknown keys are an error, "note" is allowed."""
+        "draft_fraction", "host_ms", "draft_host_ms", "ar_ms"); unknown keys are an error,
+        "note" is allowed."""
         if isinstance(data, (str, os.PathLike)):
             data = _read_json(data, "latency model")
         if not isinstance(data, dict):
             raise LanternError("latency model: expected a JSON object")
-        known = {"verify_ms", "draft_ms", "draft_fraction", "host_ms", "ar_ms", "note"}
+        known = {"verify_ms", "draft_ms", "draft_fraction", "host_ms", "draft_host_ms", "ar_ms", "note"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise LanternError(f"latency model: unknown keys {unknown}; known: {sorted(known)}")
         if "verify_ms" not in data:
             raise LanternError("latency model: 'verify_ms' ({T: ms}) is required")
         return cls(data["verify_ms"], data.get("draft_ms"), data.get("host_ms", 0.0), data.get("ar_ms"),
-                   data.get("draft_fraction"))
+                   data.get("draft_fraction"), data.get("draft_host_ms", 0.0))
 
 
 def _read_json(path, what):
