@@ -485,8 +485,7 @@ class TreeTable:
             best, kids = G.copy(), np.zeros(N, dtype=np.int64)
             sub = F[level + 1]
             for r in range(K):
-                gain = p[level, r] * np.where(np.isfinite(sub), sub, 0.0)
-                gain = np.where(np.isfinite(sub), gain, -np.inf)
+                gain = np.where(np.isfinite(sub), p[level, r] * np.where(np.isfinite(sub), sub, 0.0), -np.inf)
                 cand = np.where(valid, G[np.clip(take, 0, None)] + gain[None, :], -np.inf)
                 a = np.argmax(cand, axis=1)
                 G = cand[m, a]
@@ -498,7 +497,8 @@ class TreeTable:
         self._F = F
 
     def value(self, n):
-        """Tokens per step of the best n-node tree; -inf when no such tree fits the limits."""
+        """Tokens per step of the best n-node tree; -inf when no such tree fits the limits
+        (ranks whose p is 0 at every depth are left out: they could only pad a budget)."""
         return float(self._F[0, n])
 
     def paths(self, n):
