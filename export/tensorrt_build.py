@@ -89,7 +89,7 @@ def spanning_profile(regimes, opt=None):
 
 
 def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing_cache=None, workspace_bytes=None,
-               progress=None):
+               decomposable_attention=False, progress=None):
     """Parse `onnx_path` (external data next to it is found) into a strongly typed network and
     build a serialized plan with one optimization profile per entry of `profiles`.
 
@@ -98,6 +98,9 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
       Full TensorRT builds for the GPU it runs on, so it takes None or ["current"].
     timing_cache: full TensorRT only: a file loaded if it exists and saved after the build.
     workspace_bytes: the workspace memory pool limit (default TensorRT's: the device memory).
+    decomposable_attention: let fused attention layers (ONNX Attention -> IAttention) fall back
+      to plain layers where TensorRT has no fused kernel (fp32 has none); off, such a graph
+      fails to build, which says the fusion did not happen.
     progress: called as progress(phase, done, total) for the builder's top-level phases.
 
     Returns (plan bytes, record): the record holds flavor, TensorRT version, compute
@@ -114,6 +117,7 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
     if not parser.parse_from_file(where):
         raise LanternError(f"{where}: {_parser_error(parser, logger)}")
     io = _network_io(trt, network)
+    fused = _fused_layers(trt, network, decomposable_attention)
 
     config = builder.create_builder_config()
     targets = _set_compute_capabilities(trt, config, flavor, compute_capabilities)
@@ -149,7 +153,9 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
             "optimization_level": config.builder_optimization_level,
             "workspace_bytes": config.get_memory_pool_limit(trt.MemoryPoolType.WORKSPACE),
             "timing_cache": str(timing_cache) if timing_cache is not None else None,
+            "decomposable_attention": bool(decomposable_attention),
         },
+        "fused_layers": fused,
         "io": io,
         "build_seconds": round(seconds, 3),
         "plan_bytes": len(plan),
@@ -268,6 +274,22 @@ def _network_io(trt, network):
 
     return {"inputs": {network.get_input(i).name: entry(network.get_input(i)) for i in range(network.num_inputs)},
             "outputs": {network.get_output(i).name: entry(network.get_output(i)) for i in range(network.num_outputs)}}
+
+
+def _fused_layers(trt, network, decomposable_attention):
+    """Count the fused attention / KV-cache-update layers the parser made (so a caller can see
+    whether a graph's forms were recognised) and mark attention decomposable if asked."""
+    attention = kv_update = 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == trt.LayerType.ATTENTION_INPUT:
+            attention += 1
+            if decomposable_attention:
+                layer.__class__ = trt.IAttentionInputLayer  # the bindings return the base class
+                layer.attention.decomposable = True
+        elif layer.type == trt.LayerType.KV_CACHE_UPDATE:
+            kv_update += 1
+    return {"attention": attention, "kv_cache_update": kv_update}
 
 
 _CC = re.compile(r"^(?:sm_?)?(?:(\d{1,2})\.(\d)|(\d{2,3}))$", re.IGNORECASE)
