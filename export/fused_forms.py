@@ -13,6 +13,10 @@ runs eagerly and exports (torch.onnx.export(dynamo=True), opset 24) to single ON
 Not wired into the engine graphs (export/llamagen.py, export/graphs.py); see
 tests/test_fused_forms.py for what each form was checked against.
 """
+import contextlib
+import io
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -98,9 +102,11 @@ def export(module, args, path, input_names, output_names, dynamic_dims):
             shapes[param.name], specs = tuple(specs), []
         else:
             shapes[param.name] = specs.pop(0)
-    with torch.no_grad():
-        program = torch.onnx.export(module, tuple(args), None, input_names=input_names, output_names=output_names,
-                                    dynamic_shapes=shapes, opset_version=OPSET, dynamo=True, verbose=False)
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")  # the exporter's progress lines and deprecation notes
+        program = torch.onnx.export(module.eval(), tuple(args), None, input_names=input_names,
+                                    output_names=output_names, dynamic_shapes=shapes, opset_version=OPSET,
+                                    dynamo=True, verbose=False)
     for value, spec in zip(program.model.graph.inputs, dynamic_dims):
         if spec:
             value.shape = ir.Shape([spec.get(axis, d) for axis, d in enumerate(value.shape)])

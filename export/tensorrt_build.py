@@ -129,8 +129,7 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
         config.progress_monitor = monitor
     if not profiles:
         raise LanternError(f"{where}: no optimization profile given")
-    for index, profile in enumerate(profiles):
-        _add_profile(builder, config, logger, io, profile, index, where)
+    added = [_add_profile(builder, config, logger, io, profile, index, where) for index, profile in enumerate(profiles)]
 
     start = time.perf_counter()
     plan = builder.build_serialized_network(network, config)
@@ -146,8 +145,7 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
         "flavor": flavor,
         "tensorrt_version": trt.__version__,
         "compute_capabilities": targets,
-        "profiles": [{name: {"min": list(mn), "opt": list(op), "max": list(mx)} for name, (mn, op, mx) in p.items()}
-                     for p in (_normalised(p) for p in profiles)],
+        "profiles": added,
         "builder": {
             "strongly_typed": True,
             "optimization_level": config.builder_optimization_level,
@@ -246,7 +244,8 @@ def _Progress(trt, callback):
             return True  # False would cancel the build
 
         def phase_finish(self, phase):
-            pass
+            if phase in self.totals:  # TensorRT may finish a phase before counting its last step
+                callback(phase, self.totals[phase], self.totals[phase])
 
     return Progress()
 
@@ -362,8 +361,8 @@ def _normalised(profile):
 
 
 def _add_profile(builder, config, logger, io, profile, index, where):
-    """Check one profile against the network's inputs (clear messages instead of TensorRT's)
-    and add it to the config."""
+    """Check one profile against the network's inputs (clear messages instead of TensorRT's),
+    add it to the config and return it as TensorRT holds it."""
     profile = _normalised(profile)
     inputs = io["inputs"]
     unknown = [n for n in profile if n not in inputs]
@@ -391,3 +390,9 @@ def _add_profile(builder, config, logger, io, profile, index, where):
         p.set_shape(name, mn, op, mx)
     if config.add_optimization_profile(p) < 0:
         raise LanternError(f"{where}: TensorRT rejects profile {index}: {logger.first_error()}")
+    # What TensorRT holds, read back from its profile object: {input: {"min", "opt", "max"}}.
+    held = {}
+    for name in profile:
+        triple = p.get_shape_input(name) if inputs[name]["shape_tensor"] else p.get_shape(name)
+        held[name] = {k: [int(d) for d in s] for k, s in zip(("min", "opt", "max"), triple)}
+    return held
