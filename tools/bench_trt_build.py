@@ -1,6 +1,6 @@
 """TensorRT build benchmark: one optimization profile per call regime against one profile spanning
 all regimes, for an engine directory's target and drafter graphs. Prints JSON: per graph and
-strategy, the number of profiles, build seconds and plan size.
+strategy, the number of profiles, build seconds (median and min of --repeat builds) and plan size.
 
     python -m lantern.tools.bench_trt_build ENGINE_DIR [--batch 1 4] [--compute-capability 89]
         [--graphs target drafter] [--no-cfg] [--flavor tensorrt-rtx]
@@ -16,6 +16,7 @@ the build side only, on whatever machine runs it (TensorRT-RTX builds ahead of t
 import argparse
 import json
 import os
+import statistics
 import sys
 
 
@@ -68,7 +69,7 @@ def _distinct(regimes):
     return out
 
 
-def measure(onnx_path, regimes_by_batch, opt, flavor, compute_capabilities):
+def measure(onnx_path, regimes_by_batch, opt, flavor, compute_capabilities, repeat=1):
     from lantern.export.tensorrt_build import build_plan, exact_profile, spanning_profile
 
     all_regimes = [shapes for regimes in regimes_by_batch for shapes in regimes.values()]
@@ -76,9 +77,12 @@ def measure(onnx_path, regimes_by_batch, opt, flavor, compute_capabilities):
                   "spanning": [spanning_profile(all_regimes, opt=opt)]}
     out = {}
     for name, profiles in strategies.items():
-        _, record = build_plan(onnx_path, profiles, flavor=flavor, compute_capabilities=compute_capabilities)
-        out[name] = {"profiles": len(profiles), "build_seconds": record["build_seconds"],
-                     "plan_mib": round(record["plan_bytes"] / 2**20, 2)}
+        seconds = []
+        for _ in range(repeat):
+            _, record = build_plan(onnx_path, profiles, flavor=flavor, compute_capabilities=compute_capabilities)
+            seconds.append(record["build_seconds"])
+        out[name] = {"profiles": len(profiles), "build_seconds_median": round(statistics.median(seconds), 2),
+                     "build_seconds_min": round(min(seconds), 2), "plan_mib": round(record["plan_bytes"] / 2**20, 2)}
     return out
 
 
@@ -90,6 +94,7 @@ def main(argv=None):
     parser.add_argument("--graphs", nargs="+", default=["target", "drafter"])
     parser.add_argument("--no-cfg", action="store_true", help="batch rows = images (default 2 x images: CFG)")
     parser.add_argument("--flavor", default="tensorrt-rtx")
+    parser.add_argument("--repeat", type=int, default=3, help="builds per strategy (median and min reported)")
     args = parser.parse_args(argv)
 
     with open(os.path.join(args.engine, "manifest.json")) as f:
@@ -106,9 +111,10 @@ def main(argv=None):
         # largest batch; the drafter's calls are equally frequent, so its opt is the largest.
         opt = by_batch[-1].get("verify") if graph == "target" else None
         path = os.path.join(args.engine, manifest["graphs"][graph]["file"])
+        files = [path] + ([path + ".data"] if os.path.exists(path + ".data") else [])
         entry = {"regimes": {name: shapes["attention_mask"][2] for name, shapes in by_batch[0].items()},
-                 "onnx_mib": round(os.path.getsize(path) / 2**20, 2)}
-        entry.update(measure(path, by_batch, opt, args.flavor, args.compute_capability))
+                 "onnx_mib": round(sum(os.path.getsize(f) for f in files) / 2**20, 2)}
+        entry.update(measure(path, by_batch, opt, args.flavor, args.compute_capability, args.repeat))
         result["graphs"][graph] = entry
     json.dump(result, sys.stdout, indent=1)
     print()
