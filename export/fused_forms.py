@@ -37,8 +37,10 @@ def cache_update(cache, update, write_index):
 
 def attention(q, k, v, mask):
     """Softmax(q k^T / sqrt(hd), masked) v; q [B, H, T, hd], k/v [B, Hkv, S, hd] (H a multiple
-    of Hkv: grouped-query attention), mask bool [B, 1, T, S] (True = attend). Every query row
-    must attend to at least one key (a fully masked row is NaN in some runtimes)."""
+    of Hkv: grouped-query attention), mask bool [B, 1, T, S] (True = attend). A fully masked
+    query row comes out 0 in eager torch and ONNX Runtime 1.32 (the plain masked_fill + softmax
+    form gives NaN there); TensorRT's behaviour for it is unverified, so padded rows should
+    attend to something (their own slot)."""
     return torch.onnx.ops.attention(q, k, v, mask)[0]
 
 

@@ -108,14 +108,10 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
     """
     trt = load_tensorrt(flavor)
     where = str(onnx_path)
-    if not os.path.isfile(where):
-        raise LanternError(f"{where}: no such ONNX file")
+    if not profiles:
+        raise LanternError(f"{where}: no optimization profile given")
     logger = _Logger(trt)
-    builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(where):
-        raise LanternError(f"{where}: {_parser_error(parser, logger)}")
+    builder, network, parser = _parse(trt, where, logger)  # the parser owns the weights: keep it
     io = _network_io(trt, network)
     fused = _fused_layers(trt, network, decomposable_attention)
 
@@ -127,16 +123,15 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
     if progress is not None:
         monitor = _Progress(trt, progress)  # must outlive the build: TensorRT keeps a reference
         config.progress_monitor = monitor
-    if not profiles:
-        raise LanternError(f"{where}: no optimization profile given")
     added = [_add_profile(builder, config, logger, io, profile, index, where) for index, profile in enumerate(profiles)]
 
     start = time.perf_counter()
     plan = builder.build_serialized_network(network, config)
     seconds = time.perf_counter() - start
     if plan is None:
-        cc = ", ".join(targets) if targets else "the current GPU"
-        raise LanternError(f"{where}: {flavor} could not build a plan for {cc}: {logger.first_error()}")
+        hint = " (building for 'current' needs an NVIDIA GPU and driver)" if "current" in targets else ""
+        raise LanternError(f"{where}: {flavor} could not build a plan for {', '.join(targets)}{hint}: "
+                           f"{logger.first_error()}")
     plan = bytes(plan)
     if cache is not None:
         _save_timing_cache(config, timing_cache)
@@ -167,12 +162,7 @@ def network_io(onnx_path, *, flavor):
     {"inputs": {name: {"dtype", "shape", "shape_tensor"}}, "outputs": {...}}; dynamic dims are
     the ONNX dim names where TensorRT keeps them, else -1."""
     trt = load_tensorrt(flavor)
-    logger = _Logger(trt)
-    builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        raise LanternError(f"{onnx_path}: {_parser_error(parser, logger)}")
+    _, network, _parser = _parse(trt, str(onnx_path), _Logger(trt))
     return _network_io(trt, network)
 
 
@@ -250,6 +240,18 @@ def _Progress(trt, callback):
     return Progress()
 
 
+def _parse(trt, where, logger):
+    """ONNX file -> (builder, strongly typed network, parser), or a one-line LanternError."""
+    if not os.path.isfile(where):
+        raise LanternError(f"{where}: no such ONNX file")
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(where):
+        raise LanternError(f"{where}: {_parser_error(parser, logger)}")
+    return builder, network, parser
+
+
 def _parser_error(parser, logger):
     """The parser's first error in one line, naming the ONNX node."""
     if parser.num_errors == 0:
@@ -314,7 +316,7 @@ def _set_compute_capabilities(trt, config, flavor, requested):
                                f"need --flavor tensorrt-rtx")
         return ["current"]
     if not targets:
-        return []  # TensorRT-RTX's default set
+        return ["default"]  # TensorRT-RTX's own set: Ampere and later (its docs: 8.0, 8.6, 8.9, 12.0)
     known = {name for name in trt.ComputeCapability.__members__ if name != "NONE"}
     names = ["CURRENT" if t == "current" else t for t in targets]
     unknown = [t for t, n in zip(targets, names) if n not in known]

@@ -88,6 +88,12 @@ def test_target_plan_builds_with_one_profile_per_regime(engine, cc):
     assert record["profiles"][1]["past_values_1"]["opt"] == [2, 2, 37, 8]
 
 
+def test_network_io_needs_no_build(engine):
+    m = manifest(engine)
+    _assert_io_matches_manifest(tb.network_io(os.path.join(engine, "drafter.onnx"), flavor=FLAVOR),
+                                m["graphs"]["drafter"])
+
+
 def test_drafter_plan_builds_with_shape_tensor_values(engine):
     """The v1 drafter's cond_batch is a shape tensor: its profile entry holds values."""
     m = manifest(engine)
@@ -146,6 +152,8 @@ def test_broken_onnx_is_one_line_error(engine, tmp_path):
 
     with pytest.raises(LanternError, match="no such ONNX file"):
         tb.build_plan(tmp_path / "absent.onnx", [{}], flavor=FLAVOR)
+    with pytest.raises(LanternError, match="no such ONNX file"):
+        tb.network_io(tmp_path / "absent.onnx", flavor=FLAVOR)
 
 
 def test_bad_profiles_and_targets_are_one_line_errors(engine):
@@ -183,6 +191,10 @@ def test_reading_a_plan_without_gpu_says_so(engine):
     with pytest.raises(LanternError) as err:
         tb.plan_io(plan, flavor=FLAVOR)
     assert "needs an NVIDIA GPU" in _one_line(err)
+    with pytest.raises(LanternError) as err:
+        tb.build_plan(os.path.join(engine, "condition.onnx"), [tb.exact_profile({"class_ids": (2,)})],
+                      flavor=FLAVOR, compute_capabilities=["current"])
+    assert "building for 'current' needs an NVIDIA GPU" in _one_line(err)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="reading a plan back needs an NVIDIA GPU (TensorRT cannot deserialize without one)")
