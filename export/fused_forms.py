@@ -1,0 +1,116 @@
+"""Prototype: the attention and KV-cache graph forms TensorRT fuses, written as torch code that
+runs eagerly and exports (torch.onnx.export(dynamo=True), opset 24) to single ONNX ops.
+
+  cache_update  -> ONNX TensorScatter (opset 24)  -> TensorRT IKVCacheUpdateLayer: the new
+                   tokens' K/V written into a static cache [B, Hkv, P, hd] at per-row slots
+                   write_index[b] .. write_index[b] + T - 1; the output aliases the cache input
+                   in TensorRT, and in ONNX Runtime when IOBinding binds one buffer to both.
+  attention     -> ONNX Attention (opset 23) with a boolean mask -> TensorRT IAttention.
+  AttentionStep -> both: the cache-update-then-attend step a decoder layer would make.
+  CommitGraph   -> the accepted tree nodes' K/V moved inside a device-resident cache
+                   (GatherElements + TensorScatter), so a step moves no cache across PCIe.
+
+Not wired into the engine graphs (export/llamagen.py, export/graphs.py); see
+tests/test_fused_forms.py for what each form was checked against.
+"""
+import contextlib
+import io
+import warnings
+
+import torch
+import torch.nn as nn
+
+OPSET = 24  # TensorScatter is opset 24; Attention is opset 23
+
+
+def cache_update(cache, update, write_index):
+    """cache [B, H, P, hd] with update [B, H, T, hd] written at slots write_index[b] + 0..T-1
+    of row b (ONNX TensorScatter, linear mode). Returns the updated cache (eagerly a new tensor)."""
+    if torch.onnx.is_in_onnx_export():
+        # TensorScatter has no torch counterpart the exporter knows, so emit it by name.
+        return torch.onnx.ops.symbolic("TensorScatter", [cache, update, write_index], {"axis": 2},
+                                       dtype=cache.dtype, shape=cache.shape, version=OPSET)
+    B, H, T, hd = update.shape
+    slots = write_index[:, None] + torch.arange(T, device=update.device)  # [B, T]
+    return cache.scatter(2, slots[:, None, :, None].expand(B, H, T, hd), update)
+
+
+def attention(q, k, v, mask):
+    """Softmax(q k^T / sqrt(hd), masked) v; q [B, H, T, hd], k/v [B, Hkv, S, hd] (H a multiple
+    of Hkv: grouped-query attention), mask bool [B, 1, T, S] (True = attend). A fully masked
+    query row comes out 0 in eager torch and ONNX Runtime 1.32 (the plain masked_fill + softmax
+    form gives NaN there); TensorRT's behaviour for it is unverified, so padded rows should
+    attend to something (their own slot)."""
+    return torch.onnx.ops.attention(q, k, v, mask)[0]
+
+
+class AttentionStep(nn.Module):
+    """Write this step's K/V into the static caches, then attend over the whole cache.
+    Inputs q [B, H, T, hd]; k, v [B, Hkv, T, hd]; cache_k, cache_v [B, Hkv, P, hd];
+    write_index int64 [B]; mask bool [B, 1, T, P] (its columns are cache slots, including the
+    slots this step writes). Outputs: out [B, H, T, hd], the updated cache_k, cache_v."""
+
+    def forward(self, q, k, v, cache_k, cache_v, write_index, mask):
+        cache_k = cache_update(cache_k, k, write_index)
+        cache_v = cache_update(cache_v, v, write_index)
+        return attention(q, cache_k, cache_v, mask), cache_k, cache_v
+
+
+class PlainAttentionStep(nn.Module):
+    """The engines' current form, for comparison: attention over [past, new] scored per part
+    (no Concat of the caches; lantern.export.llamagen), new K/V returned for the host to store.
+    Inputs q, k, v as AttentionStep; past_k, past_v [B, Hkv, P0, hd]; mask bool [B, 1, T, P0 + T]."""
+
+    def forward(self, q, k, v, past_k, past_v, mask):
+        from lantern.export.llamagen import _attend
+
+        return _attend(q, past_k, past_v, k, v, mask), k, v
+
+
+class CommitGraph(nn.Module):
+    """Move the accepted nodes' K/V inside the caches, on the device.
+
+    Verification wrote node i of the tree at slot write_index + i; the accepted path's node at
+    depth d must end at slot write_index + d. Inputs: src_slots int64 [B, A] (the slots to read,
+    A = tree depth, padded rows copy any slot: they land past the new committed length, where
+    the next step writes anyway); write_index int64 [B] (first destination slot: the row's
+    committed length + 1, after the root); caches [B, Hkv, P, hd] (keys of every layer, then
+    values). Outputs: the caches, updated in place where the runtime aliases them. The
+    destinations are contiguous, which is what makes this an in-place TensorScatter; arbitrary
+    destinations would need ScatterElements, which TensorRT computes out of place (a copy of
+    the whole cache per call)."""
+
+    def forward(self, src_slots, write_index, *caches):
+        out = []
+        for cache in caches:
+            B, H, _, hd = cache.shape
+            moved = cache.gather(2, src_slots[:, None, :, None].expand(B, H, src_slots.shape[1], hd))
+            out.append(cache_update(cache, moved, write_index))
+        return tuple(out)
+
+
+def export(module, args, path, input_names, output_names, dynamic_dims):
+    """Export `module` at opset 24 with torch's dynamo exporter. dynamic_dims: per input,
+    {axis: dim name} or None; those axes stay dynamic and carry the names in the ONNX file.
+    Trace with sizes > 1 on dynamic axes (torch.export specialises 0 and 1)."""
+    import inspect
+
+    import onnx_ir as ir
+
+    specs = [None if spec is None else {axis: torch.export.Dim.DYNAMIC for axis in spec} for spec in dynamic_dims]
+    shapes = {}  # keyed by the forward's parameters; a *caches parameter takes the rest as a tuple
+    for param in inspect.signature(module.forward).parameters.values():
+        if param.kind == param.VAR_POSITIONAL:
+            shapes[param.name], specs = tuple(specs), []
+        else:
+            shapes[param.name] = specs.pop(0)
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")  # the exporter's progress lines and deprecation notes
+        program = torch.onnx.export(module.eval(), tuple(args), None, input_names=input_names,
+                                    output_names=output_names, dynamic_shapes=shapes, opset_version=OPSET,
+                                    dynamo=True, verbose=False)
+    for value, spec in zip(program.model.graph.inputs, dynamic_dims):
+        if spec:
+            value.shape = ir.Shape([spec.get(axis, d) for axis, d in enumerate(value.shape)])
+    program.save(path)
+    return path
