@@ -169,7 +169,7 @@ def records_from_paths(tree, paths, rows, rng):
             accept_length[row] = len(path) - 1
         # inactive rows hold garbage the counts must ignore
         decisions[~active] = rng.integers(-1, 2, size=(int((~active).sum()), tree.num_nodes))
-        records.append({"tree": tree, "decisions": decisions, "accept_length": accept_length, "active": active})
+        records.append({"tree": tree, "decisions": decisions, "accepted": accept_length, "active": active})
     return records, used
 
 
@@ -178,9 +178,9 @@ def test_counts_by_hand():
     [0] then [0, 0]; row 1 accepts [1]; row 2 inactive. Step 2: row 0 accepts nothing."""
     tree = build_tree([[0], [1], [0, 0]])
     counts = AcceptanceCounts()
-    counts.add({"tree": tree, "active": [True, True, False], "accept_length": [2, 1, 0],
+    counts.add({"tree": tree, "active": [True, True, False], "accepted": [2, 1, 0],
                 "decisions": np.array([[1, 1, -1, 1], [1, 0, 1, -1], [1, 1, 1, 1]], dtype=np.int8)})
-    counts.add({"tree": tree, "active": [True, False, False], "accept_length": [0, 0, 0],
+    counts.add({"tree": tree, "active": [True, False, False], "accepted": [0, 0, 0],
                 "decisions": np.array([[1, 0, 0, -1], [1, 1, -1, -1], [1, -1, -1, -1]], dtype=np.int8)})
     assert counts.trials[:2, :2].tolist() == [[3, 3], [1, 0]]
     assert counts.accepted[:2, :2].tolist() == [[1, 1], [1, 0]]
@@ -217,7 +217,7 @@ def test_counts_from_records_match_direct_count(spec):
 
 def test_chain_records():
     counts = AcceptanceCounts()
-    counts.add({"tree": build_tree([[0]]), "active": [True, True], "accept_length": [0, 1],
+    counts.add({"tree": build_tree([[0]]), "active": [True, True], "accepted": [0, 1],
                 "decisions": np.array([[1, 0], [1, 1]], dtype=np.int8)})
     assert counts.steps == 2 and counts.trials[0, 0] == 2 and counts.accepted[0, 0] == 1
     assert counts.trials.sum() == 2
@@ -228,7 +228,7 @@ def test_non_contiguous_ranks_are_not_counted():
     for rank 2 and neither count uses it."""
     tree = build_tree([[0], [2]])
     counts = AcceptanceCounts()
-    counts.add({"tree": tree, "active": [True], "accept_length": [1],
+    counts.add({"tree": tree, "active": [True], "accepted": [1],
                 "decisions": np.array([[1, 0, 1]], dtype=np.int8)})
     assert counts.trials[0, :3].tolist() == [1, 0, 0] and counts.accepted[0, :3].tolist() == [0, 0, 0]
     direct = count_accepted_paths(tree, [[0, 2]])
@@ -269,13 +269,13 @@ def test_counts_json_round_trip():
     ([[1, 1, 0]], [1], "shape"),
     ([[1, 0, -1, 1]], [1], "parent"),
     ([[1, 1, 1, -1]], [2], "two nodes"),
-    ([[1, 1, -1, 1]], [1], "accept_length"),
+    ([[1, 1, -1, 1]], [1], "accepted differs"),
     ([[1, 2, -1, -1]], [0], "-1, 0 or 1"),
 ])
 def test_bad_records(decisions, accept_length, message):
     tree = build_tree([[0], [1], [0, 0]])
     with pytest.raises(LanternError, match=message):
-        AcceptanceCounts().add({"tree": tree, "active": [True], "accept_length": accept_length,
+        AcceptanceCounts().add({"tree": tree, "active": [True], "accepted": accept_length,
                                 "decisions": np.array(decisions)})
 
 

@@ -104,16 +104,16 @@ class AcceptanceCounts:
     accepted: np.ndarray = field(default_factory=lambda: np.zeros((MAX_DEPTH, MAX_WIDTH), np.int64))
     trials: np.ndarray = field(default_factory=lambda: np.zeros((MAX_DEPTH, MAX_WIDTH), np.int64))
     steps: int = 0  # active (row, step) pairs seen
-    accepted_drafts: int = 0  # sum of accept_length over them
+    accepted_drafts: int = 0  # sum of the records' `accepted` over them
 
     def add(self, record):
         """Count one step's record: a dict or object with `tree`, `decisions` int [N, nodes]
-        (1 on the accepted path, 0 tried and rejected, -1 never evaluated), `accept_length` [N]
-        and `active` bool [N]. The root is on the path of every active row."""
+        (1 on the accepted path, 0 tried and rejected, -1 never evaluated), `accepted` [N]
+        drafts accepted and `active` bool [N] (the loop's StepRecord). The root is on the path of every active row."""
         tree = build_tree(_field(record, "tree"))
         decisions = np.asarray(_field(record, "decisions"))
         active = np.asarray(_field(record, "active"), dtype=bool).reshape(-1)
-        accept_length = np.asarray(_field(record, "accept_length")).reshape(-1)
+        accept_length = np.asarray(_field(record, "accepted")).reshape(-1)
         on = _path_matrix(tree, decisions, active, accept_length)
         on[:, 0] = True
         parent_on = on[:, tree.parents[1:]]  # [rows, nodes - 1]
@@ -139,7 +139,7 @@ class AcceptanceCounts:
         return (int(d.max()) + 1, int(r.max()) + 1) if len(d) else (0, 0)
 
     def mean_accept_length(self):
-        """Measured mean accepted drafts per active row-step (the loop's own accept_length)."""
+        """Measured mean accepted drafts per active row-step (the loop's own count)."""
         return self.accepted_drafts / self.steps if self.steps else 0.0
 
     def to_json(self):
@@ -196,7 +196,7 @@ def _path_matrix(tree, decisions, active, accept_length):
     if not np.isin(decisions, (-1, 0, 1)).all():
         raise LanternError("acceptance record: decisions must be -1, 0 or 1")
     if accept_length.shape != (n_rows,):
-        raise LanternError(f"acceptance record: accept_length has shape {accept_length.shape}, expected ({n_rows},)")
+        raise LanternError(f"acceptance record: accepted has shape {accept_length.shape}, expected ({n_rows},)")
     on = decisions[active] == 1
     on[:, 0] = True
     orphan = on[:, 1:] & ~on[:, tree.parents[1:]]
@@ -207,7 +207,7 @@ def _path_matrix(tree, decisions, active, accept_length):
     if (per_depth > 1).any():
         raise LanternError("acceptance record: two nodes of one depth are on the accepted path")
     if not (on[:, 1:].sum(1) == accept_length[active]).all():
-        raise LanternError("acceptance record: accept_length differs from the number of accepted nodes")
+        raise LanternError("acceptance record: accepted differs from the number of nodes on the path")
     return on
 
 
@@ -586,7 +586,7 @@ class SearchResult:
                 "skipped": [{"depth_limit": d, "nodes": n, "why": why} for d, n, why in self.skipped]}
 
 
-def search(p, latency, max_nodes, max_depth, candidates):
+def search(p, latency, max_nodes, max_depth, candidates, allowed=None):
     """The tree with the highest predicted tokens per second, AR included.
 
     p           [depth, width] positional acceptance vectors (acceptance_vectors or given)
@@ -594,6 +594,8 @@ def search(p, latency, max_nodes, max_depth, candidates):
     max_nodes   largest tree to consider, root included (the verification's T)
     max_depth   depth limit
     candidates  the drafter graph's top-K: no node gets more children
+    allowed     optional tree -> None or the reason it cannot run (e.g. compiled plans whose
+                profiles do not cover its shapes); such trees are skipped
     """
     p = check_vectors(p)
     for what, v, hi in (("max_nodes", max_nodes, MAX_NODES), ("max_depth", max_depth, MAX_DEPTH),
@@ -612,6 +614,10 @@ def search(p, latency, max_nodes, max_depth, candidates):
                 continue  # the same tree as under a smaller limit
             if not latency.covers(tree):
                 skipped.append((depth_limit, n, "outside the latency model's measured sizes"))
+                continue
+            why = allowed(tree) if allowed is not None else None
+            if why:
+                skipped.append((depth_limit, n, why))
                 continue
             priced.append(Candidate(name=tree.name, paths=paths, nodes=n, depth=tree.depth,
                                     tokens_per_step=table.value(n), step_ms=latency.step_ms(tree),
