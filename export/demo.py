@@ -2,8 +2,9 @@
 
 Exports the shipped checkpoints (real LlamaGen / LANTERN / VQ formats, see demo_model/MODEL_CARD.md)
 to engines/demo, checks every graph against PyTorch, generates the same grid of images with `ar`,
-`exact` and `lantern++` on ONNX Runtime CPU, prints a table and writes the images and a report
-(report.json, report.md with plots) to engines/demo/report/.
+`exact` and `lantern++` on ONNX Runtime CPU, tunes the draft tree for this machine (`lantern-run
+tune`, small: see TUNE) and runs lantern++ with the tuned tree beside the preset, prints a table
+and writes the images and a report (report.json, report.md with plots) to engines/demo/report/.
 """
 import json
 import os
@@ -15,6 +16,10 @@ from lantern.runtime.errors import LanternError
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
 DEFAULTS = dict(tree="mc_sim_7b_63", lam=5.0, k=20, cfg=3.0, temperature=1.0, top_k=0, per_class=2, seed=0)
+# The demo's tune run, cut to fit ~20 s on a 2-core CPU: 8 calibration images (tune's default 16),
+# budget 32 and depth 5 (64 and 6), 3 timed repeats per call size (5), one loop run per tree (2),
+# batch sizes 1 and 8 only (the grid's 30 images use the batch-8 tree, the nearest tuned batch).
+TUNE = dict(images=8, budget=32, depth=5, batches=(1, 8), repeats=3, loop_runs=1)
 
 
 def add_parser(sub):
@@ -29,6 +34,7 @@ def add_parser(sub):
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--threads", type=int, default=1,
                    help="ONNX Runtime intra-op threads (default 1: the demo model is too small to gain from more)")
+    p.add_argument("--no-tune", action="store_true", help="skip tuning the draft tree for this machine")
     p.set_defaults(func=run)
 
 
@@ -69,21 +75,31 @@ def run(args):
     classes = [c for c in range(len(class_names)) for _ in range(args.per_class)]
     common = dict(classes=classes, cfg_scale=args.cfg, temperature=DEFAULTS["temperature"], top_k=DEFAULTS["top_k"],
                   seed=args.seed)
-    runs = [("ar", {}), ("exact", {}), ("lantern++", dict(lam=args.lam, k=args.k))]
-    print(f"[3/4] generating {len(classes)} images ({args.per_class} per class) with "
-          + ", ".join(m for m, _ in runs) + f" (sampling, CFG {args.cfg}, tree {args.tree})")
+    steps = 4 if args.no_tune else 5
+    tuned = None
+    if not args.no_tune:
+        tuned = _tune(engine, out, args, steps)
+        engine = Engine(out, threads=args.threads)  # reopened: generate now finds the tuned trees
+    # the preset row names its tree, so a tuned tree for the same settings does not replace it
+    runs = [("ar", {}), ("exact", {"tree": args.tree}), ("lantern++", dict(lam=args.lam, k=args.k, tree=args.tree))]
+    if tuned is not None:
+        runs.append(("lantern++ tuned", dict(lam=args.lam, k=args.k)))
+    print(f"[{steps - 1}/{steps}] generating {len(classes)} images ({args.per_class} per class) with "
+          + ", ".join(m for m, _ in runs) + f" (sampling, CFG {args.cfg}, tree {args.tree}"
+          + (", and the tuned tree" if tuned is not None else "") + ")")
     engine.generate(mode="exact", **{**common, "classes": classes[:2]})  # warm up the sessions
     results = {}
     for mode, extra in runs:
-        results[mode] = engine.generate(mode=mode, **common, **extra)
+        results[mode] = engine.generate(mode=mode.split()[0], **common, **extra)
     # Latency at batch 1 (one image per call), the setting of the paper's speedups.
-    single = {}
+    single, single_trees = {}, {}
     for mode, extra in runs:
-        times = [engine.generate(mode=mode, **{**common, "classes": [c]}, **extra).stats["seconds"]
-                 for c in range(0, len(class_names), max(1, len(class_names) // 5))]
-        single[mode] = float(np.median(times))
+        gens = [engine.generate(mode=mode.split()[0], **{**common, "classes": [c]}, **extra)
+                for c in range(0, len(class_names), max(1, len(class_names) // 5))]
+        single[mode] = float(np.median([g.stats["seconds"] for g in gens]))
+        single_trees[mode] = gens[0].stats["tree"]
 
-    print("[4/4] writing images and the report")
+    print(f"[{steps}/{steps}] writing images and the report")
     report_dir = os.path.join(out, "report")
     os.makedirs(report_dir, exist_ok=True)
     rows = []
@@ -91,9 +107,10 @@ def run(args):
         s = r.stats
         images = engine.decode(r.tokens)
         images = images.repeat(3, axis=1).repeat(3, axis=2) if images.shape[1] < 128 else images  # easier to see
-        name = mode.replace("+", "p")
+        name = mode.replace("+", "p").replace(" ", "_")
         write_png(os.path.join(report_dir, f"{name}.png"), image_grid(images, ncols=args.per_class * 3))
-        rows.append({"mode": mode, "steps_per_image": s["steps_per_image"],
+        rows.append({"mode": mode, "tree": s["tree"], "tree_batch1": single_trees[mode],
+                     "steps_per_image": s["steps_per_image"],
                      "mean_accepted_length": s["mean_accepted_length"], "batch_seconds": s["seconds"],
                      "speedup_batch": results["ar"].stats["seconds"] / s["seconds"],
                      "latency_batch1_seconds": single[mode], "speedup_batch1": single["ar"] / single[mode],
@@ -103,15 +120,55 @@ def run(args):
                      "accepted_histogram": s.get("accepted_histogram", []), "image": f"{name}.png",
                      "phase_seconds": s["phase_seconds"]})
     summary = {"engine": out, "settings": {**vars_of(args), "classes": len(class_names), "images": len(classes)},
-               "check": {"ok": report["ok"], "worst_abs_error": worst}, "results": rows,
+               "check": {"ok": report["ok"], "worst_abs_error": worst}, "results": rows, "tuned": tuned,
                "seconds_total": time.perf_counter() - start}
     with open(os.path.join(report_dir, "report.json"), "w") as f:
         json.dump(summary, f, indent=2)
     _plots(report_dir, rows)
     _markdown(report_dir, summary, class_names)
     _print_table(rows)
+    if tuned is not None:
+        print(_tuned_line(tuned))
     print(f"report: {os.path.join(report_dir, 'report.md')}  ({summary['seconds_total']:.0f} s in all)")
     return 0
+
+
+def _tune(engine, out, args, steps):
+    """`lantern-run tune` for the demo's lantern++ settings, small (TUNE), installed into the
+    engine directory. Returns a summary for the report."""
+    from lantern.tools import tune
+
+    settings = dict(mode="lantern++", lam=args.lam, k=args.k, cfg_scale=args.cfg,
+                    temperature=DEFAULTS["temperature"], top_k=DEFAULTS["top_k"])
+    kwargs, _, key = tune.generation_settings(engine, **settings)
+    conds, note = tune.conditions(engine, TUNE["images"])
+    print(f"[3/{steps}] tuning the draft tree for this machine ({key}: {TUNE['images']} calibration images, "
+          f"budget {TUNE['budget']}, depth {TUNE['depth']}, batches {', '.join(map(str, TUNE['batches']))})")
+    t = time.perf_counter()
+    report, chosen = tune.tune(engine, kwargs, conds, budget=TUNE["budget"], depth=TUNE["depth"],
+                               batches=TUNE["batches"], repeats=TUNE["repeats"], loop_runs=TUNE["loop_runs"],
+                               seed=args.seed, note=note, threads=args.threads, log=lambda *a: None)
+    entry = tune.install(out, chosen, report)
+    batches = {}
+    for images, r in report["batches"].items():
+        preset = next((row for row in r["presets"] if row["name"] == args.tree and "skipped" not in row), None)
+        batches[images] = {"tree": r["chosen"]["name"], "nodes": r["chosen"]["nodes"], "depth": r["chosen"]["depth"],
+                           "predicted_speedup": r["chosen"]["speedup_vs_ar"],
+                           "predicted_tokens_per_step": r["chosen"]["tokens_per_step"],
+                           "preset": args.tree, "preset_predicted_speedup": preset and preset["speedup_vs_ar"]}
+    return {"key": key, "seconds": time.perf_counter() - t, "report": os.path.join(out, entry.report),
+            "batches": batches, "cut": TUNE}
+
+
+def _tuned_line(tuned):
+    parts = []
+    for images, b in tuned["batches"].items():
+        what = "AR (no drafting)" if b["nodes"] == 1 else f"{b['nodes']} nodes, depth {b['depth']}"
+        preset = (f"; {b['preset']} predicted {b['preset_predicted_speedup']:.2f}x"
+                  if b["preset_predicted_speedup"] is not None else "")
+        parts.append(f"{images} image(s) per call: {what}, predicted {b['predicted_speedup']:.2f}x over AR{preset}")
+    return (f"tuned for this machine ({tuned['seconds']:.0f} s): " + "; ".join(parts)
+            + f"\ntune report: {tuned['report']}")
 
 
 def vars_of(args):
@@ -119,12 +176,13 @@ def vars_of(args):
 
 
 def _print_table(rows):
-    head = (f"{'mode':10s} {'steps/img':>9s} {'accepted':>9s} {'step cost':>9s} {'batch s':>8s} {'speedup':>8s} "
-            f"{'1-img s':>8s} {'speedup':>8s}")
+    head = (f"{'mode':16s} {'tree':14s} {'steps/img':>9s} {'accepted':>9s} {'step cost':>9s} {'batch s':>8s} "
+            f"{'speedup':>8s} {'1-img s':>8s} {'speedup':>8s}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['mode']:10s} {r['steps_per_image']:9.1f} {r['mean_accepted_length']:9.2f} "
+        tree = r["tree"] if r["tree"] == r["tree_batch1"] else f"{r['tree']}/{r['tree_batch1']}"
+        print(f"{r['mode']:16s} {tree[:14]:14s} {r['steps_per_image']:9.1f} {r['mean_accepted_length']:9.2f} "
               f"{r['step_cost_vs_ar']:8.1f}x {r['batch_seconds']:8.2f} "
               f"{r['speedup_batch']:7.2f}x {r['latency_batch1_seconds']:8.3f} {r['speedup_batch1']:7.2f}x")
 
@@ -137,7 +195,7 @@ def _plots(report_dir, rows):
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     modes = [r["mode"] for r in rows]
-    axes[0].bar(modes, [r["mean_accepted_length"] for r in rows], color=["#888", "#4a7", "#c63"][: len(rows)])
+    axes[0].bar(modes, [r["mean_accepted_length"] for r in rows], color=["#888", "#4a7", "#c63", "#36c"][: len(rows)])
     axes[0].set_ylabel("tokens per target step")
     axes[0].set_title("mean accepted length")
     for r in rows:
@@ -160,10 +218,12 @@ def _markdown(report_dir, summary, class_names):
                                                                  if k not in ("model_dir", "out")) + ".",
              f"Check: {'passed' if summary['check']['ok'] else 'FAILED'} (worst absolute error "
              f"{summary['check']['worst_abs_error']:.2e}).", "",
-             "| mode | steps/image | mean accepted length | step cost vs ar | batch s | speedup | 1-image s | speedup |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| mode | tree (batch / 1 image) | steps/image | mean accepted length | step cost vs ar | batch s | speedup | "
+             "1-image s | speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['steps_per_image']:.1f} | {r['mean_accepted_length']:.2f} | "
+        lines.append(f"| {r['mode']} | {r['tree']} / {r['tree_batch1']} | {r['steps_per_image']:.1f} | "
+                     f"{r['mean_accepted_length']:.2f} | "
                      f"{r['step_cost_vs_ar']:.1f}x | "
                      f"{r['batch_seconds']:.2f} | {r['speedup_batch']:.2f}x | {r['latency_batch1_seconds']:.3f} | "
                      f"{r['speedup_batch1']:.2f}x |")
@@ -172,8 +232,17 @@ def _markdown(report_dir, summary, class_names):
               "step (one drafter call per tree depth plus one verification) costs several AR steps; the step "
               "compression (steps/image) is what carries over to large models and GPUs, where a tree "
               "verification costs little more than a one-token step (see `python -m lantern.tools.bench_runtime`).",
-              "", "![acceptance](acceptance.png)", "", f"Grids: {summary['settings']['per_class']} images per class, in class order "
-             f"({', '.join(class_names)}), three classes per row.", ""]
+              ""]
+    tuned = summary.get("tuned")
+    if tuned:
+        cut = ", ".join(f"{k} {v}" for k, v in tuned["cut"].items())
+        lines += [f"Tuned draft tree (`lantern-run tune`, settings `{tuned['key']}`), "
+                  + _tuned_line(tuned).split("\n")[0] + ". The `lantern++ tuned` row runs it: generate picks it "
+                  f"for these settings by itself. Full tune report: `{os.path.relpath(tuned['report'], report_dir)}`; "
+                  f"the demo's tune run is cut short to save time ({cut}).", ""]
+    lines += ["![acceptance](acceptance.png)", "",
+              f"Grids: {summary['settings']['per_class']} images per class, in class order "
+              f"({', '.join(class_names)}), three classes per row.", ""]
     for r in rows:
         lines += [f"## {r['mode']}", "", f"![{r['mode']}]({r['image']})", ""]
     with open(os.path.join(report_dir, "report.md"), "w") as f:

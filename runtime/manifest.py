@@ -230,7 +230,7 @@ class TunedTree:
     name: str
     nodes: int  # root included (the verification's T)
     depth: int
-    predicted: dict  # {"tokens_per_step", "step_ms", "tokens_per_s", "speedup_vs_ar"}: model predictions
+    predicted: dict  # model predictions: tokens_per_step, step_ms, tokens_per_s (of a call), speedup_vs_ar
 
 
 @dataclass(frozen=True)

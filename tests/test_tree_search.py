@@ -8,7 +8,7 @@ import pytest
 
 from lantern.runtime.errors import LanternError
 from lantern.runtime.tree import build_tree
-from lantern.tools import tree_report
+from lantern.tools import tree_report, tree_search
 from lantern.tools.tree_search import (AcceptanceCounts, Curve, LatencyModel, TreeTable, acceptance_vectors,
                                        calibration_tree, count_accepted_paths, expected_accept_length, search,
                                        tree_json)
@@ -462,3 +462,38 @@ def test_report_checks_the_model_on_the_calibration_tree():
     check = report["calibration_check"]
     assert check["predicted_accepted"] == pytest.approx(check["measured_accepted"], rel=0.05)
     assert "predicted" in tree_report.format_report(report)
+
+
+# ---------------------------------------------------------------------------------------------
+# A batched call ends with its slowest image
+
+
+def test_step_moments_and_batch_steps_match_monte_carlo():
+    rng = np.random.default_rng(8)
+    tree = build_tree("mc_sim_7b_63")
+    p = np.array(P_IMAGE + [[0.3, 0.1, 0.05, 0.03, 0.02]])
+    lengths = np.array([len(path) for path in simulate_paths(tree, p, rng, 40000)])  # tokens per step, bonus incl.
+    mean, var = tree_search.tokens_per_step_moments(tree, p)
+    assert mean == pytest.approx(1 + expected_accept_length(tree, p))
+    assert lengths.mean() == pytest.approx(mean, abs=4 * lengths.std() / 200)
+    assert lengths.var() == pytest.approx(var, rel=0.03)
+    # calls of 8 images of 63 tokens: steps until the slowest image has its 63 tokens
+    tokens, images, calls = 63, 8, 1500
+    draws = iter(rng.choice(lengths, size=200000))  # steps drawn from the simulated ones
+
+    def image_steps():
+        done, steps = 0, 0
+        while done < tokens:
+            done, steps = done + next(draws), steps + 1
+        return steps
+
+    per_call = [max(image_steps() for _ in range(images)) for _ in range(calls // 8)]
+    single = [image_steps() for _ in range(calls)]
+    assert np.mean(per_call) == pytest.approx(tree_search.generation_steps(tree, p, tokens, images), rel=0.02)
+    assert np.mean(single) == pytest.approx(tree_search.generation_steps(tree, p, tokens, 1), rel=0.02)
+    assert tree_search.generation_steps("chain-1", [[0.0]], tokens, images) == tokens  # nothing accepted: AR
+    lat = LatencyModel({1: 10, 64: 10}, draft_fraction=0.1)
+    one = tree_search.price(tree, p, lat)
+    batch = tree_search.price(tree, p, lat, generation=(tokens, images))
+    assert batch.effective_tokens_per_step < one.tokens_per_step == batch.tokens_per_step
+    assert batch.tokens_per_s == pytest.approx(1000 * images * batch.effective_tokens_per_step / batch.step_ms)

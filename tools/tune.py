@@ -354,7 +354,7 @@ def machine():
 
 
 def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, batches=(1,), calibration_batch=None,
-         width=None, repeats=5, loop_runs=2, rounds=3, seed=0, note="", threads=None, log=print):
+         width=None, repeats=5, loop_runs=3, rounds=3, seed=0, note="", threads=None, log=print):
     """Calibrate, measure and search for generate() settings `kwargs` (generation_settings) on
     the conditions `conds`. Returns (report dict, {batch: chosen Tree}; root_only() for AR)."""
     m = engine.manifest
@@ -383,6 +383,7 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
     on_plans = engine.backend.name == "tensorrt" and getattr(m, "tensorrt", None)
     for images in batches:
         t0 = time.perf_counter()
+        generation = (m.image.tokens - 1, images)  # the first token comes from the prefill
         verify_ms, draft_ms = call_latency(engine, kwargs, images, budget, depth, repeats, seed)
         call = batched(repeat_to(conds, images), images)[0]
         engine.generate(**call, **kwargs, seed=seed, tree="chain-1")  # warm the sessions on loop-sized calls
@@ -404,13 +405,15 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
         for _ in range(rounds):
             latency, fit, host = fit_latency(verify_ms, draft_ms, ar_ms, measured)
             # ranks past the calibration's width have p = 0 and are never picked; a tree has <= MAX_WIDTH
-            result = search(p, latency, budget, depth, min(K, MAX_WIDTH), allowed=allowed if on_plans else None)
+            result = search(p, latency, budget, depth, min(K, MAX_WIDTH), allowed=allowed if on_plans else None,
+                            generation=generation)
             best = result.best
             tree = root_only() if best.nodes == 1 else build_tree(best.paths, name=best.name)
             if tree.depth == 0 or any(t.paths == tree.paths for t, _, _ in measured):
                 break
             measured.append((tree, loop_step_ms(engine, call, kwargs, tree, loop_runs, seed), "chosen"))
-        report = tree_report.build_report(result, p, latency, min(K, MAX_WIDTH), counts, calibration=calib)
+        report = tree_report.build_report(result, p, latency, min(K, MAX_WIDTH), counts, calibration=calib,
+                                          generation=generation)
         missing = plans_coverage(m, engine.condition, tree, images, cfg)
         report.update(images=images, host_fit=host, fit=fit, plans=coverage_note(missing),
                       plans_cover=None if missing is None else not missing)
@@ -479,7 +482,8 @@ def _result_of(r):
 
     def cand(d):
         return Candidate(name=d["name"], paths=d.get("paths", []), nodes=d["nodes"], depth=d["depth"],
-                         tokens_per_step=d["tokens_per_step"], step_ms=d["step_ms"], ar_ms=r["ar"]["step_ms"])
+                         tokens_per_step=d["tokens_per_step"], step_ms=d["step_ms"], ar_ms=r["ar"]["step_ms"],
+                         images=d["images"], generation_tokens_per_step=d["generation_tokens_per_step"])
 
     return SearchResult(best=cand(r["chosen"]), candidates=[cand(d) for d in r["search"]["best_per_budget"].values()],
                         skipped=[])
