@@ -147,7 +147,8 @@ def _tune(engine, out, args, steps):
     t = time.perf_counter()
     report, chosen = tune.tune(engine, kwargs, conds, budget=TUNE["budget"], depth=TUNE["depth"],
                                batches=TUNE["batches"], repeats=TUNE["repeats"], loop_runs=TUNE["loop_runs"],
-                               seed=args.seed, note=note, threads=args.threads, log=lambda *a: None)
+                               seed=args.seed, note=note, threads=args.threads,
+                               clock=tune.default_clock(args.threads, "cpu"), log=lambda *a: None)
     entry = tune.install(out, chosen, report)
     batches = {}
     for images, r in report["batches"].items():
@@ -218,8 +219,8 @@ def _markdown(report_dir, summary, class_names):
                                                                  if k not in ("model_dir", "out")) + ".",
              f"Check: {'passed' if summary['check']['ok'] else 'FAILED'} (worst absolute error "
              f"{summary['check']['worst_abs_error']:.2e}).", "",
-             "| mode | tree (batch / 1 image) | steps/image | mean accepted length | step cost vs ar | batch s | speedup | "
-             "1-image s | speedup |",
+             "| mode | tree (batch / 1 image) | steps/image | mean accepted length | step cost vs ar | batch s | "
+             "speedup | 1-image s | speedup |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['tree']} / {r['tree_batch1']} | {r['steps_per_image']:.1f} | "

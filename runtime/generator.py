@@ -111,7 +111,8 @@ class Engine:
             raise LanternError(f"seed must be an integer >= 0, got {seed!r}")
         prefix = self.condition.prefix(cfg_scale > 1.0, classes=classes, caption=caption, caption_mask=caption_mask)
         if given is None and mode != "ar":
-            tuned = tuning_settings(mode, rule.k, lam, delta, greedy, temperature, top_k, top_p, cfg_scale, cfg_interval)
+            tuned = tuning_settings(mode, rule.k, lam, delta, greedy, temperature, top_k, top_p, cfg_scale,
+                                    cfg_interval)
             tree = self._tuned_tree(tuned, prefix.images) or tree
         settings = dict(cfg_scale=cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
                         top_k=sampler.top_k, top_p=sampler.top_p)

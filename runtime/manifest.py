@@ -555,7 +555,8 @@ def _tuned_trees(data, where):
             t.done([f for f in _fields(TunedTree) if f != "images"])
             if (trees[-1].file is None) != (trees[-1].nodes == 1):
                 t.fail("file", "must be given for a tree with drafts and null for AR (nodes 1)")
-        out[key] = TunedSettings(settings=settings, backend=e.get("backend", str), trees=tuple(sorted(trees, key=lambda t: t.images)),
+        out[key] = TunedSettings(settings=settings, backend=e.get("backend", str),
+                                 trees=tuple(sorted(trees, key=lambda t: t.images)),
                                  report=e.get("report", str, optional=True), measured=e.get("measured", dict))
         e.done(_fields(TunedSettings))
     return out

@@ -329,10 +329,19 @@ def test_caption_engine_without_captions_uses_blank_ones(t2i_engine):
     assert [r["images"] for r in runs] == [2, 1] and counts.steps > 0
 
 
-def test_whatif_is_a_lantern_run_subcommand(tmp_path, capsys):
+def test_whatif_is_a_lantern_run_subcommand_and_reads_tune_reports(tuned_report, tmp_path, capsys):
     lat = tmp_path / "lat.json"
     lat.write_text(json.dumps({"verify_ms": {"1": 10, "64": 10}, "draft_fraction": 0.1}))
     acc = tmp_path / "acc.json"
     acc.write_text(json.dumps({"p": [0.6, 0.15, 0.05]}))
     assert run_main(["whatif", "--latency", str(lat), "--acceptance", str(acc), "--depth", "4"]) == 0
     assert capsys.readouterr().out.startswith("PLANNING AID")
+    report, _ = tuned_report
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert run_main(["whatif", "--latency", str(lat), "--acceptance", str(path), "--depth", "3",
+                     "--report", str(tmp_path / "w.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("PLANNING AID") and "(obs)" in out
+    w = json.loads((tmp_path / "w.json").read_text())
+    assert w["acceptance_counts"] == {k: v for k, v in report["calibration"]["counts"].items()}

@@ -9,10 +9,13 @@ Settings: LANTERN++ lam 5, k 20, CFG 3, sampling (temperature 1, no filters), as
   speed          images per second of AR, the tuned tree and every preset (mc_sim_7b_63,
                  naive_extend_57, chain-N, kary-W-D) for one image per call (--images calls) and
                  for --batch images per call, each repeated --repeats times in shuffled order
-                 (medians; other processes share the cores, so the load average is recorded);
+                 (medians; other processes share the cores, so the load average is recorded),
+                 on the wall clock and in this process's CPU time (with one thread, what the
+                 wall clock would read if nothing else ran);
   prediction     the model's tokens per second against measured ones, for the tuned tree and
-                 every other tree (loop tokens/s: tokens over the loop's step phases; end to end:
-                 over the whole generate call, prefill included);
+                 every other tree (loop tokens/s: tokens over the loop's steps; end to end: over
+                 the whole generate call, prefill included), on both clocks; the tune run uses
+                 --clock (default cpu);
   equal_budget   at each preset's node count, the DP's tree of that size against the best preset
                  no larger: mean accepted length measured on generations (seeds unlike the
                  calibration's);
@@ -43,12 +46,18 @@ def load():
 
 
 def run_tree(engine, kwargs, tree, classes_per_call, seed):
-    """One measurement: generate() per entry of classes_per_call; totals over the calls."""
-    out = {"seconds": 0.0, "loop_seconds": 0.0, "tokens": 0, "images": 0, "row_steps": 0, "accepted_drafts": 0}
+    """One measurement: generate() per entry of classes_per_call; totals over the calls, on the
+    wall clock and in this process's CPU time (steady while other processes share the cores)."""
+    out = {"seconds": 0.0, "loop_seconds": 0.0, "cpu_seconds": 0.0, "loop_cpu_seconds": 0.0, "tokens": 0,
+           "images": 0, "row_steps": 0, "accepted_drafts": 0}
     for i, classes in enumerate(classes_per_call):
         mode = "ar" if tree.depth == 0 else kwargs["mode"]
+        timer = tune.StepTimer("cpu")
+        cpu = time.process_time()
         g = engine.generate(classes=classes, **{**kwargs, "mode": mode}, tree=None if mode == "ar" else tree,
-                            seed=seed + i)
+                            seed=seed + i, observer=timer)
+        out["cpu_seconds"] += time.process_time() - cpu
+        out["loop_cpu_seconds"] += timer.step_ms * (len(timer.times) + 1) / 1000.0
         s = g.stats
         out["seconds"] += s["seconds"]
         out["loop_seconds"] += sum(v for k, v in s["phase_seconds"].items() if k != "prefill")
@@ -63,11 +72,15 @@ def run_tree(engine, kwargs, tree, classes_per_call, seed):
 def summarise(runs):
     seconds = np.array([r["seconds"] for r in runs])
     loop = np.array([r["loop_seconds"] for r in runs])
+    cpu, loop_cpu = np.array([r["cpu_seconds"] for r in runs]), np.array([r["loop_cpu_seconds"] for r in runs])
     images, tokens = runs[0]["images"], runs[0]["tokens"]
     steps = sum(r["row_steps"] for r in runs)
     return {"images_per_s": float(np.median(images / seconds)), "images_per_s_best": float(np.max(images / seconds)),
+            "images_per_cpu_s": float(np.median(images / cpu)),
             "tokens_per_s": float(np.median(tokens / seconds)), "loop_tokens_per_s": float(np.median(tokens / loop)),
             "loop_tokens_per_s_best": float(np.max(tokens / loop)),
+            "tokens_per_cpu_s": float(np.median(tokens / cpu)),
+            "loop_tokens_per_cpu_s": float(np.median(tokens / loop_cpu)),
             "tokens_per_step": 1.0 + sum(r["accepted_drafts"] for r in runs) / steps if steps else 1.0,
             "runs": len(runs)}
 
@@ -113,6 +126,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="cpu",
+                    help="the tune run's clock (default cpu: --threads 1 on a shared machine)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
 
@@ -124,7 +139,8 @@ def main(argv=None):
     conds, note = tune.conditions(engine, 16)
     t0 = time.perf_counter()
     report, chosen = tune.tune(engine, kwargs, conds, budget=args.budget, depth=args.depth, batches=(1, args.batch),
-                               calibration_batch=args.batch, note=note, threads=args.threads, log=lambda *a: None)
+                               calibration_batch=args.batch, note=note, threads=args.threads, clock=args.clock,
+                               log=lambda *a: None)
     result["tune_seconds"] = time.perf_counter() - t0
     p = np.array(report["acceptance_vectors"])
     K = min(engine.manifest.candidates, MAX_WIDTH)
@@ -158,15 +174,24 @@ def main(argv=None):
                        predicted_generation_tokens_per_step=predicted.effective_tokens_per_step,
                        prediction_error_loop=predicted.tokens_per_s / row["loop_tokens_per_s"] - 1.0,
                        prediction_error_loop_best=predicted.tokens_per_s / row["loop_tokens_per_s_best"] - 1.0,
-                       prediction_error_end_to_end=predicted.tokens_per_s / row["tokens_per_s"] - 1.0)
+                       prediction_error_end_to_end=predicted.tokens_per_s / row["tokens_per_s"] - 1.0,
+                       prediction_error_loop_cpu=predicted.tokens_per_s / row["loop_tokens_per_cpu_s"] - 1.0,
+                       prediction_error_end_to_end_cpu=predicted.tokens_per_s / row["tokens_per_cpu_s"] - 1.0)
         result["speed"][str(size)] = {
             "rows": rows, "best_preset": best_preset,
             "tuned_vs_ar": rows["tuned"]["images_per_s"] / rows["ar"]["images_per_s"],
             "tuned_vs_best_preset": rows["tuned"]["images_per_s"] / rows[best_preset]["images_per_s"],
             "goal_tuned_at_least_ar_and_every_preset": all(
                 rows["tuned"]["images_per_s"] >= r["images_per_s"] for n, r in rows.items() if n != "tuned"),
+            "goal_tuned_at_least_ar_and_every_preset_cpu": all(
+                rows["tuned"]["images_per_cpu_s"] >= r["images_per_cpu_s"] for n, r in rows.items() if n != "tuned"),
+            "best_preset_cpu": max((n for n in rows if n not in ("ar", "tuned")),
+                                   key=lambda n: rows[n]["images_per_cpu_s"]),
             "tuned_prediction_within_15pct_loop": abs(rows["tuned"]["prediction_error_loop"]) <= 0.15,
             "tuned_prediction_within_15pct_loop_best": abs(rows["tuned"]["prediction_error_loop_best"]) <= 0.15,
+            "tuned_prediction_within_15pct_loop_cpu": abs(rows["tuned"]["prediction_error_loop_cpu"]) <= 0.15,
+            "tuned_prediction_within_15pct_end_to_end_cpu":
+                abs(rows["tuned"]["prediction_error_end_to_end_cpu"]) <= 0.15,
             "tuned_prediction_within_15pct_end_to_end": abs(rows["tuned"]["prediction_error_end_to_end"]) <= 0.15}
 
     # equal node budget: DP tree of each preset's size against the best preset no larger
@@ -179,7 +204,8 @@ def main(argv=None):
         dp = dp_tree(p, nodes, args.depth, K)
         runs = [run_tree(engine, kwargs, dp, calls, 5000 + 100 * r) for r in range(args.repeats)]
         dp_len = summarise(runs)["tokens_per_step"]
-        fitting = {n: big[n]["tokens_per_step"] for n in PRESETS if n in big and trees[args.batch][n].num_nodes <= nodes}
+        fitting = {n: big[n]["tokens_per_step"] for n in PRESETS
+                   if n in big and trees[args.batch][n].num_nodes <= nodes}
         best = max(fitting, key=fitting.get)
         equal.append({"nodes": nodes, "dp_tree": dp.choices, "dp_depth": dp.depth, "dp_tokens_per_step": dp_len,
                       "dp_predicted_tokens_per_step": 1.0 + expected_accept_length(dp, p),

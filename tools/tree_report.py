@@ -16,7 +16,7 @@ Latency file (milliseconds; sizes are tokens per call):
   work per drafter call), "ar_ms", "note".
 Acceptance file: AcceptanceCounts.to_json() ({"accepted": [[..]], "trials": [[..]]}, one row per
 depth, one column per rank), or {"p": [[..], ..]} (per-depth vectors) or {"p": [..]} (one vector
-for every depth).
+for every depth), or a `lantern-run tune` report.json (its calibration counts).
 """
 import argparse
 import json
@@ -223,6 +223,8 @@ def load_acceptance(data, depth, prior_strength=DEFAULT_PRIOR_STRENGTH):
             raise LanternError(f"cannot read acceptance file {os.fspath(data)}: {e}") from None
     if not isinstance(data, dict):
         raise LanternError("acceptance: expected a JSON object with 'accepted' and 'trials', or 'p'")
+    if isinstance(data.get("calibration"), dict) and "counts" in data["calibration"]:
+        data = data["calibration"]["counts"]  # a `lantern-run tune` report: its measured counts
     if "p" in data:
         p = check_vectors(data["p"])
         if np.ndim(data["p"]) == 1:

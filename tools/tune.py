@@ -16,16 +16,20 @@ latency model from a file (a planning aid; see lantern.tools.tree_report).
    - verification of T tokens and drafter calls of width w, timed through real step plans at a
      mid-generation cache length (lantern.tools.latency), on a grid of sizes up to the largest
      the search may pick (every size up to 8, then steps of about 25 %), interpolated between;
+     the fastest of --repeats runs per size (other processes only ever slow a call down);
    - the loop's own time, measured as it pays: whole generations of a few small trees (and of
      AR) with the same settings; per loop step, the time of the draft/verify/accept/commit
-     phases over the steps run. What the engine-call curves do not explain is fitted, by
-     non-negative least squares, as host time a + b * nodes per step plus c per drafter call
-     (DESIGN: the pre-issue-8 loop spent most of a small tree's step outside the engine). The
-     AR step is the AR generation's measured step. The report lists each fitted tree's
-     measured and modelled step.
+     phases over the steps run, the fastest of a few generations. What the engine-call curves
+     do not explain (host work, and calls slower in the loop than alone: the graphs evict each
+     other's weights from the caches) is fitted, by non-negative least squares, as a + b * nodes
+     per step plus c per drafter call (phase 1 found the pre-issue-8 loop spending most of a
+     small tree's step there). The AR step is the AR generation's measured step. The report
+     lists each tree's measured and modelled step.
 3. Search (tree_search.search: Sequoia's DP per depth limit, priced with the model, AR as a
-   candidate) per batch size; the report compares the chosen tree with AR and the presets
-   under the same model.
+   candidate) per batch size, ranked by a whole call's tokens per second (a batched call ends
+   with its slowest image). The chosen tree is then run too and the fit redone with it, until
+   the choice is a tree whose step was measured (or AR). The report compares the chosen tree
+   with AR and the presets under the same model.
 4. Output, unless --dry-run: the chosen trees as choices JSON (`--tree` reads them) and the
    report (report.json, report.md, plots) under ENGINE/tuned/, then the manifest's
    `tuned_trees` entry for these settings, written last (see `install`). `generate` then uses
@@ -60,7 +64,7 @@ from lantern.runtime.manifest import (TunedSettings, TunedTree, describe_files, 
 from lantern.runtime.plan import StepPlan
 from lantern.runtime.tree import MAX_WIDTH, build_tree, root_only
 from lantern.tools import tree_report
-from lantern.tools.latency import default_condition, draft_latency, verify_latency
+from lantern.tools.latency import CLOCKS, default_condition, draft_latency, verify_latency
 from lantern.tools.tree_search import (AcceptanceCounts, LatencyModel, acceptance_vectors, calibration_tree,
                                        search)
 
@@ -147,33 +151,36 @@ def repeat_to(conds, images):
 
 
 class StepTimer:
-    """An observer counting the loop's steps, and the loop time per step of a generation."""
+    """An observer timing the loop's steps on a clock (latency.CLOCKS): the time between
+    consecutive records is one whole step as the loop pays it (the loop builds each record in
+    microseconds; an inner observer's own time is left out)."""
 
-    def __init__(self, inner=None):
-        self.steps, self.inner = 0, inner
+    def __init__(self, clock="wall", inner=None):
+        self.now, self.inner = CLOCKS[clock], inner
+        self.times, self.last = [], None
 
     def __call__(self, record):
-        self.steps += 1
+        t = self.now()
+        if self.last is not None:
+            self.times.append(t - self.last)
         if self.inner is not None:
             self.inner(record)
+        self.last = self.now()
 
-    @staticmethod
-    def step_ms(stats, steps):
-        """Milliseconds per loop step: the draft, verify, accept and commit phases (the observer,
-        prefill and plan set-up are outside them)."""
-        phases = stats["phase_seconds"]
-        return 1000.0 * sum(v for k, v in phases.items() if k != "prefill") / max(steps, 1)
+    @property
+    def step_ms(self):
+        """Mean milliseconds per step, the first step (which follows the prefill) left out."""
+        return 1000.0 * float(np.mean(self.times)) if self.times else float("nan")
 
 
-def calibrate(engine, kwargs, tree, conds, batch, seed=0):
+def calibrate(engine, kwargs, tree, conds, batch, seed=0, clock="wall"):
     """AcceptanceCounts from generations of `conds` in calls of `batch` images with `tree`, and
-    per call (images, loop ms per step, seconds)."""
+    per call (images, ms per loop step, steps)."""
     counts, runs = AcceptanceCounts(), []
     for i, call in enumerate(batched(conds, batch)):
-        timer = StepTimer(counts)
+        timer = StepTimer(clock, counts)
         g = engine.generate(**call, **kwargs, seed=seed + i, tree=tree, observer=timer)
-        runs.append({"images": g.stats["images"], "step_ms": StepTimer.step_ms(g.stats, timer.steps),
-                     "steps": timer.steps, "seconds": g.stats["seconds"]})
+        runs.append({"images": g.stats["images"], "step_ms": timer.step_ms, "steps": len(timer.times) + 1})
     return counts, runs
 
 
@@ -217,27 +224,28 @@ def nnls(X, y):
     return best
 
 
-def call_latency(engine, kwargs, images, budget, depth, repeats=5, seed=0):
+def call_latency(engine, kwargs, images, budget, depth, repeats=5, seed=0, clock="wall"):
     """(verify_ms, draft_ms): engine calls alone for `images` images, timed through real step
     plans at a mid-generation cache length, the fastest of `repeats` runs per size."""
     cfg = kwargs["cfg_scale"]
-    context = engine.condition.prefix(cfg > 1, **default_condition(engine, 1)).tokens + engine.manifest.image.tokens // 2
-    verify = verify_latency(engine, latency_sizes(budget), images, cfg, context, repeats, seed, stat="min")
+    prefix = engine.condition.prefix(cfg > 1, **default_condition(engine, 1))
+    context = prefix.tokens + engine.manifest.image.tokens // 2  # mid-generation
+    verify = verify_latency(engine, latency_sizes(budget), images, cfg, context, repeats, seed, "min", clock)
     draft = draft_latency(engine, latency_sizes(max(budget - 1, depth + 1)), images, cfg, context, repeats, seed,
-                          stat="min")
+                          "min", clock)
     return {T: 1000 * s for T, s in verify.items()}, {w: 1000 * s for w, s in draft.items()}
 
 
-def loop_step_ms(engine, call, kwargs, tree, runs=2, seed=0):
+def loop_step_ms(engine, call, kwargs, tree, runs=3, seed=0, clock="wall"):
     """The loop's milliseconds per step with `tree` (root_only(): AR), as it pays: the mean over
     a whole generation of `call`'s images, the fastest of `runs` generations."""
     mode = "ar" if tree.depth == 0 else kwargs["mode"]
     best = np.inf
     for r in range(runs):
-        timer = StepTimer()
-        g = engine.generate(**call, **{**kwargs, "mode": mode}, seed=seed + r, tree=None if mode == "ar" else tree,
-                            observer=timer)
-        best = min(best, StepTimer.step_ms(g.stats, timer.steps))
+        timer = StepTimer(clock)
+        engine.generate(**call, **{**kwargs, "mode": mode}, seed=seed + r, tree=None if mode == "ar" else tree,
+                        observer=timer)
+        best = min(best, timer.step_ms)
     return float(best)
 
 
@@ -253,11 +261,18 @@ def fit_latency(verify_ms, draft_ms, ar_ms, measured):
     T = max(verify_ms)
     latency = LatencyModel(verify_ms, draft_ms, host_ms={1: a + b, T: a + b * T}, ar_ms=ar_ms, draft_host_ms=c)
     fit = [{"tree": tree.name, "nodes": tree.num_nodes, "depth": tree.depth, "source": source,
-            "measured_step_ms": ms, "engine_calls_ms": engine_only.step_ms(tree), "model_step_ms": latency.step_ms(tree),
-            "error": latency.step_ms(tree) / ms - 1.0} for tree, ms, source in measured]
+            "measured_step_ms": ms, "engine_calls_ms": engine_only.step_ms(tree),
+            "model_step_ms": latency.step_ms(tree), "error": latency.step_ms(tree) / ms - 1.0}
+           for tree, ms, source in measured]
     fit.append({"tree": "ar", "nodes": 1, "depth": 0, "source": "generation", "measured_step_ms": ar_ms,
                 "engine_calls_ms": verify_ms[1], "model_step_ms": ar_ms, "error": 0.0})
     return latency, fit, {"per_step_ms": a, "per_node_ms": b, "per_drafter_call_ms": c}
+
+
+def default_clock(threads, device):
+    """"cpu" for a single-threaded run on the CPU (its CPU time is its wall time on an idle
+    machine, and stays put while other processes share the cores), else "wall"."""
+    return "cpu" if threads == 1 and device == "cpu" else "wall"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,9 +369,11 @@ def machine():
 
 
 def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, batches=(1,), calibration_batch=None,
-         width=None, repeats=5, loop_runs=3, rounds=3, seed=0, note="", threads=None, log=print):
+         width=None, repeats=5, loop_runs=3, rounds=3, seed=0, note="", threads=None, clock="wall", log=print):
     """Calibrate, measure and search for generate() settings `kwargs` (generation_settings) on
-    the conditions `conds`. Returns (report dict, {batch: chosen Tree}; root_only() for AR)."""
+    the conditions `conds`. Returns (report dict, {batch: chosen Tree}; root_only() for AR).
+    clock: "wall", or "cpu" (this process's CPU time: steady on a shared machine, and equal to
+    wall time only for a single-threaded CPU backend; see `default_clock`)."""
     m = engine.manifest
     K = m.candidates
     _, settings, key = generation_settings(engine, **kwargs)
@@ -370,7 +387,7 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
     calib = build_tree(calibration_tree(GUESS, nodes, depth, width), name=f"calibration-{nodes}-d{depth}-w{width}")
     calibration_batch = calibration_batch or max(batches)
     t0 = time.perf_counter()
-    counts, calib_runs = calibrate(engine, kwargs, calib, conds, calibration_batch, seed)
+    counts, calib_runs = calibrate(engine, kwargs, calib, conds, calibration_batch, seed, clock)
     p = acceptance_vectors(counts, depth=depth, width=min(K, max(width, counts.extent()[1])))
     log(f"[1/3] calibration: {len(conds)} images in calls of {calibration_batch}, tree {calib.name} "
         f"({calib.num_nodes} nodes, depth {calib.depth}, {width} ranks per opened node): {counts.steps} image-steps, "
@@ -384,17 +401,18 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
     for images in batches:
         t0 = time.perf_counter()
         generation = (m.image.tokens - 1, images)  # the first token comes from the prefill
-        verify_ms, draft_ms = call_latency(engine, kwargs, images, budget, depth, repeats, seed)
+        verify_ms, draft_ms = call_latency(engine, kwargs, images, budget, depth, repeats, seed, clock)
         call = batched(repeat_to(conds, images), images)[0]
         engine.generate(**call, **kwargs, seed=seed, tree="chain-1")  # warm the sessions on loop-sized calls
-        ar_ms = loop_step_ms(engine, call, kwargs, root_only(), loop_runs, seed)
+        ar_ms = loop_step_ms(engine, call, kwargs, root_only(), loop_runs, seed, clock)
         measured = []
         for tree in fit_trees(K, budget, depth, calib):
             full = [r["step_ms"] for r in calib_runs if r["images"] == images] if tree == calib else []
             if full:
                 measured.append((tree, float(min(full)), "calibration"))
             else:
-                measured.append((tree, loop_step_ms(engine, call, kwargs, tree, loop_runs, seed), "generation"))
+                ms = loop_step_ms(engine, call, kwargs, tree, loop_runs, seed, clock)
+                measured.append((tree, ms, "generation"))
 
         def allowed(tree):  # tuning on TensorRT plans: only trees their profiles cover
             missing = plans_coverage(m, engine.condition, tree, images, cfg)
@@ -411,7 +429,7 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
             tree = root_only() if best.nodes == 1 else build_tree(best.paths, name=best.name)
             if tree.depth == 0 or any(t.paths == tree.paths for t, _, _ in measured):
                 break
-            measured.append((tree, loop_step_ms(engine, call, kwargs, tree, loop_runs, seed), "chosen"))
+            measured.append((tree, loop_step_ms(engine, call, kwargs, tree, loop_runs, seed, clock), "chosen"))
         report = tree_report.build_report(result, p, latency, min(K, MAX_WIDTH), counts, calibration=calib,
                                           generation=generation)
         missing = plans_coverage(m, engine.condition, tree, images, cfg)
@@ -425,7 +443,8 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
         log(tree_report.format_report(report))
         log(f"  compiled plans: {report['plans']}")
     report = {"key": key, "settings": settings, "engine": os.path.abspath(engine.directory),
-              "backend": engine.backend.name, "threads": threads, "machine": machine(), "conditions": note,
+              "backend": engine.backend.name, "threads": threads, "clock": clock, "machine": machine(),
+              "conditions": note,
               "calibration": {"tree": calib.to_json(), "nodes": calib.num_nodes, "depth": calib.depth, "width": width,
                               "images": len(conds), "batch": calibration_batch, "runs": calib_runs,
                               "counts": counts.to_json()},
@@ -491,7 +510,8 @@ def _result_of(r):
 
 def markdown(report):
     lines = [f"# Tuned draft tree: `{report['key']}`", "",
-             f"Engine `{report['engine']}`, backend {report['backend']} ({report['threads']} thread(s)), "
+             f"Engine `{report['engine']}`, backend {report['backend']} ({report['threads']} thread(s), timed on the "
+             f"{report['clock']} clock), "
              f"{report['machine'].get('cpu') or report['machine']['platform']}; load average "
              f"{report['machine'].get('load_average')} (a shared machine makes timings noisy).", "",
              "Settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()) + ".",
@@ -546,7 +566,7 @@ def install(directory, chosen, report):
                                depth=tree.depth, predicted=predicted))
     report_dir = f"tuned/{key}"
     names += [f"{report_dir}/{n}" for n in write_report(os.path.join(directory, report_dir), report)]
-    measured = {"threads": report["threads"], "machine": report["machine"]}
+    measured = {"threads": report["threads"], "clock": report["clock"], "machine": report["machine"]}
     entry = TunedSettings(settings=report["settings"], backend=report["backend"], trees=tuple(trees),
                           report=f"{report_dir}/report.json", measured=measured)
     files = {k: v for k, v in m.files.items() if k not in names}
@@ -594,6 +614,9 @@ def add_parser(sub, backend_loaders=None):
     p.add_argument("--batch", type=int, default=1,
                    help="images per generate call to tune for, besides 1 (default 1); calibration runs at it")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per engine call size (default 5)")
+    p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
+                   help="time on the wall clock or this process's CPU time (auto: cpu for --threads 1 on the "
+                        "CPU, where it equals wall time and ignores other processes on the cores; else wall)")
     p.add_argument("--out", help="also write the report and trees into this directory")
     p.add_argument("--dry-run", action="store_true", help="report only: leave the engine directory untouched")
     p.set_defaults(func=run, backend_loaders=loaders)
@@ -613,11 +636,13 @@ def run(args):
     mask = _load_npy(args.caption_mask, "caption mask") if args.caption_mask else None
     conds, note = conditions(engine, args.images, args.classes, caption, mask)
     batches = sorted({1, args.batch})
-    print(f"tuning {key} on {args.engine} ({engine.backend.name}, {args.threads or os.cpu_count()} thread(s))")
+    clock = default_clock(args.threads, args.device) if args.clock == "auto" else args.clock
+    print(f"tuning {key} on {args.engine} ({engine.backend.name}, {args.threads or os.cpu_count()} thread(s), "
+          f"{clock} clock)")
     print(f"conditions: {note}")
     report, chosen = tune(engine, kwargs, conds, budget=args.budget, depth=args.depth, batches=batches,
                           calibration_batch=args.batch, repeats=args.repeats, seed=args.seed, note=note,
-                          threads=args.threads or os.cpu_count())
+                          threads=args.threads or os.cpu_count(), clock=clock)
     if args.out:
         write_report(args.out, report)
         for images, tree in chosen.items():
