@@ -236,17 +236,19 @@ def call_latency(engine, kwargs, images, budget, depth, repeats=5, seed=0, clock
     return {T: 1000 * s for T, s in verify.items()}, {w: 1000 * s for w, s in draft.items()}
 
 
-def loop_step_ms(engine, call, kwargs, tree, runs=3, seed=0, clock="wall"):
-    """The loop's milliseconds per step with `tree` (root_only(): AR), as it pays: the mean over
-    a whole generation of `call`'s images, the fastest of `runs` generations."""
-    mode = "ar" if tree.depth == 0 else kwargs["mode"]
-    best = np.inf
+def loop_step_ms(engine, call, kwargs, trees, runs=3, seed=0, clock="wall"):
+    """{tree paths: the loop's milliseconds per step} for each tree (root_only(): AR), as it pays:
+    the mean over a whole generation of `call`'s images, the fastest of `runs` generations. The
+    trees take turns, so a change in what else runs on the machine touches them alike."""
+    best = {tree.paths: np.inf for tree in trees}
     for r in range(runs):
-        timer = StepTimer(clock)
-        engine.generate(**call, **{**kwargs, "mode": mode}, seed=seed + r, tree=None if mode == "ar" else tree,
-                        observer=timer)
-        best = min(best, timer.step_ms)
-    return float(best)
+        for tree in trees:
+            mode = "ar" if tree.depth == 0 else kwargs["mode"]
+            timer = StepTimer(clock)
+            engine.generate(**call, **{**kwargs, "mode": mode}, seed=seed + r, tree=None if mode == "ar" else tree,
+                            observer=timer)
+            best[tree.paths] = min(best[tree.paths], timer.step_ms)
+    return best
 
 
 def fit_latency(verify_ms, draft_ms, ar_ms, measured):
@@ -404,15 +406,13 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
         verify_ms, draft_ms = call_latency(engine, kwargs, images, budget, depth, repeats, seed, clock)
         call = batched(repeat_to(conds, images), images)[0]
         engine.generate(**call, **kwargs, seed=seed, tree="chain-1")  # warm the sessions on loop-sized calls
-        ar_ms = loop_step_ms(engine, call, kwargs, root_only(), loop_runs, seed, clock)
-        measured = []
-        for tree in fit_trees(K, budget, depth, calib):
-            full = [r["step_ms"] for r in calib_runs if r["images"] == images] if tree == calib else []
-            if full:
-                measured.append((tree, float(min(full)), "calibration"))
-            else:
-                ms = loop_step_ms(engine, call, kwargs, tree, loop_runs, seed, clock)
-                measured.append((tree, ms, "generation"))
+        trees = fit_trees(K, budget, depth, calib)
+        full = [r["step_ms"] for r in calib_runs if r["images"] == images]  # the calibration's own steps
+        run = [t for t in trees if not (full and t == calib)]
+        ms = loop_step_ms(engine, call, kwargs, [root_only()] + run, loop_runs, seed, clock)
+        ar_ms = ms[root_only().paths]
+        measured = [(t, float(min(full)), "calibration") if full and t == calib else (t, ms[t.paths], "generation")
+                    for t in trees]
 
         def allowed(tree):  # tuning on TensorRT plans: only trees their profiles cover
             missing = plans_coverage(m, engine.condition, tree, images, cfg)
@@ -429,7 +429,10 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
             tree = root_only() if best.nodes == 1 else build_tree(best.paths, name=best.name)
             if tree.depth == 0 or any(t.paths == tree.paths for t, _, _ in measured):
                 break
-            measured.append((tree, loop_step_ms(engine, call, kwargs, tree, loop_runs, seed, clock), "chosen"))
+            # measured in turns with AR again: AR's step is the fastest of all its runs
+            ms = loop_step_ms(engine, call, kwargs, [root_only(), tree], loop_runs, seed, clock)
+            ar_ms = min(ar_ms, ms[root_only().paths])
+            measured.append((tree, ms[tree.paths], "chosen"))
         report = tree_report.build_report(result, p, latency, min(K, MAX_WIDTH), counts, calibration=calib,
                                           generation=generation)
         missing = plans_coverage(m, engine.condition, tree, images, cfg)
