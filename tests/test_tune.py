@@ -316,6 +316,16 @@ def test_cli_dry_run_and_errors(c2i_engine, t2i_engine, tmp_path, capsys):
     assert report["settings"] == tuning_settings("exact", greedy=True) and (out / "report.md").exists()
     assert run_main(["tune", t2i_engine, "--classes", "1"]) == 2
     assert "give --caption features, not --classes" in capsys.readouterr().err
+    # for real: the entry lands in the manifest and `generate` without --tree follows it
+    assert run_main(["tune", d, "--threads", "1", "--mode", "exact", "--greedy", "--budget", "4", "--depth", "2",
+                     "--images", "2", "--repeats", "1"]) == 0
+    assert "now uses the tuned tree" in capsys.readouterr().out
+    entry = read_manifest(d, verify=True).tuned_trees["exact_greedy_nocfg"]
+    assert [t.images for t in entry.trees] == [1] and entry.measured["clock"] == "cpu"
+    assert run_main(["generate", d, "--mode", "exact", "--greedy", "--classes", "1", "--threads", "1",
+                     "--out", str(tmp_path / "gen")]) == 0
+    stats = json.loads((tmp_path / "gen" / "stats.json").read_text())
+    assert stats["tree"] == entry.trees[0].name
 
 
 def test_caption_engine_without_captions_uses_blank_ones(t2i_engine):

@@ -210,6 +210,8 @@ def main(argv=None):
         equal.append({"nodes": nodes, "dp_tree": dp.choices, "dp_depth": dp.depth, "dp_tokens_per_step": dp_len,
                       "dp_predicted_tokens_per_step": 1.0 + expected_accept_length(dp, p),
                       "best_preset": best, "best_preset_tokens_per_step": fitting[best],
+                      # the same paths: any difference is sampling noise between the two runs
+                      "same_tree_as_best_preset": dp.paths == trees[args.batch][best].paths,
                       "goal_dp_at_least_best_preset": dp_len >= fitting[best]})
     result["equal_budget"] = equal
 
