@@ -15,7 +15,8 @@ Settings: LANTERN++ lam 5, k 20, CFG 3, sampling (temperature 1, no filters), as
   prediction     the model's tokens per second against measured ones, for the tuned tree and
                  every other tree (loop tokens/s: tokens over the loop's steps; end to end: over
                  the whole generate call, prefill included), on both clocks; the tune run uses
-                 --clock (default cpu);
+                 --clock (default cpu); and the predicted speedup over AR against the measured
+                 one (same run, so a change in the machine's load cancels out);
   equal_budget   at each preset's node count, the DP's tree of that size against the best preset
                  no larger: mean accepted length measured on generations (seeds unlike the
                  calibration's);
@@ -176,7 +177,11 @@ def main(argv=None):
                        prediction_error_loop_best=predicted.tokens_per_s / row["loop_tokens_per_s_best"] - 1.0,
                        prediction_error_end_to_end=predicted.tokens_per_s / row["tokens_per_s"] - 1.0,
                        prediction_error_loop_cpu=predicted.tokens_per_s / row["loop_tokens_per_cpu_s"] - 1.0,
-                       prediction_error_end_to_end_cpu=predicted.tokens_per_s / row["tokens_per_cpu_s"] - 1.0)
+                       prediction_error_end_to_end_cpu=predicted.tokens_per_s / row["tokens_per_cpu_s"] - 1.0,
+                       # against AR in the same run: what the load does to both cancels out
+                       predicted_speedup_vs_ar=predicted.speedup,
+                       measured_speedup_vs_ar_cpu=row["loop_tokens_per_cpu_s"] / rows["ar"]["loop_tokens_per_cpu_s"],
+                       measured_speedup_vs_ar=row["loop_tokens_per_s"] / rows["ar"]["loop_tokens_per_s"])
         result["speed"][str(size)] = {
             "rows": rows, "best_preset": best_preset,
             "tuned_vs_ar": rows["tuned"]["images_per_s"] / rows["ar"]["images_per_s"],
