@@ -49,7 +49,6 @@ class TorchBackend:
             self.outputs[name] = list(io["outputs"])
             self.floats[name] = {k for k, (kind, _) in io["inputs"].items() if kind == "float"}
         self._bound = {}  # id(call) -> (call, static inputs, CUDA graph or None, graph outputs)
-        self._pool = None
 
     def _tensor(self, x, is_float):
         if not isinstance(x, self.torch.Tensor):
@@ -63,6 +62,7 @@ class TorchBackend:
         if self.device.type != "cuda":
             return  # on the CPU feeds are wrapped per call, without copies
         torch = self.torch
+        pool = None  # the plan's graphs share one memory pool, which dies with them
         for call in plan.calls.values():
             floats = self.floats[call.graph]
             static = {}
@@ -76,12 +76,13 @@ class TorchBackend:
             self._copy_feeds(call, static)
             graph, outputs = None, None
             if self.cuda_graphs:
-                graph, outputs = self._capture(call.graph, [static[n] for n in self.inputs[call.graph]])
+                graph, outputs = self._capture(call.graph, [static[n] for n in self.inputs[call.graph]], pool)
+                pool = graph.pool()
             self._bound[id(call)] = (call, static, graph, outputs)
 
-    def _capture(self, graph_name, args):
+    def _capture(self, graph_name, args, pool):
         """A CUDA graph of one call over static inputs (warmed up on a side stream first, as
-        torch.cuda.graphs requires); all graphs share one memory pool."""
+        torch.cuda.graphs requires), allocating from `pool`."""
         torch = self.torch
         module = self.modules[graph_name]
         stream = torch.cuda.Stream()
@@ -91,9 +92,8 @@ class TorchBackend:
                 module(*args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
             out = module(*args)
-        self._pool = graph.pool()
         out = out if isinstance(out, tuple) else (out,)
         return graph, dict(zip(self.outputs[graph_name], out))
 
@@ -128,17 +128,22 @@ class TorchBackend:
             return array
         return array.detach().float().cpu().numpy() if array.is_floating_point() else array.cpu().numpy()
 
-    def _index(self, values):
-        return self.torch.as_tensor(np.array(values), device=self.device)
+    def _indices(self, *arrays):
+        """Index arrays on the device, in one host-to-device copy."""
+        stacked = self.torch.as_tensor(np.stack([np.broadcast_to(a, np.shape(arrays[0])) for a in arrays]),
+                                       device=self.device)
+        return stacked.unbind(0)
 
     def gather(self, src, rows, cols, out):
-        out.copy_(src[self._index(rows), self._index(cols)])
+        r, c = self._indices(rows, cols)
+        out.copy_(src[r, c])
 
     def copy(self, src, out):
         out.copy_(self._tensor(src, True))
 
     def commit(self, cache, new, rows, src, dst):
-        cache[:, self._index(rows), :, self._index(dst)] = new[:, self._index(rows), :, self._index(src)]
+        r, s, d = self._indices(rows, src, dst)
+        cache[:, r, :, d] = new[:, r, :, s]
 
     def synchronize(self):
         if self.device.type == "cuda":
