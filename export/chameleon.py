@@ -356,6 +356,10 @@ class ChameleonTarget(nn.Module):
 # h' = layers(fc(cat(embed(x_{t+1}), h_t))), logits = target.lm_head(h'). Unlike LlamaGen's
 # drafter, its layers are whole target layers (input_layernorm and qk-norm included) and there is
 # no final norm. Those files build the pre-norm ChameleonDecoderLayer whatever swin_norm says.
+# Lumina's Model has an `embed_upscale` factor that is 1.0 (applied only when > 1), so it is left out.
+# Positions: LANTERN gives the pair (h_t, x_{t+1}) position t (topK_genrate_v1: ids[:, 1:] with
+# arange), one less than the target position of x_{t+1}; RoPE only sees differences, so any
+# constant shift per row gives the same drafts (the unconditional row's clamp at 0 aside).
 
 
 @dataclass(frozen=True)
@@ -437,6 +441,9 @@ class DrafterGraph(nn.Module):
     def __init__(self, drafter, target, candidates):
         super().__init__()
         c = target.config
+        if drafter.config.num_hidden_layers != 1:
+            raise LanternError(f"the drafter graph has one cache input (past_keys_0), but this drafter has "
+                               f"{drafter.config.num_hidden_layers} layers")
         if not 1 <= candidates <= c.num_image_tokens:
             raise LanternError(f"drafter candidates K={candidates} must be in [1, {c.num_image_tokens}] "
                                f"(the image tokens)")

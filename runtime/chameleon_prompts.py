@@ -32,6 +32,12 @@ are never visible), so a prompt's positions do not depend on what it is batched 
 code runs one prompt at a time, where this is exactly its arange / cumsum(mask) - 1; its Anole
 batching (arange over the padded length for every cond row) breaks for more than one prompt.
 Each position also sees itself, so a pad query never has an empty softmax.
+
+Not here (the runtime's loop): tree verification puts node positions at next_position + tokens
+generated + depth in every row (EaModel.tree_decoding: cond tree_position_ids + len(ids), uncond
+the same minus L - 2; Lumina minus the index of the 8197, which is the same rule); LANTERN's
+drafters give the pair (h_t, x_{t+1}) position t and clamp the unconditional row's stable-part
+positions at 0 (cnets_anole.py: topK_genrate_v1).
 """
 import numpy as np
 
@@ -107,11 +113,19 @@ def anole_rows(prompt_ids):
 # Lumina-mGPT
 
 
-def lumina_prompt_text(prompt, grid):
-    """The text Lumina-mGPT encodes for an image of `grid` = (latent rows, latent columns):
-    generate.py's template, width first, in pixels."""
+def lumina_prompt_prefix(grid):
+    """The template text before the prompt for an image of `grid` = (latent rows, latent
+    columns): generate.py's "Generate an image of {w}x{h} according to the following prompt:\\n",
+    width first, in pixels."""
     h, w = _lumina_grid(grid)
-    return f"Generate an image of {w * VQ_DOWNSAMPLE}x{h * VQ_DOWNSAMPLE} according to the following prompt:\n{prompt}"
+    return f"Generate an image of {w * VQ_DOWNSAMPLE}x{h * VQ_DOWNSAMPLE} according to the following prompt:\n"
+
+
+def lumina_prompt_text(prompt, grid):
+    """The whole text Lumina-mGPT encodes. Tokenize it in one piece; joining the ids of the
+    prefix and of the prompt (what a caller holding only prompt ids can do) matches whenever the
+    tokenizer splits at the newline, which byte-level pre-tokenizers do."""
+    return lumina_prompt_prefix(grid) + prompt
 
 
 def lumina_grid_tokens(grid):

@@ -631,6 +631,9 @@ def test_text_tokenizer(disk, tmp_path):
     ids = tok.encode(text)
     assert tok.decode(ids) == text and 0 not in ids and all(i >= 9000 for i in ids)
     assert tok.encode("a cat<reserved08706>")[-1] == 8710
+    # Prompt ids alone (--prompt-ids) joined after the template prefix's ids give the same row.
+    prefix = prompts.lumina_prompt_prefix((48, 48))
+    assert tok.encode(prefix) + tok.encode("a red cat") == ids
     assert tok.token_id("<racm3:break>") == 8197
     bad = json.loads((disk["root"] / "vq" / "text_tokenizer.json").read_text())
     bad["model"]["vocab"]["<racm3:break>"], bad["model"]["vocab"]["<eoss>"] = 8196, 8197
