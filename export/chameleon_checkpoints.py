@@ -35,7 +35,7 @@ import torch
 
 from lantern.export import chameleon
 from lantern.export.chameleon import ChameleonConfig, ChameleonDrafter, ChameleonTarget, DrafterConfig
-from lantern.export.safeload import load_pickle, load_state_file
+from lantern.export.safeload import load_state_file
 from lantern.runtime.errors import LanternError
 
 INDEX_FILE, SAFETENSORS_FILE, BIN_FILE = "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin"
@@ -250,9 +250,7 @@ def text_vocabulary(vocab_size=65536, num_image_tokens=8192):
     vocab["<eoss>"], vocab["<racm3:break>"] = chameleon.IMAGE_END, chameleon.IMAGE_START
     for token_id in range(chameleon.IMAGE_START + 1, 9000):
         vocab[f"<reserved{token_id - 4:05d}>"] = token_id
-    from tokenizers import pre_tokenizers
-
-    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+    for symbol in sorted(byte_level_alphabet()):
         vocab[symbol] = len(vocab)
     merges = []
     for word in _TINY_WORDS:  # each word merges left to right, then with a leading space
@@ -270,6 +268,15 @@ def text_vocabulary(vocab_size=65536, num_image_tokens=8192):
     if len(vocab) != vocab_size:
         raise LanternError(f"a Chameleon vocabulary needs at least {len(vocab)} ids, got vocab_size {vocab_size}")
     return vocab, merges
+
+
+def byte_level_alphabet():
+    """The 256 symbols byte-level BPE spells bytes with (GPT-2's bytes_to_unicode): printable
+    bytes stand for themselves, the others are shifted to U+0100 and up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    return {chr(b) for b in printable} | {chr(256 + i) for i in range(len(shifted))}
 
 
 def vocabulary_map(vocab_size=65536, num_image_tokens=8192):
