@@ -20,6 +20,9 @@ scale). Defaults, stated in TOLERANCES:
   bf16  atol 1e-4, rtol 2e-3   ONNX Runtime's CPU EP has no bf16 kernels: the bf16 graphs run
         with their bf16 tensors upcast exactly to fp32 against the reference holding the same
         bf16 weights, run in fp32 — this checks the graph and its weights, not bf16 rounding.
+VQ decoder images are compared with atol at least IMAGE_ATOL = 1e-3 (an eighth of an 8-bit
+level): the deep convolution stacks round differently per backend (1.4e-4 seen on a 48x48 grid
+in fp32), and the images are quantized to 8 bits anyway.
 The drafter's top-k ids are compared only at ranks clear of a near-tie: the reference's gap in
 log-probability to the neighbouring ranks must exceed 4x the largest log-probability error
 between the two backends (ranks of zero probability are not comparable and are skipped).
@@ -37,6 +40,7 @@ from lantern.runtime.plan import Call
 from lantern.runtime.tree import build_tree
 
 TOLERANCES = {"fp32": (1e-5, 1e-4), "fp16": (1e-3, 1e-2), "bf16": (1e-4, 2e-3)}
+IMAGE_ATOL = 1e-3
 GARBAGE = 100.0  # scale of the junk in unused cache slots (finite: masked slots get weight 0)
 THREADS = 2
 _NUMPY_FLOAT = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}  # bf16 graphs run upcast
@@ -63,7 +67,7 @@ def _kv(rng, layers, batch, heads, capacity, valid, head_dim, dtype):
 
 def _attention_cases(manifest):
     """(name, batch, T, capacity, valid slots, positions [T], block [T, T] or [B, T, T])."""
-    C = manifest.condition.tokens
+    C = manifest.condition.tokens or 5  # a prompt's length varies: five tokens stand for one
     max_pos = manifest.max_positions
     tree = build_tree(manifest.tree) if manifest.tree else build_tree("mc_sim_7b_63")
     prefill = min(C + 3, max_pos)
@@ -115,7 +119,7 @@ def check_cases(graph, manifest, rng):
         feeds = {}
         if graph == "target":
             ids = rng.integers(0, V, (b, t))
-            if name == "prefill":  # the condition tokens first, as prefill feeds them
+            if name == "prefill" and "cond_embeds" in entry.inputs:  # the condition tokens first, as prefill feeds them
                 C = entry.inputs["cond_embeds"].shape[1]
                 ids[:, :C] = V + np.arange(C)
             feeds["input_ids"] = ids
@@ -286,7 +290,8 @@ def check_engine(directory, *, backend="onnxruntime", against="torch", verify=Tr
                     if name == "topk_ids":
                         result = _compare_ids(got[name], want[name], got["topk_probs"], want["topk_probs"])
                     else:
-                        result = _compare_float(got[name], want[name], atol, rtol)
+                        result = _compare_float(got[name], want[name], max(atol, IMAGE_ATOL) if graph == "vq_decoder"
+                                                else atol, rtol)
                     results.append({"graph": graph, "case": case, "output": name, **result})
     failures = [f"{r['graph']}/{r['case']}/{r['output']}: " +
                 (r.get("note") or f"max abs error {r['max_abs']:.3g} > bound {r['bound']:.3g}")

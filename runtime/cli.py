@@ -19,6 +19,14 @@ def _classes(text):
         raise argparse.ArgumentTypeError(f"class labels are comma-separated integers, got {text!r}") from None
 
 
+def _grid(text):
+    try:
+        h, w = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a grid is ROWSxCOLUMNS, e.g. 48x48; got {text!r}") from None
+    return h, w
+
+
 def add_generation_options(p, backends=("onnxruntime",)):
     p.add_argument("--mode", default="lantern++", choices=("ar", "exact", "lantern", "lantern++"))
     p.add_argument("--lam", type=float, default=2.0, help="LANTERN++ bound: p~(x) <= lam * p(x) (lam >= 1)")
@@ -54,6 +62,11 @@ def add_parser(sub, backend_loaders=None):
     g.add_argument("--classes", type=_classes, help="class labels, e.g. 3,7 (c2i engines)")
     g.add_argument("--caption", help="T5 caption features .npy [N, tokens, dim], left-padded (t2i engines)")
     g.add_argument("--caption-mask", help=".npy [N, tokens] of 0/1: which caption tokens are real")
+    g.add_argument("--prompt", action="append",
+                   help="text prompt (Anole / Lumina-mGPT engines); repeat for several images")
+    g.add_argument("--prompt-ids", help=".npy [L] or [N, L] of the prompts' text token ids, as the tokenizer gives "
+                                        "them, without the model's special tokens")
+    g.add_argument("--grid", type=_grid, help="latent rows x columns, e.g. 48x48 (Lumina-mGPT; default: the engine's)")
     g.add_argument("--out", required=True, help="output directory")
     g.set_defaults(func=run_generate, backend_loaders=loaders)
 
@@ -102,9 +115,11 @@ def write_outputs(out_dir, tokens, stats, images=None):
 def run_generate(args):
     caption = _load_npy(args.caption, "caption features") if args.caption else None
     mask = _load_npy(args.caption_mask, "caption mask") if args.caption_mask else None
+    prompt_ids = _load_npy(args.prompt_ids, "prompt ids") if args.prompt_ids else None
     engine = open_engine(args)
-    result = engine.generate(classes=args.classes, caption=caption, caption_mask=mask, **generation_kwargs(args))
-    images = engine.decode(result.tokens) if "vq_decoder" in engine.manifest.graphs else None
+    result = engine.generate(classes=args.classes, caption=caption, caption_mask=mask, prompt=args.prompt,
+                             prompt_ids=prompt_ids, grid=args.grid, **generation_kwargs(args))
+    images = engine.decode(result.tokens, result.grid) if "vq_decoder" in engine.manifest.graphs else None
     write_outputs(args.out, result.tokens, result.stats, images)
     s = result.stats
     print(f"{s['images']} images, mode {s['mode']}: {s['steps_per_image']:.1f} steps/image, "

@@ -29,6 +29,7 @@ from lantern.runtime.errors import LanternError
 
 SCHEMA_VERSION = 2
 MODES = ("ar", "exact", "lantern", "lantern++")
+PROMPT_STYLES = ("anole", "lumina_mgpt")
 DTYPES = ("fp32", "fp16", "bf16")
 
 # Graph I/O contracts. Symbolic dims: B batch rows (2N with CFG: [cond; uncond]), N images,
@@ -62,6 +63,22 @@ GRAPHS = {
         "outputs": {
             "logits": ("float32", ["B", "T", "V"]),
             "hidden": ("float", ["B", "T", "D"]),  # after the final norm: the drafter's input
+            "new_keys": ("float", ["L", "B", "H", "T", "hd"]),
+            "new_values": ("float", ["L", "B", "H", "T", "hd"]),
+        },
+    },
+    # The same target for prompts of token ids only (the Chameleon family): no condition rows.
+    "target_ids": {
+        "inputs": {
+            "input_ids": ("int64", ["B", "T"]),
+            "position_ids": ("int64", ["B", "T"]),
+            "attention_mask": ("bool", ["B", 1, "T", "P+T"]),
+            "past_keys_{i}": ("float", ["B", "H", "P", "hd"]),
+            "past_values_{i}": ("float", ["B", "H", "P", "hd"]),
+        },
+        "outputs": {
+            "logits": ("float32", ["B", "T", "V"]),
+            "hidden": ("float", ["B", "T", "D"]),
             "new_keys": ("float", ["L", "B", "H", "T", "hd"]),
             "new_values": ("float", ["L", "B", "H", "T", "hd"]),
         },
@@ -164,13 +181,17 @@ class Shape:
 class Condition:
     """How a generation is conditioned. kind 'class': one token, a class label per image
     (null_class is the unconditional row's label, None when the model has no CFG row);
-    kind 'caption': `tokens` caption features of width caption_dim per image."""
+    kind 'caption': `tokens` caption features of width caption_dim per image;
+    kind 'prompt': a text prompt as token ids, in the rows of `style` (anole, lumina_mgpt: see
+    lantern.runtime.chameleon_prompts), with the engine's copy of the text tokenizer, if any."""
 
     kind: str
-    tokens: int
+    tokens: Optional[int] = None  # condition tokens per row (class, caption); a prompt's vary
     num_classes: Optional[int] = None
     null_class: Optional[int] = None
     caption_dim: Optional[int] = None
+    style: Optional[str] = None
+    tokenizer: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -366,15 +387,21 @@ def _parse(data, where):
         raise LanternError(f"{where}: engine schema {schema!r} is not the supported {SCHEMA_VERSION}; "
                            f"re-export the engine with this version of `lantern-export onnx`")
     cond = r.obj("condition")
-    kind = cond.get("kind", str, check=lambda v: v in ("class", "caption"), why="'class' or 'caption'")
-    condition = Condition(kind=kind, tokens=cond.positive("tokens"), num_classes=cond.positive("num_classes", True),
+    kind = cond.get("kind", str, check=lambda v: v in ("class", "caption", "prompt"),
+                    why="'class', 'caption' or 'prompt'")
+    condition = Condition(kind=kind, tokens=cond.positive("tokens", optional=kind == "prompt"),
+                          num_classes=cond.positive("num_classes", True),
                           null_class=cond.get("null_class", int, True, lambda v: v >= 0, "an id >= 0"),
-                          caption_dim=cond.positive("caption_dim", True))
+                          caption_dim=cond.positive("caption_dim", True),
+                          style=cond.get("style", str, True, lambda v: v in PROMPT_STYLES, " or ".join(PROMPT_STYLES)),
+                          tokenizer=cond.get("tokenizer", str, True))
     cond.done(_fields(Condition))
     if kind == "class" and condition.num_classes is None:
         cond.fail("num_classes", "is missing (class-conditional engine)")
     if kind == "caption" and condition.caption_dim is None:
         cond.fail("caption_dim", "is missing (caption-conditional engine)")
+    if kind == "prompt" and condition.style is None:
+        cond.fail("style", "is missing (prompt-conditional engine)")
     voc = r.obj("vocabulary")
     vocabulary = Vocabulary(size=voc.positive("size"), image_start=voc.get("image_start", int, check=lambda v: v >= 0,
                                                                             why="an id >= 0"),
@@ -421,6 +448,11 @@ def _check_consistency(m, r):
     modes, a neighbour table for relaxed ones; every graph's file listed."""
     if "target" not in m.graphs:
         r.fail("graphs", "has no target graph")
+    wants = "target_ids" if m.condition.kind == "prompt" else "target"
+    if m.graphs["target"].contract != wants:
+        r.fail("graphs.target.contract", f"is {m.graphs['target'].contract!r}; a {m.condition.kind} engine's is {wants!r}")
+    if m.condition.tokenizer is not None and m.condition.tokenizer not in m.files:
+        r.fail("condition.tokenizer", f"names {m.condition.tokenizer}, which `files` does not list")
     if m.vocabulary.size != m.graphs["target"].outputs["logits"].shape[-1]:
         r.fail("vocabulary.size", f"({m.vocabulary.size}) differs from the target's logits width")
     if m.graphs["target"].layers != m.target.layers:

@@ -74,12 +74,17 @@ def open_engine(engine_dir, label, factory):
 
 
 def classes_for(engine, n):
+    """Condition inputs for n images (classes for LlamaGen c2i, else latency's defaults)."""
+    from lantern.tools.latency import default_condition
+
     c = engine.manifest.condition
-    return [(7 * i) % c.num_classes for i in range(n)]
+    if c.kind == "class":
+        return {"classes": [(7 * i) % c.num_classes for i in range(n)]}
+    return default_condition(engine, n)
 
 
 def exactness(engine, cpu, n=4):
-    kw = dict(classes=classes_for(engine, n), greedy=True, cfg_scale=3.0)
+    kw = dict(**classes_for(engine, n), greedy=True, cfg_scale=3.0)
     ar = engine.generate(mode="ar", **kw).tokens
     exact = engine.generate(mode="exact", **kw).tokens
     cpu_ar = cpu.generate(mode="ar", **kw).tokens
@@ -113,7 +118,7 @@ def numerics(engine, cpu):
 def latency(engine, tokens, repeats):
     from lantern.tools.latency import verify_latency
 
-    capacity = engine.manifest.condition.tokens + engine.manifest.image.tokens
+    capacity = (engine.manifest.condition.tokens or 8) + engine.manifest.image.tokens
     curve = verify_latency(engine, tokens, images=1, context=min(256, capacity - max(tokens)), repeats=repeats)
     base = curve[tokens[0]]
     return {"ms": {str(t): round(1000 * v, 4) for t, v in curve.items()},
@@ -127,7 +132,7 @@ def throughput(engine, batches, repeats, lam=5.0, k=20):
     for batch in batches:
         row = {}
         for mode, extra in modes:
-            kw = dict(classes=classes_for(engine, batch), cfg_scale=3.0, mode=mode, **extra)
+            kw = dict(**classes_for(engine, batch), cfg_scale=3.0, mode=mode, **extra)
             engine.generate(seed=99, **kw)  # warm up: plan, bindings, graph capture
             runs = [engine.generate(seed=s, **kw).stats for s in range(repeats)]
             seconds = float(np.median([s["seconds"] for s in runs]))
