@@ -1,6 +1,20 @@
 import os
 import sys
 
+import pytest
+
 # Tests run on 2 cores; keep torch from oversubscribing them.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.dont_write_bytecode = True
+
+
+@pytest.fixture(scope="session")
+def demo_engine(tmp_path_factory):
+    """The README's main command, `lantern-export demo`, run once per session: its engine directory
+    (the shipped demo model exported, checked and run) serves every test that needs a real engine
+    with a drafter, a neighbour table and a VQ decoder."""
+    from lantern.export import cli
+
+    out = tmp_path_factory.mktemp("demo") / "engine"
+    assert cli.main(["demo", "--out", str(out), "--per-class", "1", "--threads", "1"]) == 0
+    return out
