@@ -1,20 +1,21 @@
 """`lantern-run quality ENGINE`: what relaxation costs in image quality, next to what it gains.
 
-For every method (by default ar, exact and lantern++ at the demo's k 20, λ 5, which takes a few
-minutes at --per-class 20 on two CPU cores; --lams, --ks, --deltas widen the sweep, each method
-as long as exact) it generates the same requested classes with the
-same seeds, then reports
+For every method it generates the same requested classes with the same seeds, then reports
   accuracy   the classifier agrees with the requested class (class consistency),
   frechet    Fréchet distance between the method's and `ar`'s samples in the classifier's
              feature space (`ar` against `ar` with other seeds is the noise floor),
   speed      mean accepted length and wall time against `ar` in the same run,
 in report.json and report.md with a speed-versus-quality plot, written to its own directory
 (--out, default ./quality-ENGINE_NAME) which appears when the sweep is complete. Sampling with
-CFG, as images are generated in practice. Images go through the engine in batches of --batch
-(a 26-node tree over hundreds of CFG rows at once is several times slower per image on a CPU);
-batch i of every method uses the same seed. Before the sweep it states its size and the time it
-expects, measured on one batch of ar and of exact. The classifier is the demo's
+CFG, as images are generated in practice. The classifier is the demo's
 (tools/train_classifier.py) unless --classifier.
+
+The methods are ar, exact and lantern++ at the demo's k 20, λ 5 by default (a few minutes at
+--per-class 20 on two CPU cores); --lams, --ks and --deltas widen the sweep, each speculative
+method taking about as long as exact. Before the sweep it states its size and the time it
+expects, measured on one batch of ar and one of exact. Images go through the engine in batches
+of --batch (a 26-node tree over hundreds of CFG rows at once is several times slower per image
+on a CPU); batch i of every method uses the same seed.
 """
 import json
 import os
