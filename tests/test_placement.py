@@ -4,6 +4,7 @@ tests are about the directory); test_export.py covers the graphs."""
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -99,6 +100,17 @@ def test_an_engine_is_replaced_only_with_force_and_a_directory_never(target, tmp
     assert export(target, tmp_path / "file" / "engine") == 2 and "is a file, not a directory" in one_line(capsys)
     assert (other / "notes.txt").read_text() == "keep" and (tmp_path / "file").read_text() == "keep"
     assert hidden(tmp_path) == []
+
+
+def test_engine_modes_follow_the_umask(target, tmp_path, empty_graphs):
+    old = os.umask(0o027)
+    try:
+        assert export(target, tmp_path / "engine") == 0
+    finally:
+        os.umask(old)
+    mode = lambda path: stat.S_IMODE(os.stat(path).st_mode)  # noqa: E731
+    assert mode(tmp_path / "engine") == 0o750  # tempfile.mkdtemp would make it 0700
+    assert {mode(tmp_path / "engine" / n) for n in os.listdir(tmp_path / "engine")} == {0o640}
 
 
 def test_concurrent_exports_one_wins_and_killed_exports_are_cleaned(target, tmp_path, empty_graphs, capsys):
