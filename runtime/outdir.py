@@ -58,7 +58,7 @@ def write_file(path, data):
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     while True:
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
+        tmp = os.path.join(directory, f".{os.path.basename(path)}.part-{secrets.token_hex(4)}")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             break
@@ -269,8 +269,12 @@ class OutputDirectory:
             olds.remove(newest)
             self._note(f"restored {self.path} from {newest}, set aside by an interrupted run")
         for name in [n for n in entries if n.startswith(tmp_prefix)] + olds:
-            shutil.rmtree(os.path.join(self._parent, name), ignore_errors=True)
-            self._note(f"removed {os.path.join(self._parent, name)}, left by an interrupted run")
+            path = os.path.join(self._parent, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+            self._note(f"removed {path}, left by an interrupted run")
 
     def _note(self, line):
         self.notes.append(line)

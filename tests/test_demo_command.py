@@ -50,7 +50,7 @@ def test_demo_runs_again_over_its_own_engine(demo, capsys):
 def test_quality_harness_small_sweep(demo, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     argv = ["quality", str(demo), "--per-class", "3", "--lams", "1,3", "--ks", "5", "--deltas", "0.2",
-            "--threads", "1", "--batch", "16", "--no-progress"]
+            "--threads", "1", "--no-progress"]
     assert run_cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "5 methods" in printed and "45 images" in printed and "expect about" in printed
