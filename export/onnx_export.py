@@ -26,12 +26,12 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 
 import torch
 
+from lantern.export import placement
 from lantern.export.families import DTYPES, FAMILIES, family_of
 from lantern.runtime import manifest as engine_format
 from lantern.runtime.errors import LanternError
@@ -217,31 +217,6 @@ def _apply_contract(model, io_spec, where):
 # The engine directory
 
 
-def _check_output_dir(out, force):
-    if os.path.lexists(out):
-        if not force:
-            raise LanternError(f"{out} already exists; pass --force to replace it")
-        if not os.path.isdir(out) or os.path.islink(out):
-            raise LanternError(f"{out} exists and is not a directory; not replacing it")
-        if os.listdir(out) and not os.path.isfile(os.path.join(out, "manifest.json")):
-            raise LanternError(f"{out} is a non-empty directory without manifest.json (not an engine); "
-                               f"not replacing it even with --force")
-
-
-def _replace_dir(tmp, out):
-    """Move the finished temporary directory to `out`, replacing an old engine there."""
-    if not os.path.lexists(out):
-        os.rename(tmp, out)
-        return
-    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
-    os.rmdir(old)
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _tool_versions():
@@ -282,7 +257,7 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
         raise LanternError("--candidates needs --drafter (it is the drafter graph's top-k width)")
     if vq is None and neighbors_k is not None:
         raise LanternError("--neighbors-k needs --vq (the neighbours come from the VQ codebook)")
-    _check_output_dir(out, force)
+    placement.check_engine_destination(out, force)
     draft_tree = None
     if drafter is not None:
         from lantern.runtime.tree import build_tree
@@ -294,13 +269,13 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
              (["vq_decoder", "neighbors"] if vq else []) + ["manifest"]
     bar = _progress(stages, progress)
     try:
-        return _build(out, bar, target, target_format, target_options, drafter, vq, draft_tree, dtype,
-                      candidates, opset, neighbors_k)
+        return _build(placement.engine_directory(out, force), bar, target, target_format, target_options, drafter,
+                      vq, draft_tree, dtype, candidates, opset, neighbors_k)
     finally:
         bar.close()
 
 
-def _build(out, bar, target, target_format, target_options, drafter, vq, draft_tree, dtype, candidates, opset,
+def _build(staging, bar, target, target_format, target_options, drafter, vq, draft_tree, dtype, candidates, opset,
            neighbors_k):
     bar.set_description("load")
     family = family_of(target, target_format)
@@ -329,16 +304,8 @@ def _build(out, bar, target, target_format, target_options, drafter, vq, draft_t
                                f"node has {draft_tree.max_width} children")
     bar.update()
 
-    parent = os.path.dirname(out)
+    tmp = staging.open()  # locks `out`, re-checks it, cleans dead runs' leftovers
     try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise LanternError(f"cannot create {parent}: {e.strerror}") from None
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the engine is an ordinary directory
         files, graph_entries = [], {}
         for name, (contract, module) in graphs.items():
             bar.set_description(f"export {name}")
@@ -377,10 +344,10 @@ def _build(out, bar, target, target_format, target_options, drafter, vq, draft_t
                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
             files=engine_format.describe_files(tmp, files))
         manifest.write(tmp)
-        _replace_dir(tmp, out)
+        staging.place()  # re-checks `out` under the lock; never replaces what this run did not expect
         bar.update()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.discard()
         raise
     return manifest
 

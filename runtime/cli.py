@@ -3,9 +3,7 @@ Arguments are checked where the Python API checks them, so both give the same on
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import numpy as np
 
@@ -67,7 +65,9 @@ def add_parser(sub, backend_loaders=None):
     g.add_argument("--prompt-ids", help=".npy [L] or [N, L] of the prompts' text token ids, as the tokenizer gives "
                                         "them, without the model's special tokens")
     g.add_argument("--grid", type=_grid, help="latent rows x columns, e.g. 48x48 (Lumina-mGPT; default: the engine's)")
-    g.add_argument("--out", required=True, help="output directory")
+    g.add_argument("--out", required=True, help="output directory (appears whole when the run succeeds)")
+    g.add_argument("--force", action="store_true",
+                   help="replace --out if it holds an earlier run's outputs (tokens.npy, stats.json, image_*.png only)")
     g.set_defaults(func=run_generate, backend_loaders=loaders)
 
 
@@ -92,35 +92,32 @@ def open_engine(args):
     return Engine(args.engine, backend=backend, threads=args.threads, device=args.device)
 
 
-def write_outputs(out_dir, tokens, stats, images=None):
-    """Write tokens.npy, stats.json and PNGs into out_dir, staged so nothing is half-written."""
+def write_outputs(stage, tokens, stats, images=None):
+    """tokens.npy, stats.json and one PNG per image into a staging directory (OutputDirectory
+    places it whole)."""
+    from lantern.runtime.outdir import write_file
     from lantern.runtime.png import write_png
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=".lantern-", dir=parent)
-    try:
-        np.save(os.path.join(stage, "tokens.npy"), tokens)
-        with open(os.path.join(stage, "stats.json"), "w") as f:
-            json.dump(stats, f, indent=2)
-        for i, image in enumerate(images if images is not None else []):
-            write_png(os.path.join(stage, f"image_{i:03d}.png"), image)
-        os.makedirs(out_dir, exist_ok=True)
-        for name in os.listdir(stage):
-            os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+    with open(os.path.join(stage, "tokens.npy"), "wb") as f:
+        np.save(f, tokens, allow_pickle=False)
+    write_file(os.path.join(stage, "stats.json"), (json.dumps(stats, indent=2) + "\n").encode())
+    for i, image in enumerate(images if images is not None else []):
+        write_png(os.path.join(stage, f"image_{i:03d}.png"), image)
 
 
 def run_generate(args):
+    from lantern.runtime.outdir import OutputDirectory
+
     caption = _load_npy(args.caption, "caption features") if args.caption else None
     mask = _load_npy(args.caption_mask, "caption mask") if args.caption_mask else None
     prompt_ids = _load_npy(args.prompt_ids, "prompt ids") if args.prompt_ids else None
-    engine = open_engine(args)
-    result = engine.generate(classes=args.classes, caption=caption, caption_mask=mask, prompt=args.prompt,
-                             prompt_ids=prompt_ids, grid=args.grid, **generation_kwargs(args))
-    images = engine.decode(result.tokens, result.grid) if "vq_decoder" in engine.manifest.graphs else None
-    write_outputs(args.out, result.tokens, result.stats, images)
+    # --out is checked and locked before the work, and placed whole after it
+    with OutputDirectory(args.out, force=args.force) as stage:
+        engine = open_engine(args)
+        result = engine.generate(classes=args.classes, caption=caption, caption_mask=mask, prompt=args.prompt,
+                                 prompt_ids=prompt_ids, grid=args.grid, **generation_kwargs(args))
+        images = engine.decode(result.tokens, result.grid) if "vq_decoder" in engine.manifest.graphs else None
+        write_outputs(stage, result.tokens, result.stats, images)
     s = result.stats
     print(f"{s['images']} images, mode {s['mode']}: {s['steps_per_image']:.1f} steps/image, "
           f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_second']:.1f} tokens/s -> {args.out}")

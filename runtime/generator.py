@@ -73,7 +73,7 @@ class Engine:
     """An engine directory opened on one backend. Holds no per-generation state but the last
     step plan, which the next generation with the same tree and batch reuses."""
 
-    def __init__(self, directory, backend="onnxruntime", threads=None, device="cpu", verify=False,
+    def __init__(self, directory, backend="onnxruntime", threads=None, device="cpu", verify=True,
                  memory_limit=None, **backend_options):
         self.directory = os.fspath(directory)
         self.manifest = m = read_manifest(self.directory, verify=verify)
@@ -84,9 +84,10 @@ class Engine:
         self.tree = build_tree(m.tree) if m.tree else None
         self.neighbors = None
         if m.neighbors is not None:
-            from lantern.runtime.neighbors import load_neighbors
+            from lantern.runtime.integrity import load_neighbors
 
-            self.neighbors = load_neighbors(os.path.join(self.directory, m.neighbors.file), m.vocabulary.codes)
+            self.neighbors = load_neighbors(os.path.join(self.directory, m.neighbors.file), m.vocabulary.codes,
+                                            m.neighbors.k)
         self.memory_limit = memory_limit
         self._plan = None
 

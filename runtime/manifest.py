@@ -488,9 +488,10 @@ def _check_consistency(m, r):
         r.fail("graphs", "has no condition graph for a class-conditional engine")
 
 
-def read_manifest(directory, verify=False):
+def read_manifest(directory, verify=True):
     """Load and validate an engine directory's manifest: a Manifest, or LanternError saying what
-    to rebuild. Sizes of all files are checked; their sha256 too when verify is true."""
+    to rebuild. Every file's size is checked, and its sha256 unless verify is false (hashes are
+    remembered per file version, so later opens cost a stat per file: runtime/integrity.py)."""
     directory = os.fspath(directory)
     path = os.path.join(directory, "manifest.json")
     if not os.path.isdir(directory):
@@ -508,16 +509,20 @@ def read_manifest(directory, verify=False):
     return manifest
 
 
-def check_files(directory, manifest, verify=False):
-    for name, entry in manifest.files.items():
+def check_files(directory, manifest, verify=True):
+    """Sizes (and, with verify, sha256) of every file the manifest lists."""
+    from lantern.runtime.integrity import verify_files
+
+    files = {name: {"size": f.size, "sha256": f.sha256} for name, f in manifest.files.items()}
+    if verify:
+        verify_files(directory, files)
+        return
+    for name, entry in files.items():
         file = os.path.join(directory, name)
         if os.path.isabs(name) or os.path.normpath(name).startswith(".."):
             raise LanternError(f"{directory}: manifest lists {name!r}, outside the engine directory; re-export it")
         if not os.path.isfile(file):
             raise LanternError(f"{directory}: {name} is missing; re-export the engine with `lantern-export onnx`")
-        size = os.path.getsize(file)
-        if size != entry.size:
-            raise LanternError(f"{directory}: {name} has {size} bytes, the manifest says {entry.size}; "
-                               f"the file was changed or truncated; re-export the engine")
-        if verify and sha256(file) != entry.sha256:
-            raise LanternError(f"{directory}: {name} does not match its sha256 in the manifest; re-export the engine")
+        if os.path.getsize(file) != entry["size"]:
+            raise LanternError(f"{directory}: {name} has {os.path.getsize(file)} bytes, the manifest says "
+                               f"{entry['size']}; the file was changed or truncated; re-export the engine")
