@@ -23,6 +23,7 @@ DECISIONS (measured with tools/bench_quant.py; GPT-B-shaped target, random weigh
   (filled in from the benchmark)
 """
 import contextlib
+import io
 import logging
 import os
 import re
@@ -224,6 +225,10 @@ def verify_record(path, record):
         raise LanternError(f"{where}: {len(nodes)} MatMulNBits nodes, the record says {record.get('quantized')}")
     if sorted(head.get("nodes", [])) != output_heads(model, quantized=True):
         raise LanternError(f"{where}: output head {output_heads(model, quantized=True)}, the record says {head.get('nodes')}")
+    float_heads = [name for name in head["nodes"] if name in weight_matmuls(model)]
+    if (head["precision"] == "float") != (float_heads == head["nodes"]):
+        raise LanternError(f"{where}: the record says the head is {head['precision']}, the graph's head "
+                           f"{head['nodes']} is {'float' if float_heads else 'quantized'}")
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         is_head = _source_name(node) in head["nodes"]
@@ -319,13 +324,19 @@ def quantize_qdq(src, dst, scheme, calibration=None, *, block=QDQ_INT4_BLOCK, he
     del model
 
     options = {"block_size": block} if scheme == "int4" else {}
+    if calibration and method.startswith("awq"):
+        # AWQ concatenates each MatMul's activations over the calibration calls, so they must
+        # share one shape: keep the most common call shape (a run's verification calls).
+        calibration = _largest_shape_group(calibration)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lantern-modelopt-") as work, _quiet("modelopt"):
+    printed = io.StringIO()  # ModelOpt logs to stdout (and tools print JSON there)
+    with tempfile.TemporaryDirectory(prefix="lantern-modelopt-") as work, contextlib.redirect_stdout(printed), \
+            _quiet("modelopt"), _quiet("onnxruntime"), _quiet("onnxslim"):
         out = os.path.join(work, "quantized.onnx")
         modelopt_quantize(src, quantize_mode=scheme, calibration_method=method,
                           calibration_data_reader=_feed_reader(calibration) if calibration else None,
                           calibration_eps=["cpu"], nodes_to_exclude=exclude, high_precision_dtype=high_precision,
-                          use_external_data_format=external, output_path=out, log_level="ERROR", **options)
+                          use_external_data_format=external, output_path=out, log_level="CRITICAL", **options)
         quantized = onnx.load(out)
     seconds = time.perf_counter() - start
     dequantized = _dequantized_weights(quantized)
@@ -375,6 +386,13 @@ def _feed_reader(feeds):
             return len(self.feeds)
 
     return FeedReader()
+
+
+def _largest_shape_group(feeds):
+    groups = {}
+    for f in feeds:
+        groups.setdefault(tuple((k, np.shape(v)) for k, v in sorted(f.items())), []).append(f)
+    return max(groups.values(), key=len)
 
 
 def _dequantized_weights(model):

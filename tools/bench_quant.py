@@ -79,7 +79,9 @@ def step_feeds(sess, batch, tokens, context, capacity, seed=0):
             mask[..., capacity:] = np.tril(np.ones((tokens, tokens), dtype=bool))
             feeds[value.name] = mask
         elif value.name == "position_ids":
-            feeds[value.name] = np.broadcast_to(context + np.arange(tokens), shape).astype(np.int64).copy()
+            # Positions past the RoPE table (a 58-token call after 256) clamp onto it, as the runtime does.
+            positions = np.minimum(context + np.arange(tokens), capacity - 1)
+            feeds[value.name] = np.broadcast_to(positions, shape).astype(np.int64).copy()
         elif value.type == "tensor(int64)":
             feeds[value.name] = rng.integers(0, vocab, size=shape)
         elif value.name.startswith("past_"):
