@@ -4,6 +4,7 @@ records are checked against the graphs, and the decoding loop generates with the
 
 Tolerances (relative RMS error of every float output against the fp32 graph, TOLERANCES):
 int8 0.03, int4 0.25. Measured here: int8 ~0.007, int4 ~0.09."""
+import importlib.util
 import json
 import os
 
@@ -227,3 +228,82 @@ def test_quantize_engine_refuses_bad_requests(c2i, tmp_path):
         quantize.quantize_engine(c2i, str(tmp_path / "b"), "int4", force=True)
     assert os.listdir(tmp_path / "b") == ["notes.txt"]
     assert sorted(os.listdir(tmp_path)) == ["b"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Q/DQ forms for TensorRT (NVIDIA ModelOpt), built with TensorRT for RTX on the CPU
+
+needs_modelopt = pytest.mark.skipif(importlib.util.find_spec("modelopt") is None,
+                                    reason="NVIDIA ModelOpt is not installed (pip install 'lantern[trt-quant]')")
+needs_trt_rtx = pytest.mark.skipif(importlib.util.find_spec("tensorrt_rtx") is None,
+                                   reason="TensorRT for RTX is not installed (pip install tensorrt-rtx-cu12)")
+
+# Element types of the quantized weights: ONNX TensorProto INT8, FLOAT8E4M3FN, INT4.
+QDQ_WEIGHT_TYPES = {"int8": 3, "fp8": 17, "int4": 22}
+# Relative RMS error against fp32 on ONNX Runtime CPU. int8 / fp8 quantize the activations too
+# (per tensor, calibrated); measured on the tiny target: int8 ~0.016, fp8 ~0.055, int4 ~0.075.
+QDQ_TOLERANCES = {"int8": 0.05, "fp8": 0.15, "int4": 0.25}
+
+
+@pytest.fixture(scope="module")
+def qdq(c2i, feeds, tmp_path_factory):
+    """The tiny target in each Q/DQ form: {scheme: (path, record)}."""
+    out = tmp_path_factory.mktemp("qdq")
+    made = {}
+    for scheme in quantize.QDQ_SCHEMES:
+        path = str(out / f"target-{scheme}.onnx")
+        made[scheme] = (path, quantize.quantize_qdq(os.path.join(c2i, "target.onnx"), path, scheme, feeds["target"]))
+    return made
+
+
+@needs_modelopt
+@pytest.mark.parametrize("scheme", quantize.QDQ_SCHEMES)
+def test_qdq_form_matches_fp32(c2i, feeds, qdq, scheme):
+    path, record = qdq[scheme]
+    src = onnx.load(os.path.join(c2i, "target.onnx"))
+    heads = quantize.output_heads(src)
+    assert record["quantized"] == len(quantize.weight_matmuls(src)) - len(heads) > 0
+    assert [s["node"] for s in record["skipped"]] == heads and record["head"]["precision"] == "float"
+    model = onnx.load(path)
+    constants = {t.name: t.data_type for t in model.graph.initializer}
+    weight_types = {constants[n.input[0]] for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in constants}
+    assert QDQ_WEIGHT_TYPES[scheme] in weight_types
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    # ONNX Runtime fuses FP8 Q/DQ around MatMul into an op without FP8 kernels; unfused it runs.
+    options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_DISABLE_ALL if scheme == "fp8"
+                                        else ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    s = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in s.get_outputs()]
+    quantized = [dict(zip(names, s.run(None, f))) for f in feeds["target"]]
+    for r, q in zip(outputs(os.path.join(c2i, "target.onnx"), feeds["target"]), quantized):
+        errors = quantize.check_outputs(r, q, QDQ_TOLERANCES[scheme], where=scheme)
+        assert max(errors.values()) > 1e-3  # quantized for real
+
+
+@needs_modelopt
+def test_qdq_refuses_missing_calibration(c2i, tmp_path):
+    for scheme in ("int8", "fp8"):
+        with pytest.raises(LanternError, match="calibration"):
+            quantize.quantize_qdq(os.path.join(c2i, "target.onnx"), str(tmp_path / "x.onnx"), scheme)
+    assert os.listdir(tmp_path) == []
+
+
+@needs_modelopt
+@needs_trt_rtx
+@pytest.mark.parametrize("scheme", quantize.QDQ_SCHEMES)
+def test_qdq_form_builds_with_tensorrt_rtx(c2i, qdq, scheme):
+    """Parse + strongly typed build for SM89 and SM120 on this CPU; FP8 has no Ampere kernels,
+    so the SM86 build must fail (the check can fail)."""
+    import tensorrt_rtx as trt
+
+    from lantern.tools.bench_quant_trt import build, profile_sizes
+
+    path = qdq[scheme][0]
+    sizes = profile_sizes(json.load(open(os.path.join(c2i, "manifest.json"))), "target")
+    for cc in ("SM89", "SM120"):
+        result = build(trt, path, cc, sizes)
+        assert result["ok"] and result["plan_bytes"] > 0, result
+    if scheme == "fp8":
+        assert not build(trt, path, "SM86", sizes)["ok"]
