@@ -1,26 +1,60 @@
 """Quantized engine graphs, made from exported ONNX graphs with the vendors' own tools.
 
-ONNX Runtime: weight-only `int8` / `int4` (quantize_graph)
+ONNX Runtime: weight-only `int8` / `int4` (quantize_graph, quantize_engine)
   Every MatMul with a constant 2-D weight becomes ONNX Runtime's MatMulNBits (com.microsoft):
-  weights in blocks of `block` along K, one fp scale per block, symmetric (no zero points),
-  written by ONNX Runtime's `MatMulNBitsQuantizer` (round to nearest). Activations stay float;
-  with accuracy_level 4 the CPU kernel quantizes them to int8 on the fly per block and runs an
-  int8 dot product, which is what makes the step faster (the default level dequantizes the
-  weights to fp32 first and was slower than fp32). MatMuls whose second input is not a constant
-  (attention scores and values) stay as they are. K not a multiple of the block is padded with
-  zero weights to whole blocks by the quantizer (exact), so any 2-D constant weight is taken;
-  the block must be a power of two >= 16 (MatMulNBits' rule).
-
-  int8 uses the same operator with bits=8. The alternative in ONNX Runtime, quantize_dynamic
-  (MatMulInteger with per-tensor dynamic activation scales), was measured and not chosen: see
-  DECISIONS below.
+  weights in blocks of `block` (32) along K, one float scale per block, symmetric (no zero
+  points), written by ONNX Runtime's `MatMulNBitsQuantizer` (round to nearest). The output head
+  gets its own precision (HEAD: int8 in both schemes). With accuracy_level 4 the CPU kernel
+  rounds the activations to int8 per block of each row and runs an int8 dot product, which is
+  what makes the step faster. MatMuls whose second input is not a constant (attention scores and
+  values) stay as they are. K not a multiple of the block is padded with zero weights to whole
+  blocks by the quantizer (exact), so every 2-D constant weight is taken; a weight MatMul the
+  quantizer leaves alone (an N-D weight with batch dims) is listed in the record's `skipped`.
+  The block must be a power of two >= 16 (MatMulNBits' rule).
 
 TensorRT: Q/DQ forms `fp8`, `int8` (weights and activations, calibrated) and `int4` (weight-only,
-  blocked DequantizeLinear) made by NVIDIA ModelOpt's ONNX PTQ (quantize_qdq). See that section.
+  blocked DequantizeLinear), made by NVIDIA ModelOpt's ONNX PTQ (quantize_qdq; see there).
 
-DECISIONS (measured with tools/bench_quant.py; GPT-B-shaped target, random weights, ONNX Runtime
-1.32 CPU, 2 threads; shared machine, medians):
-  (filled in from the benchmark)
+DECISIONS. Measured with `python -m lantern.tools.bench_quant --decisions` (ONNX Runtime 1.32 CPU,
+2 intra-op threads, no spinning; a 2-core machine shared with other jobs, so times are medians
+of interleaved runs: trust their ratios, not their absolute values). Speed: GPT-B target, random
+weights, batch 2 (CFG), 256 cached tokens. Fidelity: teacher-forced greedy agreement (how often
+the quantized graph's CFG-combined argmax equals fp32's, on the inputs of an fp32 sampled
+generation) and the logits' relative RMS error; deterministic.
+
+  one-token step (ms)     fp32 30.3 | int8 15.9 (1.9x) | int4 13.3 (2.3x)
+    head float            int8 17.7 | int4 15.8     (the head is 12.6M of GPT-B's 97M weights)
+    head int4             int4 13.7
+    accuracy level 0      int8 318  | int4 99       (weights dequantized to fp32 on every call)
+    quantize_dynamic int8 15.3
+  L(T) (ms), T=1/8/26/58  fp32 31/56/140/391 | int8 16/40/101/365 | int4 13/40/110/265
+                          quantize_dynamic int8 13/24/57/127
+  greedy agreement / logits error, demo model (trained; 1920 positions, cfg 3):
+                          int8 95.5% / 0.0067 | int4 82.9% / 0.052
+    head float            int8 95.6% / 0.0064 | int4 83.1% / 0.052
+    head int4                                 | int4 79.4% / 0.056
+    accuracy level 0      int8 98.6% / 0.0034 | int4 83.5% / 0.052
+    quantize_dynamic int8 88.4% / 0.0185
+  same on GPT-B random weights (512 positions, cfg 4): int8 96.3% / 0.016 | int4 67.0% / 0.149
+  quantization time: 1-2 s per GPT-B target graph; bytes 392 MB -> int8 111 MB, int4 69 MB.
+
+  * accuracy level 4: the only level faster than fp32 (level 0 is 3-10x slower). Its price: the
+    int8 rounding of activations makes the outputs step-wise in the inputs, so the float noise
+    between a 1-token call and a 27-token call of the same position becomes whole rounding steps.
+    Greedy `exact` then matches greedy `ar` only where the model has no near-ties: on the tiny
+    test engines it does; on the demo model in 86% (int8) / 88% (int4) of the tokens at cfg 3,
+    97% / 94% at cfg 1 (15 images). At level 0 exact == ar
+    token for token (tests/test_quantize.py), as for fp32. Exactness holds relative to the
+    verifying call's numerics, not to a different call shape.
+  * int8 is MatMulNBits bits=8, not quantize_dynamic: equal one-token step, better fidelity, and
+    row-local: quantize_dynamic scales activations per tensor, so a row's output depends on the
+    other rows of the call (measured: one large row moved another row's output by 14%), i.e. on
+    the other image, the CFG half and the tree's other tokens. Its large-T speed (3x fp32 at
+    T=58, where MatMulNBits is 1.1-1.5x) is the measured cost of that choice.
+  * output head at int8 in both schemes: a float head costs ~2 ms of the step; an int8 head is as
+    fast as an int4 one and as faithful as a float one (int4: 82.9% vs 83.1% float, 79.4% int4).
+  * Quantized verification is relatively dearer: L(58)/L(1) is 12.6 (fp32), 23 (int8), 20 (int4),
+    so on a CPU quantized engines favour smaller trees (pick the tree per engine, as always).
 """
 import contextlib
 import io

@@ -9,13 +9,21 @@ GPT-B, c2i, 256 image tokens, random weights (one checkpoint loaded into both), 
 cfg 4, temperature 1, top-k 2000 (LlamaGen's sample_c2i defaults), torch with `threads`
 threads, ONNX Runtime with `threads` intra-op threads. Both sides get one short warm-up run.
 Goal (issue 13): ours >= 5x faster than eager.
+
+torch's OpenMP threads spin-wait between ops; on a machine shared with other jobs a descheduled
+spinning thread stalls every barrier (a [2, 768] x [768, 2304] matmul took 12-30 ms instead of
+~1 ms here). So torch gets OMP_WAIT_POLICY=PASSIVE, the counterpart of the runtime's
+`session.intra_op.allow_spinning=0` (set before torch is imported; an explicit setting wins).
 """
-import argparse
-import json
 import os
-import sys
-import tempfile
-import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
 
 import numpy as np
 
@@ -98,6 +106,7 @@ def main(argv=None):
         "note": "timings from a shared 2-core machine (other jobs running)",
         "model": "GPT-B", "random_weights": True, "image_tokens": 256, "cfg_scale": args.cfg, "top_k": args.top_k,
         "threads": args.threads, "torch": torch.__version__, "llamagen_dtype": args.llamagen_dtype,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "llamagen_eager_seconds": round(base, 2),
         "ours_ar_seconds": {s: round(float(np.median(t)), 2) for s, t in ours.items()},
         "speedup_vs_eager": {s: round(base / float(np.median(t)), 2) for s, t in ours.items()},
