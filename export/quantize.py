@@ -83,9 +83,6 @@ HEAD = {"int8": "int8", "int4": "int8"}  # the output head's precision per schem
 # 0.007 / 0.052, GPT-B random weights 0.016 / 0.149, tiny test engines up to 0.009 / 0.15 (K/V).
 TOLERANCES = {"int8": 0.03, "int4": 0.25}
 
-_OPS_DOMAIN = "com.microsoft"
-
-
 # ---------------------------------------------------------------------------------------------
 # ONNX Runtime weight-only
 
@@ -114,6 +111,8 @@ def quantize_graph(src, dst, scheme, *, block=DEFAULT_BLOCK, head=None, accuracy
     if os.path.abspath(src) == os.path.abspath(dst):
         raise LanternError(f"{dst}: the quantized graph must not overwrite its source")
     model = _load(src)
+    if any(n.op_type == "MatMulNBits" for n in model.graph.node):
+        raise LanternError(f"{src}: the graph is already quantized (it has MatMulNBits nodes); start from the float graph")
     external = _uses_external_data(src)
     weights = weight_matmuls(model)
     heads = output_heads(model)

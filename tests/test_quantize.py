@@ -166,6 +166,10 @@ def test_bad_options_write_nothing(c2i, tmp_path):
     with pytest.raises(LanternError, match="no such ONNX file"):
         quantize.quantize_graph(str(tmp_path / "missing.onnx"), str(tmp_path / "x.onnx"), "int4")
     assert os.listdir(tmp_path) == []
+    quantize.quantize_graph(src, str(tmp_path / "q.onnx"), "int4")
+    with pytest.raises(LanternError, match="already quantized"):
+        quantize.quantize_graph(str(tmp_path / "q.onnx"), str(tmp_path / "qq.onnx"), "int8")
+    assert sorted(os.listdir(tmp_path)) == ["q.onnx"]
 
 
 def test_external_data(c2i, feeds, tmp_path):
