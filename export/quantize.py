@@ -163,7 +163,8 @@ def _matmul_nbits(model, bits, block, symmetric, accuracy_level, exclude):
 
 def quantize_engine(src, dst, scheme, *, graphs=("target", "drafter"), force=False, **options):
     """Copy the engine directory `src` to `dst` with `graphs` quantized by quantize_graph(scheme,
-    **options); the other files are hard-linked (copied across file systems). Each quantized
+    **options); the other files are copied (not hard-linked: onnx refuses external data files
+    with several links, as a hardlink attack). Each quantized
     graph's manifest entry gets its record under "quantization", and manifest["quantization"]
     maps graph -> scheme. Built in a temporary sibling and renamed into place. Returns the manifest.
 
@@ -191,7 +192,7 @@ def quantize_engine(src, dst, scheme, *, graphs=("target", "drafter"), force=Fal
             replaced.update(f for f in (entry["file"], entry.get("external_data")) if f)
         for name in manifest["files"]:
             if name not in replaced:
-                _link_or_copy(os.path.join(src, name), os.path.join(tmp, name))
+                shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
         for g in graphs:
             entry = manifest["graphs"][g]
             for name in (entry["file"], entry.get("external_data")):
@@ -500,13 +501,6 @@ def _save(model, dst, external):
             os.replace(os.path.join(tmp, file), os.path.join(parent, file))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _link_or_copy(src, dst):
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def _umask():
