@@ -145,7 +145,7 @@ def main(argv=None):
     p.add_argument("--engine", help="an engine directory (default: export a random-weight --model engine)")
     p.add_argument("--model", default="GPT-B")
     p.add_argument("--cc", default="SM89,SM120", help="compute capabilities (TensorRT for RTX names)")
-    p.add_argument("--schemes", default="fp8,int8,int4")
+    p.add_argument("--schemes", default="fp32,fp8,int8,int4", help="fp32 is the unquantized graph")
     p.add_argument("--graphs", default="target,drafter")
     p.add_argument("--calibration-calls", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
@@ -153,8 +153,6 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import tensorrt_rtx as trt
-
-    from lantern.export.quantize import quantize_qdq
 
     work = args.workdir or tempfile.mkdtemp(prefix="lantern-quant-trt-")
     engine_dir = args.engine or _export(work, args.model, args.threads)
@@ -168,18 +166,33 @@ def main(argv=None):
               "graphs": {}}
     for graph in graphs:
         src = os.path.join(engine_dir, manifest["graphs"][graph]["file"])
-        rows = {"fp32": {"bytes": _bytes(src), "builds": {cc: build(trt, src, cc, profile_sizes(manifest, graph)) for cc in ccs}}}
+        sizes = profile_sizes(manifest, graph)
+        rows = report["graphs"][graph] = {}
         for scheme in args.schemes.split(","):
-            dst = os.path.join(work, f"{graph}-{scheme}.onnx")
-            record = quantize_qdq(src, dst, scheme, feeds[graph])
-            errors, ort_error = ort_errors(src, dst, feeds[graph][-2:], args.threads)
-            rows[scheme] = {"record": {k: record[k] for k in ("quantized", "weight_matmuls", "skipped", "head", "block",
-                                                                "calibration", "high_precision", "bytes", "seconds", "tool")},
-                            "onnxruntime_errors": errors, "onnxruntime_failures": ort_error,
-                            "builds": {cc: build(trt, dst, cc, profile_sizes(manifest, graph)) for cc in ccs}}
-            print(json.dumps({graph: {scheme: rows[scheme]["builds"]}}), flush=True, file=sys.stderr)  # progress
-        report["graphs"][graph] = rows
+            if scheme == "fp32":
+                rows[scheme] = {"bytes": _bytes(src), "builds": {cc: build(trt, src, cc, sizes) for cc in ccs}}
+            else:
+                rows[scheme] = _quantized_row(trt, src, os.path.join(work, f"{graph}-{scheme}.onnx"), scheme,
+                                              feeds[graph], ccs, sizes, args.threads)
+            print(json.dumps({graph: {scheme: rows[scheme].get("builds", rows[scheme])}}), flush=True,
+                  file=sys.stderr)  # progress
     print(json.dumps(report, indent=2))
+
+
+def _quantized_row(trt, src, dst, scheme, feeds, ccs, sizes, threads):
+    """Quantize, compare on ONNX Runtime, build per compute capability; a failure is reported in
+    the row (with its message) and the other schemes still run."""
+    from lantern.export.quantize import quantize_qdq
+
+    try:
+        record = quantize_qdq(src, dst, scheme, feeds)
+    except Exception as e:  # ModelOpt raises many types; the report says which and why
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    errors, failures = ort_errors(src, dst, feeds[-2:], threads)
+    return {"record": {k: record[k] for k in ("quantized", "weight_matmuls", "skipped", "head", "block", "calibration",
+                                              "high_precision", "bytes", "seconds", "tool")},
+            "onnxruntime_errors": errors, "onnxruntime_failures": failures,
+            "builds": {cc: build(trt, dst, cc, sizes) for cc in ccs}}
 
 
 def _export(work, model, threads):
