@@ -258,15 +258,16 @@ def verify_record(path, record):
     nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     if len(nodes) != record.get("quantized"):
         raise LanternError(f"{where}: {len(nodes)} MatMulNBits nodes, the record says {record.get('quantized')}")
-    if sorted(head.get("nodes", [])) != output_heads(model, quantized=True):
-        raise LanternError(f"{where}: output head {output_heads(model, quantized=True)}, the record says {head.get('nodes')}")
-    float_heads = [name for name in head["nodes"] if name in weight_matmuls(model)]
-    if (head["precision"] == "float") != (float_heads == head["nodes"]):
+    head_nodes = sorted(head.get("nodes", []))
+    if head_nodes != output_heads(model, quantized=True):
+        raise LanternError(f"{where}: output head {output_heads(model, quantized=True)}, the record says {head_nodes}")
+    float_heads = [name for name in head_nodes if name in weight_matmuls(model)]
+    if (head["precision"] == "float") != (float_heads == head_nodes):
         raise LanternError(f"{where}: the record says the head is {head['precision']}, the graph's head "
-                           f"{head['nodes']} is {'float' if float_heads else 'quantized'}")
+                           f"{head_nodes} is {'float' if float_heads else 'quantized'}")
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        is_head = _source_name(node) in head["nodes"]
+        is_head = _source_name(node) in head_nodes
         expected = dict(record, bits=BITS[head["precision"]] if is_head else record["bits"])
         found = {"bits": attrs.get("bits", 4), "block": attrs.get("block_size"),
                  "accuracy_level": attrs.get("accuracy_level", 0),
