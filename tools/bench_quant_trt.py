@@ -127,8 +127,8 @@ def ort_errors(reference_path, path, feeds, threads):
 
     reference = run(reference_path, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
     failures = []
-    # ORT's optimizer fuses FP8 Q/DQ around MatMul into MatMulIntegerToFloat, which has no FP8
-    # kernel; unoptimized, the QuantizeLinear / DequantizeLinear kernels run it.
+    # With FP8 weights behind a Q/DQ pair (ModelOpt without dq_only) ORT's optimizer fused them into
+    # MatMulIntegerToFloat, which has no FP8 kernel; unoptimized, the Q/DQ kernels ran it.
     for level in ("ORT_ENABLE_ALL", "ORT_DISABLE_ALL"):
         try:
             quantized = run(path, getattr(ort.GraphOptimizationLevel, level))
