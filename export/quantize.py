@@ -13,7 +13,11 @@ ONNX Runtime: weight-only `int8` / `int4` (quantize_graph, quantize_engine)
   The block must be a power of two >= 16 (MatMulNBits' rule).
 
 TensorRT: Q/DQ forms `fp8`, `int8` (weights and activations, calibrated) and `int4` (weight-only,
-  blocked DequantizeLinear), made by NVIDIA ModelOpt's ONNX PTQ (quantize_qdq; see there).
+  blocked DequantizeLinear), made by NVIDIA ModelOpt's ONNX PTQ (quantize_qdq; see there),
+  calibrated on ONNX Runtime's CPU provider. TensorRT for RTX 1.7 builds all three on this CPU
+  for SM89 and SM120 (tools/bench_quant_trt.py; GPT-B target plans: fp32 407 MB, fp8 and int8
+  155 MB, int4 113 MB, the head in float); fp8 does not build for SM75-SM86, int8 and int4 not
+  for SM75.
 
 DECISIONS. Measured with `python -m lantern.tools.bench_quant --decisions` (ONNX Runtime 1.32 CPU,
 2 intra-op threads, no spinning; a 2-core machine shared with other jobs, so times are medians
