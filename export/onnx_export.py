@@ -334,7 +334,7 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
 
         draft_tree = build_tree(tree or DEFAULT_TREE)
 
-    stages = ["load"] + ["embed", "condition", "target"] + (["drafter"] if drafter else []) + \
+    stages = ["load"] + ["condition", "target"] + (["drafter"] if drafter else []) + \
              (["vq_decoder", "neighbors"] if vq else []) + ["manifest"]
     bar = _progress(stages, progress)
     try:
