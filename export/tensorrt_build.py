@@ -123,6 +123,9 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
     config = builder.create_builder_config()
     if not tf32:
         config.clear_flag(trt.BuilderFlag.TF32)
+    user_allocation = hasattr(trt.BuilderFlag, "REQUIRE_USER_ALLOCATION")
+    if user_allocation:  # TensorRT-RTX: what makes an execution context stream-capturable (CUDA graphs)
+        config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)
     targets = _set_compute_capabilities(trt, config, flavor, compute_capabilities)
     if workspace_bytes is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
@@ -155,6 +158,7 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
             "timing_cache": str(timing_cache) if timing_cache is not None else None,
             "decomposable_attention": bool(decomposable_attention),
             "tf32": config.get_flag(trt.BuilderFlag.TF32),
+            "require_user_allocation": user_allocation,
         },
         "fused_layers": fused,
         "io": io,

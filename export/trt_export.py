@@ -6,11 +6,15 @@ One plan per graph (condition, target, drafter, vq_decoder) from the directory's
 stored as plans/<flavor>-<compute capabilities>/<graph>.plan (e.g. plans/tensorrt-rtx-SM89_SM120/)
 and recorded in the manifest (`Manifest.tensorrt`, with size and sha256 in `files`).
 
-Profiles: one exact profile (min = opt = max) per distinct call shape that the static step plans
-list (`StepPlan.shapes()`) for every requested batch, CFG setting and tree; AR (the root-only
-tree) is always included, since every engine serves it. Calls whose shapes coincide share a
-profile (a c2i prefill and an AR verification both feed one token). The VQ decoder, run once per
-generation outside the step plans, gets one profile spanning 1 .. the largest batch.
+Profiles: one exact profile (min = opt = max) per call regime of the static step plans
+(`StepPlan.shapes()`) for every requested batch, CFG setting and tree; AR (the root-only tree) is
+always included, since every engine serves it. Within one step plan every regime has a profile of
+its own even when shapes coincide (a c2i prefill and an AR verification both feed one token; two
+tree depths of equal width): TensorRT lets one execution context hold a profile at a time, and
+the backend gives each regime its own context, bound once, with its own CUDA graph. Regimes of
+different step plans (another batch, CFG setting or tree) with equal shapes share a profile:
+one step plan is bound at a time. The VQ decoder, run once per generation outside the step
+plans, gets one profile spanning 1 .. the largest batch.
 Why exact profiles and not one profile spanning all regimes: a static tree makes every call's
 shape known, and an exact profile lets TensorRT pick kernels for exactly that shape, gives each
 call regime an execution context whose shapes and addresses are set once (the backend binds a
@@ -71,9 +75,11 @@ def _prefix(manifest, images, cfg, adapter):
 
 
 def call_shapes(manifest, batches, cfgs, trees):
-    """{graph: {label: {input: shape}}}: every call the step plans make for these batches
-    (images per call), CFG settings and trees (Tree objects; AR's root-only tree is added),
-    labelled like "verify n1 cfg mc_sim_7b_63"; plus the VQ decoder's calls, one per batch."""
+    """{graph: {label: (input shapes {input: shape}, occurrence)}}: every call the step plans make
+    for these batches (images per call), CFG settings and trees (Tree objects; AR's root-only
+    tree is added), labelled like "verify n1 cfg mc_sim_7b_63"; occurrence counts the earlier
+    calls of the same graph and shapes in the same step plan. Plus the VQ decoder's calls, one
+    per batch."""
     adapter = condition_adapter(manifest, np.float32)
     backend = _ShapesOnly(np.float32)
     settings = dict(cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0)
@@ -83,31 +89,33 @@ def call_shapes(manifest, batches, cfgs, trees):
             prefix = _prefix(manifest, images, cfg, adapter)
             for tree in [root_only()] + [t for t in trees if t.depth]:
                 plan = StepPlan(manifest, backend, tree, prefix, settings)
+                seen = {}
                 for regime, (graph, shapes) in plan.shapes().items():
                     label = f"{regime} n{images}{' cfg' if cfg else ''}"
                     if regime.startswith(_TREE_REGIMES):
                         label += f" {tree.name}"
-                    out[graph].setdefault(label, shapes)
+                    key = (graph, tuple(sorted(shapes.items())))
+                    occurrence = seen[key] = seen.get(key, -1) + 1
+                    out[graph].setdefault(label, (shapes, occurrence))
         if "vq_decoder" in out:
             img = manifest.image
-            out["vq_decoder"][f"decode n{images}"] = {"codes": (images, img.grid_height, img.grid_width)}
+            out["vq_decoder"][f"decode n{images}"] = ({"codes": (images, img.grid_height, img.grid_width)}, 0)
     return out
 
 
 def graph_profiles(manifest, graph, calls):
     """The profiles of one graph's plan: [(labels served, {input: (min, opt, max)})], one exact
-    profile per distinct call shape (dynamic inputs only), in first-call order; the VQ decoder's
-    one profile spans its calls."""
+    profile per call shape and occurrence (dynamic inputs only, see call_shapes), in first-call
+    order; the VQ decoder's one profile spans its calls."""
     dynamic = [name for name, spec in manifest.graphs[graph].inputs.items()
                if any(isinstance(d, str) for d in spec.shape)]
     if graph == "vq_decoder":
-        shapes = list(calls.values())
-        return [(tuple(calls), tb.spanning_profile([{n: s[n] for n in dynamic} for s in shapes]))]
+        return [(tuple(calls), tb.spanning_profile([{n: s[n] for n in dynamic} for s, _ in calls.values()]))]
     grouped = {}
-    for label, shapes in calls.items():
-        key = tuple((name, tuple(shapes[name])) for name in dynamic)
+    for label, (shapes, occurrence) in calls.items():
+        key = (tuple((name, tuple(shapes[name])) for name in dynamic), occurrence)
         grouped.setdefault(key, []).append(label)
-    return [(tuple(labels), tb.exact_profile(dict(key))) for key, labels in grouped.items()]
+    return [(tuple(labels), tb.exact_profile(dict(key[0]))) for key, labels in grouped.items()]
 
 
 def plans_key(flavor, compute_capabilities):

@@ -77,7 +77,7 @@ def test_plan_builds_round_trip_through_the_manifest(planned):
     again = read_manifest(planned).tensorrt["tensorrt-rtx-SM89"]
     assert again == entry
     assert [p.serves for p in entry.plans["target"].profiles] == [
-        ("prefill n1", "verify n1 ar"), ("verify n1 mc_sim_7b_63",), ("prefill n1 cfg", "verify n1 cfg ar"),
+        ("prefill n1",), ("verify n1 ar",), ("verify n1 mc_sim_7b_63",), ("prefill n1 cfg",), ("verify n1 cfg ar",),
         ("verify n1 cfg mc_sim_7b_63",)]
 
 
@@ -201,6 +201,26 @@ def test_calls_the_profiles_do_not_cover_are_refused_with_the_rebuild_line(plann
     engine.generate(classes=[4], mode="lantern++", lam=3.0, k=4, cfg_scale=3.0)
     engine.generate(classes=[5], mode="ar")
     assert all(tb.find_profile(entry.plans[c.graph], s) is not None for c, s, _ in recorder.calls)
+
+
+def test_every_regime_of_a_plan_gets_a_profile_of_its_own(planned):
+    """One execution context per profile at a time: the calls of one step plan never share one,
+    even where their shapes are equal (c2i prefill and AR verification, draft depths of equal
+    width), and each gets the profile built for its regime."""
+    entry = read_manifest(planned).tensorrt["tensorrt-rtx-SM89"]
+    recorder = _Calls(Engine(planned, threads=2).backend)
+    engine = Engine(planned, backend=recorder)
+    for kwargs in (dict(mode="ar"), dict(mode="exact", cfg_scale=3.0), dict(mode="lantern++", lam=2.0, k=4)):
+        engine.generate(classes=[1], greedy=True, **kwargs)
+        plan = recorder.plan
+        profiles = tb.assign_profiles(planned, "tensorrt-rtx-SM89", entry, plan, "SM89")
+        assert set(profiles) == set(plan.calls)
+        for graph in ("target", "drafter"):
+            used = [profiles[r] for r, call in plan.calls.items() if call.graph == graph]
+            assert len(set(used)) == len(used)
+        cfg = " cfg" if kwargs.get("cfg_scale") else ""
+        for regime, call in plan.calls.items():
+            assert f"{regime} n1{cfg}" in " ".join(entry.plans[call.graph].profiles[profiles[regime]].serves), regime
 
 
 def test_profile_coverage():

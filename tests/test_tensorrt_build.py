@@ -71,18 +71,19 @@ def test_target_plan_builds_with_one_exact_profile_per_call_shape(c2i_engine, fp
     assert len(plan) == record["plan_bytes"] > 0
     assert record["compute_capabilities"] == [cc] and record["tensorrt_version"].startswith("1.")
     assert record["builder"]["strongly_typed"] is True and record["builder"]["tf32"] is False
+    assert record["builder"]["require_user_allocation"] is True  # TensorRT-RTX: stream capture needs it
     _assert_io_matches_manifest(record["io"], m.graphs["target"])
     # strongly typed: the float inputs keep the export dtype, logits stay fp32
     assert record["io"]["inputs"]["cond_embeds"]["dtype"] == {"fp32": "float32", "fp16": "float16"}[dtype]
     assert record["io"]["outputs"]["logits"]["dtype"] == "float32"
     # the fixture: 1 class token + 36 image tokens of cache, CFG rows 2, mc_sim_7b_63 has 26 nodes;
-    # c2i prefill (T = 1) and AR verification share a profile
-    assert [labels for labels, _ in profiles] == [("prefill n1 cfg", "verify n1 cfg ar"),
+    # c2i prefill (T = 1) and AR verification have equal shapes but a profile each (one step plan)
+    assert [labels for labels, _ in profiles] == [("prefill n1 cfg",), ("verify n1 cfg ar",),
                                                   ("verify n1 cfg mc_sim_7b_63",)]
-    assert [p["attention_mask"] for p in record["profiles"]] == [
-        {"min": [2, 1, 1, 38], "opt": [2, 1, 1, 38], "max": [2, 1, 1, 38]},
-        {"min": [2, 1, 26, 63], "opt": [2, 1, 26, 63], "max": [2, 1, 26, 63]}]
-    assert record["profiles"][1]["past_values_1"]["opt"] == [2, 2, 37, 8]
+    one, tree = {"min": [2, 1, 1, 38], "opt": [2, 1, 1, 38], "max": [2, 1, 1, 38]}, \
+        {"min": [2, 1, 26, 63], "opt": [2, 1, 26, 63], "max": [2, 1, 26, 63]}
+    assert [p["attention_mask"] for p in record["profiles"]] == [one, one, tree]
+    assert record["profiles"][2]["past_values_1"]["opt"] == [2, 2, 37, 8]
 
 
 def test_drafter_plan_has_no_shape_tensors(c2i_engine):
@@ -94,9 +95,7 @@ def test_drafter_plan_has_no_shape_tensors(c2i_engine):
     _assert_io_matches_manifest(record["io"], m.graphs["drafter"])
     assert record["profiles"][0]["cfg_pair"] == {"min": [2], "opt": [2], "max": [2]}
     # mc_sim_7b_63: draft0 feeds depth + 1 = 6 tokens, depths 1..4 have 4, 8, 8 and 3 nodes
-    assert [lbl for lbl, _ in profiles] == [("draft0 n1 cfg mc_sim_7b_63",), ("draft1 n1 cfg mc_sim_7b_63",),
-                                           ("draft2 n1 cfg mc_sim_7b_63", "draft3 n1 cfg mc_sim_7b_63"),
-                                           ("draft4 n1 cfg mc_sim_7b_63",)]
+    assert [lbl for lbl, _ in profiles] == [(f"draft{d} n1 cfg mc_sim_7b_63",) for d in range(5)]
     assert record["profiles"][0]["input_ids"] == {"min": [2, 3], "opt": [2, 8], "max": [2, 8]}
     assert "cfg_scale" not in record["profiles"][0]  # static inputs take no profile entry
 
@@ -161,7 +160,7 @@ def test_broken_onnx_is_one_line_error(c2i_engine, tmp_path):
 def test_bad_profiles_and_targets_are_one_line_errors(c2i_engine):
     m, calls = _calls(c2i_engine, cfgs=(True,))
     path = os.path.join(c2i_engine, "target.onnx")
-    call, one = calls["target"]["verify n1 cfg mc_sim_7b_63"], calls["target"]["prefill n1 cfg"]
+    call, one = calls["target"]["verify n1 cfg mc_sim_7b_63"][0], calls["target"]["prefill n1 cfg"][0]
     cases = [
         ([{**tb.exact_profile(call), "bogus": ((1,), (1,), (1,))}], "bogus, not inputs of the graph"),
         ([{k: v for k, v in tb.exact_profile(call).items() if k != "position_ids"}],
@@ -362,6 +361,6 @@ def test_ar_engine_builds_ar_plans(c2i_engine, tmp_path):
     (d / "manifest.json").write_text(json.dumps(m))
     _, entry, _ = trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=False)
     assert entry.trees == () and set(entry.plans) == {"condition", "target"}
-    assert [p.serves for p in entry.plans["target"].profiles] == [("prefill n1", "verify n1 ar")]
+    assert [p.serves for p in entry.plans["target"].profiles] == [("prefill n1",), ("verify n1 ar",)]
     with pytest.raises(LanternError, match="--tree needs an engine with a drafter"):
         trt_export.build_engine_plans(d, compute_capabilities=["89"], trees=["mc_sim_7b_63"], force=True)

@@ -121,12 +121,36 @@ def rtx_targets():
         return {"SM75", "SM80", "SM86", "SM89", "SM120", "SM121"}
 
 
-def find_profile(plan_file, shapes):
-    """Index of the first profile of a plan that covers a call's input shapes, or None."""
+def find_profile(plan_file, shapes, taken=()):
+    """Index of the first profile of a plan that covers a call's input shapes and is not taken
+    (by another call of the same step plan), or None."""
     for index, profile in enumerate(plan_file.profiles):
-        if profile.covers(shapes):
+        if index not in taken and profile.covers(shapes):
             return index
     return None
+
+
+def assign_profiles(directory, key, entry, plan, gpu):
+    """{regime: profile index} for every call of a StepPlan, each call a profile of its own
+    (TensorRT lets one execution context hold a profile at a time, and every regime gets its own
+    context and CUDA graph); a LanternError with the rebuild line for a call none covers."""
+    taken, out = {}, {}
+    for regime, call in plan.calls.items():
+        if call.graph not in entry.plans:
+            raise LanternError(f"plans/{key} have no {call.graph} plan; rebuild them with "
+                               f"`{rebuild_command(directory, entry.flavor, gpu)}`")
+        shapes = call_shapes(call)
+        index = find_profile(entry.plans[call.graph], shapes, taken.setdefault(call.graph, set()))
+        if index is None:
+            raise uncovered_call(directory, key, entry, call.graph, regime, shapes, gpu, plan)
+        taken[call.graph].add(index)
+        out[regime] = index
+    return out
+
+
+def call_shapes(call):
+    """{input: shape} of a call's feeds, host arrays or device buffers."""
+    return {name: tuple(buf.shape if isinstance(buf, DeviceArray) else np.shape(buf)) for name, buf in call.feeds.items()}
 
 
 def uncovered_call(directory, key, entry, graph, regime, shapes, gpu, plan=None):
@@ -545,9 +569,20 @@ class TensorRTBackend(CudaArrays):
     def _context(self, graph, profile):
         key = (graph, profile)
         if key not in self.contexts:
-            engine = self.engines[graph]
+            engine, trt = self.engines[graph], self.trt
             self.logger.clear()
-            context = engine.create_execution_context(self.trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+            user_managed = trt.ExecutionContextAllocationStrategy.USER_MANAGED  # the shared scratch below
+            if hasattr(engine, "create_runtime_config"):
+                config = engine.create_runtime_config()
+                config.set_execution_context_allocation_strategy(user_managed)
+                if hasattr(config, "dynamic_shapes_kernel_specialization_strategy"):
+                    # TensorRT-RTX: compile the shape-specialized kernels at the first run, so the
+                    # CUDA graph captured after it holds them rather than the generic fallbacks
+                    config.dynamic_shapes_kernel_specialization_strategy = \
+                        trt.DynamicShapesKernelSpecializationStrategy.EAGER
+                context = engine.create_execution_context(config)
+            else:
+                context = engine.create_execution_context(user_managed)
             if context is None:
                 raise LanternError(f"{graph}: TensorRT cannot create an execution context ({self.logger.first_error()})")
             context.set_device_memory(self.scratch.ptr, self.scratch_bytes)
@@ -561,24 +596,12 @@ class TensorRTBackend(CudaArrays):
         return _TRT_DTYPES.get(trt_dtype.name, trt_dtype.name.lower())
 
     # -- binding ---------------------------------------------------------------------------------
-    def _profile(self, call, plan=None):
-        shapes = {name: tuple(buf.shape if isinstance(buf, DeviceArray) else np.shape(buf))
-                  for name, buf in call.feeds.items()}
-        plan_file = self.plans.plans.get(call.graph)
-        if plan_file is None:
-            raise LanternError(f"plans/{self.key} have no {call.graph} plan; rebuild them with "
-                               f"`{rebuild_command(self.directory, self.plans.flavor, self.gpu)}`")
-        index = find_profile(plan_file, shapes)
-        if index is None:
-            raise uncovered_call(self.directory, self.key, self.plans, call.graph, call.regime, shapes, self.gpu, plan)
-        return index, shapes
-
-    def _prepare(self, call, plan=None):
-        """A _Bound for a call: its context with the input shapes set, device buffers for its host
-        feeds (pinned staging beside them) and for its outputs, every tensor address."""
-        profile, shapes = self._profile(call, plan)
+    def _prepare(self, call, profile):
+        """A _Bound for a call in a profile: its context with the input shapes set, device buffers
+        for its host feeds (pinned staging beside them) and for its outputs, every tensor address."""
+        shapes = call_shapes(call)
         context = self._context(call.graph, profile)
-        self.owner.pop((call.graph, profile), None)  # its shapes change here
+        self._forget_context((call.graph, profile))  # its shapes and addresses change here
         host, addresses = [], {}
         self.logger.clear()
         for name, buf in call.feeds.items():
@@ -606,8 +629,7 @@ class TensorRTBackend(CudaArrays):
         return _Bound(call, (call.graph, profile), shapes, host, addresses), outputs
 
     def _set_addresses(self, bound):
-        """Give the call's context this call's shapes and addresses, unless it holds them already
-        (regimes of identical shapes share a context)."""
+        """Give the call's context this call's shapes and addresses, unless it holds them already."""
         context = self.contexts[bound.context_key]
         if self.owner.get(bound.context_key) is not bound:
             for name, shape in bound.shapes.items():
@@ -617,9 +639,18 @@ class TensorRTBackend(CudaArrays):
             self.owner[bound.context_key] = bound
         return context
 
+    def _forget_context(self, key):
+        """A context is about to get other shapes or addresses: the call that held it loses its
+        CUDA graph (a graph stands for its context's state at capture) and is captured again."""
+        bound = self.owner.pop(key, None)
+        if bound is not None and bound.graph is not None:
+            self.synchronize()  # no launch of the graph may be in flight when it goes
+            bound.graph, bound.runs = None, 0
+
     def bind(self, plan):
-        for call in plan.calls.values():
-            bound, call.outputs = self._prepare(call, plan)
+        profiles = assign_profiles(self.directory, self.key, self.plans, plan, self.gpu)
+        for regime, call in plan.calls.items():
+            bound, call.outputs = self._prepare(call, profiles[regime])
             self._bound[id(call)] = bound
 
     def release(self, plan):
@@ -628,7 +659,7 @@ class TensorRTBackend(CudaArrays):
         for call in plan.calls.values():
             bound = self._bound.pop(id(call), None)
             if bound is not None and self.owner.get(bound.context_key) is bound:
-                del self.owner[bound.context_key]
+                self._forget_context(bound.context_key)
 
     # -- running ---------------------------------------------------------------------------------
     def _enqueue(self, bound):
@@ -668,8 +699,15 @@ class TensorRTBackend(CudaArrays):
 
     def _run_once(self, call):
         """A call that was not bound (check cases, the VQ decoder): buffers made for it, freed
-        with its outputs."""
-        bound, outputs = self._prepare(call)
+        with its outputs; it runs in the first profile that covers it."""
+        shapes = call_shapes(call)
+        if call.graph not in self.plans.plans:
+            raise LanternError(f"plans/{self.key} have no {call.graph} plan; rebuild them with "
+                               f"`{rebuild_command(self.directory, self.plans.flavor, self.gpu)}`")
+        profile = find_profile(self.plans.plans[call.graph], shapes)
+        if profile is None:
+            raise uncovered_call(self.directory, self.key, self.plans, call.graph, call.regime, shapes, self.gpu)
+        bound, outputs = self._prepare(call, profile)
         for feed in bound.host:
             feed.stage()
         self._set_addresses(bound)
