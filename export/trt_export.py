@@ -16,15 +16,19 @@ different step plans (another batch, CFG setting or tree) with equal shapes shar
 one step plan is bound at a time. The VQ decoder, run once per generation outside the step
 plans, gets one profile spanning 1 .. the largest batch.
 Why exact profiles and not one profile spanning all regimes: a static tree makes every call's
-shape known, and an exact profile lets TensorRT pick kernels for exactly that shape, gives each
-call regime an execution context whose shapes and addresses are set once (the backend binds a
-step plan once and captures each regime in its own CUDA graph), and costs little to build.
-Measured with TensorRT-RTX 1.7 on this project's CPU machine (`python -m
-lantern.tools.bench_trt_build`, SM89; numbers in the issue-9 reports): on the tiny test engine
-the target's plan and build time were within a few percent for 2 exact profiles and 1 spanning
-profile, and on the demo and GPT-B engines the plan size grows by well under the model size per
-extra profile (TensorRT-RTX defers kernel selection to the GPU). A spanning profile's kernels are
-tuned for its `opt` shape only, and every call would have to set its shapes again.
+shape known before the generation starts; an exact profile lets TensorRT choose kernels for
+exactly that shape (a spanning profile tunes them at its `opt` only: the one-token AR call and
+the 26..60-token verification want different kernels), and it is what gives each regime an
+execution context of its own whose shapes and addresses are set once and whose work is captured
+once in a CUDA graph. The price is build time and plan size. Measured with TensorRT-RTX 1.7 for
+SM89 on this project's 2-core CPU machine (shared, so times are rough; `python -m
+lantern.tools.bench_trt_build`), GPT-B fp16 target (212 MiB of weights), batch 1, CFG on and off,
+mc_sim_7b_63: 6 exact profiles 425 MiB, 39 s; one spanning profile 220 MiB, 15 s. The size is not
+per profile: 3 exact profiles without CFG make 410 MiB, 6 with CFG at batches 1 and 4 only
+242 MiB. A call of one token on one row (an M = 1 product: AR or a c2i prefill without CFG)
+makes TensorRT keep a second layout of the weights; any other extra profile costs a few MiB
+(the GPT-B drafter: 10 exact profiles 91 MiB against 67 MiB spanning; the demo engine's target
+38 MiB for 6 against 13 MiB spanning).
 
 Full TensorRT builds for the GPU it runs on (`--compute-capability current`, the default); TensorRT
 for RTX builds ahead of time for named GPUs on any machine (`--compute-capability 86,89,120`).
