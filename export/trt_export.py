@@ -179,7 +179,7 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
     """Build the plans of every graph of an engine directory and record them in its manifest.
     Returns (key, TensorRTPlans, {graph: build record}). See the module docstring."""
     directory = os.path.abspath(os.fspath(directory))
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, verify=True)  # plans from exactly the graphs the manifest lists
     trt = tb.load_tensorrt(flavor)
     if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
         raise LanternError(f"--batch takes positive integers (images per call), got {list(batches)}")

@@ -307,7 +307,7 @@ def test_trt_builds_are_atomic_and_keyed(c2i_engine, tmp_path):
     original = drafter.read_bytes()
     drafter.write_bytes(original[:3000])
     m = json.loads((d / "manifest.json").read_text())
-    m["files"]["drafter.onnx"]["size"] = 3000  # keep the manifest's size check quiet: the parser must fail
+    m["files"]["drafter.onnx"].update(size=3000, sha256=sha256(drafter))  # the manifest agrees: the parser must fail
     (d / "manifest.json").write_text(json.dumps(m, indent=2))
     broken = _listing(d)
     with pytest.raises(LanternError) as err:
