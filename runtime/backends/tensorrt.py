@@ -11,16 +11,19 @@ the `cuda-bindings` package): the CUDA runtime API as it is, with stream capture
 without a GPU. Polygraphy's `polygraphy.cuda` (ctypes over libcudart) has no stream capture or
 graph calls and needs a libcudart.so on the path, so it would have needed those added by hand.
 
-One stream; every call, copy and commit is queued on it in order. bind(plan) makes, per call
-regime: an execution context (one per optimization profile; the exact profiles of `lantern-export
-trt` give each regime its own, regimes of identical shapes share one), device buffers for the
-plan's host feeds (ids, positions, masks, settings) with pinned staging buffers beside them,
-device buffers for every output, and the tensor addresses, set once. All contexts share one
-scratch allocation (TensorRT's activation memory, USER_MANAGED): calls never overlap on the one
-stream. run(call) copies the host feeds into their pinned staging buffers (host memcpy) and
-launches the regime's CUDA graph: the staging -> device copies and `execute_async_v3`, captured
-after the regime's first, eager run (TensorRT wants one enqueue before capture). With
-cuda_graphs=False the same copies and enqueue are issued one by one.
+One stream; every call, copy and commit is queued on it in order. bind(plan) gives every call
+regime a profile of its own (`assign_profiles`: `lantern-export trt` builds one per regime of a
+step plan, equal shapes included) and so its own execution context (a context holds one profile,
+and a profile one context at a time), device buffers for the plan's host feeds (ids, positions,
+masks, settings) with pinned staging buffers beside them, device buffers for every output, and
+the tensor addresses, set once. All contexts share one scratch allocation (TensorRT's activation
+memory, USER_MANAGED): calls never overlap on the one stream. run(call) copies the host feeds into
+their pinned staging buffers (host memcpy) and launches the regime's CUDA graph: the staging ->
+device copies and `execute_async_v3`, captured after the regime's first, eager run (TensorRT
+wants one enqueue before capture; TensorRT-RTX compiles its shape-specialized kernels then). A
+graph stands for its context's state at capture: a context given other shapes or addresses (an
+unbound call such as a `check` case in the same profile) drops the graph and captures again.
+With cuda_graphs=False the same copies and enqueue are issued one by one.
 
 On the device, without kernels of our own:
   gather  one device-to-device copy per run of consecutive (row, column) pairs; the loop's
