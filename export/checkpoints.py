@@ -159,14 +159,19 @@ def _load_llamagen_pt(path, name, config_file, image_size, downsample_size, mode
         overrides["cls_token_num"] = saved["cls_token_num"]
     args = llamagen.make_config(
         name, config_file=config_file,
-        image_size=image_size or saved.get("image_size", 256),
-        downsample_size=downsample_size or saved.get("downsample_size", 16),
-        model_type=model_type, num_classes=num_classes or saved.get("num_classes", 1000),
+        image_size=_given(image_size, saved.get("image_size", 256)),
+        downsample_size=_given(downsample_size, saved.get("downsample_size", 16)),
+        model_type=model_type, num_classes=_given(num_classes, saved.get("num_classes", 1000)),
         **({} if config_file else overrides))
     model = load_strict(llamagen.Transformer(args), state, path)
     which = weights if isinstance(obj, dict) and weights in obj else "raw state dict"
     return model, {"format": "llamagen-pt", "path": path, "weights": which, "config": args.to_dict(),
                    "config_name": name}
+
+
+def _given(option, fallback):
+    """An option the user gave wins, even 0 (which is then refused, not silently replaced)."""
+    return fallback if option is None else option
 
 
 def _name_from_shapes(state, path):
@@ -191,6 +196,8 @@ _HF_LAYER_MAP = {
 
 
 def _hf_config_to_args(config, path):
+    if not isinstance(config, dict):
+        raise LanternError(f"{path}: config.json must be a JSON object of config fields")
     try:
         return llamagen.validate_config(llamagen.ModelArgs(
             dim=config["hidden_size"], n_layer=config["num_hidden_layers"], n_head=config["num_attention_heads"],
@@ -200,7 +207,7 @@ def _hf_config_to_args(config, path):
             num_classes=config.get("num_classes", 1000), caption_dim=config.get("caption_dim", 2048),
             class_dropout_prob=config.get("class_dropout_p", 0.1), model_type=config.get("input_type", "c2i"),
             vocab_size=config["vocab_size"], cls_token_num=config.get("cls_token_num", 1),
-            block_size=config.get("block_size", 256)))
+            block_size=config.get("block_size", 256)), source=path)
     except KeyError as e:
         raise LanternError(f"{path}: config.json lacks {e.args[0]!r}") from None
 
@@ -256,15 +263,22 @@ def load_drafter(directory, target_args=None):
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise LanternError(f"{directory}: a drafter is a directory with config.json and weights")
-    config = _read_json(os.path.join(directory, "config.json"))
+    config_path = os.path.join(directory, "config.json")
+    config = _read_json(config_path)
+    if not isinstance(config, dict):
+        raise LanternError(f"{config_path}: expected a JSON object of config fields")
+    layers = config.get("num_hidden_layers", 1)
+    if layers != 1 or isinstance(layers, bool):
+        raise LanternError(f"{config_path}: num_hidden_layers is {layers!r}; a LANTERN/EAGLE-1 drafter has exactly "
+                           f"one decoder layer")
     try:
         args = llamagen.DrafterArgs(
             dim=config["hidden_size"], n_head=config["num_attention_heads"],
             n_kv_head=config.get("num_key_value_heads"), intermediate_size=config["intermediate_size"],
             vocab_size=config["vocab_size"], norm_eps=config.get("rms_norm_eps", 1e-6),
-            fc_bias=config.get("bias", True))
+            fc_bias=config.get("bias", True)).validate(config_path)
     except KeyError as e:
-        raise LanternError(f"{directory}/config.json lacks {e.args[0]!r}") from None
+        raise LanternError(f"{config_path} lacks {e.args[0]!r}") from None
     if target_args is not None and (args.dim, args.vocab_size) != (target_args.dim, target_args.vocab_size):
         raise LanternError(f"{directory}: drafter (dim {args.dim}, vocab {args.vocab_size}) does not fit the target "
                            f"(dim {target_args.dim}, vocab {target_args.vocab_size})")

@@ -15,10 +15,11 @@ import numpy as np
 from lantern.runtime.errors import LanternError
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+REPORT_FILES = ("report.json", "report.md", "*.png")
 DEFAULTS = dict(tree="mc_sim_7b_63", lam=5.0, k=20, cfg=3.0, temperature=1.0, top_k=0, per_class=2, seed=0)
-# The demo's tune run, cut to fit ~20 s on a 2-core CPU: 8 calibration images (tune's default 16),
-# budget 32 and depth 5 (64 and 6), 3 timed repeats per call size (5), one loop run per tree (2),
-# batch sizes 1 and 8 only (the grid's 30 images use the batch-8 tree, the nearest tuned batch).
+# The demo's tune run, cut to take ~10-20 s on a 2-core CPU: 8 calibration images (tune's default
+# 16), budget 32 and depth 5 (64 and 6), 3 timed repeats per call size (5), one loop run per tree
+# (3), batch sizes 1 and 8 only (the grid's 30 images use the batch-8 tree, the nearest tuned batch).
 TUNE = dict(images=8, budget=32, depth=5, batches=(1, 8), repeats=3, loop_runs=1)
 
 
@@ -51,18 +52,20 @@ def demo_sources(model_dir):
 def run(args):
     from lantern.export.check import check_engine
     from lantern.export.onnx_export import export_engine
+    from lantern.export.placement import check_engine_destination
+    from lantern.runtime.outdir import OutputDirectory, only_files
     from lantern.runtime.generator import Engine
     from lantern.runtime.png import image_grid, write_png
 
     start = time.perf_counter()
     src = demo_sources(args.model_dir)
     out = os.path.abspath(args.out)
-    if os.path.exists(out) and not os.path.isfile(os.path.join(out, "manifest.json")) and os.listdir(out):
-        raise LanternError(f"{out} exists and is not an engine directory; pick another --out")
-    print(f"[1/4] exporting the demo model to {out}")
+    check_engine_destination(out, force=True)  # replaces an engine, never anything else
+    steps = 4 if args.no_tune else 5
+    print(f"[1/{steps}] exporting the demo model to {out}")
     export_engine(out, src["target"], target_options={"config_file": src["target_config"]}, drafter=src["drafter"],
                   vq=src["vq"], tree=args.tree, force=True, progress=True)
-    print("[2/4] checking every graph on ONNX Runtime against PyTorch")
+    print(f"[2/{steps}] checking every graph on ONNX Runtime against PyTorch")
     report = check_engine(out)
     worst = max((r.get("max_abs", 0.0) for r in report["results"]), default=0.0)
     if not report["ok"]:
@@ -75,15 +78,14 @@ def run(args):
     classes = [c for c in range(len(class_names)) for _ in range(args.per_class)]
     common = dict(classes=classes, cfg_scale=args.cfg, temperature=DEFAULTS["temperature"], top_k=DEFAULTS["top_k"],
                   seed=args.seed)
-    steps = 4 if args.no_tune else 5
     tuned = None
     if not args.no_tune:
         tuned = _tune(engine, out, args, steps)
         engine = Engine(out, threads=args.threads)  # reopened: generate now finds the tuned trees
-    # the preset row names its tree, so a tuned tree for the same settings does not replace it
+    # the preset rows name their tree, so a tree tuned for the same settings does not replace it
     runs = [("ar", {}), ("exact", {"tree": args.tree}), ("lantern++", dict(lam=args.lam, k=args.k, tree=args.tree))]
     if tuned is not None:
-        runs.append(("lantern++ tuned", dict(lam=args.lam, k=args.k)))
+        runs.append(("lantern++ tuned", dict(lam=args.lam, k=args.k)))  # generate picks the tuned tree
     print(f"[{steps - 1}/{steps}] generating {len(classes)} images ({args.per_class} per class) with "
           + ", ".join(m for m, _ in runs) + f" (sampling, CFG {args.cfg}, tree {args.tree}"
           + (", and the tuned tree" if tuned is not None else "") + ")")
@@ -91,42 +93,59 @@ def run(args):
     results = {}
     for mode, extra in runs:
         results[mode] = engine.generate(mode=mode.split()[0], **common, **extra)
-    # Latency at batch 1 (one image per call), the setting of the paper's speedups.
+    # One image per call, the setting of the paper's speedups: medians over a few classes.
     single, single_trees = {}, {}
     for mode, extra in runs:
-        gens = [engine.generate(mode=mode.split()[0], **{**common, "classes": [c]}, **extra)
-                for c in range(0, len(class_names), max(1, len(class_names) // 5))]
-        single[mode] = float(np.median([g.stats["seconds"] for g in gens]))
-        single_trees[mode] = gens[0].stats["tree"]
+        stats = [engine.generate(mode=mode.split()[0], **{**common, "classes": [c]}, **extra).stats
+                 for c in range(0, len(class_names), max(1, len(class_names) // 5))]
+        single[mode] = {key: float(np.median([_stat(st, key) for st in stats]))
+                        for key in ("seconds", "steps_per_image", "engine_calls", "verify")}
+        single_trees[mode] = stats[0]["tree"]
 
     print(f"[{steps}/{steps}] writing images and the report")
-    report_dir = os.path.join(out, "report")
-    os.makedirs(report_dir, exist_ok=True)
     rows = []
-    for mode, r in results.items():
-        s = r.stats
-        images = engine.decode(r.tokens)
-        images = images.repeat(3, axis=1).repeat(3, axis=2) if images.shape[1] < 128 else images  # easier to see
-        name = mode.replace("+", "p").replace(" ", "_")
-        write_png(os.path.join(report_dir, f"{name}.png"), image_grid(images, ncols=args.per_class * 3))
-        rows.append({"mode": mode, "tree": s["tree"], "tree_batch1": single_trees[mode],
-                     "steps_per_image": s["steps_per_image"],
-                     "mean_accepted_length": s["mean_accepted_length"], "batch_seconds": s["seconds"],
-                     "speedup_batch": results["ar"].stats["seconds"] / s["seconds"],
-                     "latency_batch1_seconds": single[mode], "speedup_batch1": single["ar"] / single[mode],
-                     # what one step costs against an AR step: the accepted length that breaks even
-                     "step_cost_vs_ar": (s["seconds"] / s["steps_per_image"])
-                     / (results["ar"].stats["seconds"] / results["ar"].stats["steps_per_image"]),
-                     "accepted_histogram": s.get("accepted_histogram", []), "image": f"{name}.png",
-                     "phase_seconds": s["phase_seconds"]})
-    summary = {"engine": out, "settings": {**vars_of(args), "classes": len(class_names), "images": len(classes)},
-               "check": {"ok": report["ok"], "worst_abs_error": worst}, "results": rows, "tuned": tuned,
-               "seconds_total": time.perf_counter() - start}
-    with open(os.path.join(report_dir, "report.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    _plots(report_dir, rows)
-    _markdown(report_dir, summary, class_names)
+    ar_batch, ar_single = results["ar"].stats, single["ar"]
+    report_dir = os.path.join(out, "report")
+    with OutputDirectory(report_dir, force=True, replaceable=only_files(REPORT_FILES, "the demo"),
+                         kind="report directory") as stage:
+        for mode, r in results.items():
+            s, one = r.stats, single[mode]
+            images = engine.decode(r.tokens)
+            images = images.repeat(3, axis=1).repeat(3, axis=2) if images.shape[1] < 128 else images  # easier to see
+            name = mode.replace("+", "p").replace(" ", "_")
+            write_png(os.path.join(stage, f"{name}.png"), image_grid(images, ncols=args.per_class * 3))
+            rows.append({"mode": mode, "tree": s["tree"], "tree_batch1": single_trees[mode],
+                         "steps_per_image": s["steps_per_image"],
+                         "mean_accepted_length": s["mean_accepted_length"], "batch_seconds": s["seconds"],
+                         "speedup_batch": ar_batch["seconds"] / s["seconds"],
+                         # what one step costs against an AR step (the accepted length that breaks even),
+                         # at the batch and at one image
+                         "step_cost_vs_ar": (s["seconds"] / s["steps_per_image"])
+                         / (ar_batch["seconds"] / ar_batch["steps_per_image"]),
+                         "latency_batch1_seconds": one["seconds"], "speedup_batch1": ar_single["seconds"] / one["seconds"],
+                         "step_cost_vs_ar_batch1": (one["seconds"] / one["steps_per_image"])
+                         / (ar_single["seconds"] / ar_single["steps_per_image"]),
+                         "engine_calls_per_step_batch1": one["engine_calls"] / one["steps_per_image"],
+                         # what the verification of a step costs against the target call of an AR step
+                         "verify_cost_vs_ar": (_stat(s, "verify") / s["steps_per_image"])
+                         / (_stat(ar_batch, "verify") / ar_batch["steps_per_image"]),
+                         "verify_cost_vs_ar_batch1": (one["verify"] / one["steps_per_image"])
+                         / (ar_single["verify"] / ar_single["steps_per_image"]),
+                         "accepted_histogram": s.get("accepted_histogram", []),
+                         "acceptance_per_depth": acceptance_per_depth(s.get("accepted_histogram", [])),
+                         "image": f"{name}.png", "phase_seconds": s["phase_seconds"]})
+        tree = engine.tree
+        summary = {"engine": out, "settings": {**vars_of(args), "classes": len(class_names), "images": len(classes)},
+                   "tree": {"name": tree.name, "nodes": tree.num_nodes, "depth": tree.depth},
+                   "check": {"ok": report["ok"], "worst_abs_error": worst}, "results": rows, "tuned": tuned,
+                   "seconds_total": time.perf_counter() - start}
+        summary["reading"] = reading(summary)
+        with open(os.path.join(stage, "report.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        _plots(stage, rows)
+        _markdown(stage, summary, class_names)
     _print_table(rows)
+    print(summary["reading"])
     if tuned is not None:
         print(_tuned_line(tuned))
     print(f"report: {os.path.join(report_dir, 'report.md')}  ({summary['seconds_total']:.0f} s in all)")
@@ -176,16 +195,56 @@ def vars_of(args):
     return {k: v for k, v in vars(args).items() if k != "func"}
 
 
+def acceptance_per_depth(histogram):
+    """P(the draft at depth d is accepted | depth d-1 was), d = 1..depth, from the histogram of
+    accepted drafts per step: steps that accepted >= d drafts over steps that accepted >= d-1."""
+    h = np.asarray(histogram, dtype=float)
+    if h.sum() == 0:
+        return []
+    reached = h[::-1].cumsum()[::-1]  # reached[d] = steps with >= d accepted drafts
+    return [float(reached[d] / reached[d - 1]) if reached[d - 1] else 0.0 for d in range(1, len(h))]
+
+
+def _stat(stats, key):
+    """A number from a generation's stats (a phase's seconds for 'verify'); NaN if absent."""
+    value = stats.get("phase_seconds", {}).get(key) if key == "verify" else stats.get(key)
+    return float("nan") if value is None else float(value)
+
+
+def reading(summary):
+    """What the numbers say, in words (the report's and the console's last paragraph)."""
+    rows = {r["mode"]: r for r in summary["results"]}
+    spec = rows.get("lantern++") or rows.get("exact")
+    if spec is None:
+        return ""
+    images, nodes = summary["settings"]["images"], summary["tree"]["nodes"]
+    cfg = summary["settings"].get("cfg", 1.0) > 1
+    return (
+        f"A speculative step pays off when its mean accepted length exceeds its cost in AR steps. "
+        f"At the batch ({images} images{', CFG' if cfg else ''}: {images * (2 if cfg else 1)} rows per call) a "
+        f"{spec['mode']} step costs {spec['step_cost_vs_ar']:.1f} AR steps for {spec['mean_accepted_length']:.2f} "
+        f"tokens; its verification of {nodes} tokens per row alone costs {spec['verify_cost_vs_ar']:.1f} one-token "
+        f"target calls. At this size the CPU is computing, so a step costs about what its tokens cost: compute per "
+        f"verified token. At one image the step costs {spec['step_cost_vs_ar_batch1']:.1f} AR steps, but its "
+        f"verification of {nodes} tokens costs only {spec['verify_cost_vs_ar_batch1']:.1f} one-token calls: most of "
+        f"a call's cost is fixed, and a step makes {spec['engine_calls_per_step_batch1']:.1f} engine calls (a drafter "
+        f"call per depth, the verification) where an AR step makes {rows['ar']['engine_calls_per_step_batch1']:.1f} "
+        f"(prefill included): call overhead. Neither cost is the method's: on a GPU a {nodes}-token verification "
+        f"of a large model costs little more than one token and calls can be captured in CUDA graphs, so the step "
+        f"compression (steps/image) is what carries over (measure the latency curve with "
+        f"`python -m lantern.tools.bench_runtime`).")
+
+
 def _print_table(rows):
-    head = (f"{'mode':16s} {'tree':14s} {'steps/img':>9s} {'accepted':>9s} {'step cost':>9s} {'batch s':>8s} "
-            f"{'speedup':>8s} {'1-img s':>8s} {'speedup':>8s}")
+    head = (f"{'mode':15s} {'tree':13s} {'steps/img':>9s} {'accepted':>9s} | batch: {'step cost':>9s} {'s':>7s} "
+            f"{'speedup':>8s} | 1 image: {'step cost':>9s} {'s':>7s} {'speedup':>8s}")
     print(head)
     print("-" * len(head))
     for r in rows:
         tree = r["tree"] if r["tree"] == r["tree_batch1"] else f"{r['tree']}/{r['tree_batch1']}"
-        print(f"{r['mode']:16s} {tree[:14]:14s} {r['steps_per_image']:9.1f} {r['mean_accepted_length']:9.2f} "
-              f"{r['step_cost_vs_ar']:8.1f}x {r['batch_seconds']:8.2f} "
-              f"{r['speedup_batch']:7.2f}x {r['latency_batch1_seconds']:8.3f} {r['speedup_batch1']:7.2f}x")
+        print(f"{r['mode']:15s} {tree[:13]:13s} {r['steps_per_image']:9.1f} {r['mean_accepted_length']:9.2f} | "
+              f"{r['step_cost_vs_ar']:14.1f}x {r['batch_seconds']:7.2f} {r['speedup_batch']:7.2f}x | "
+              f"{r['step_cost_vs_ar_batch1']:16.1f}x {r['latency_batch1_seconds']:7.3f} {r['speedup_batch1']:7.2f}x")
 
 
 def _plots(report_dir, rows):
@@ -194,7 +253,7 @@ def _plots(report_dir, rows):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     modes = [r["mode"] for r in rows]
     axes[0].bar(modes, [r["mean_accepted_length"] for r in rows], color=["#888", "#4a7", "#c63", "#36c"][: len(rows)])
     axes[0].set_ylabel("tokens per target step")
@@ -203,10 +262,18 @@ def _plots(report_dir, rows):
         hist = np.asarray(r["accepted_histogram"], dtype=float)
         if hist.sum():
             axes[1].plot(np.arange(len(hist)), hist / hist.sum(), marker="o", label=r["mode"])
+            rates = r["acceptance_per_depth"]
+            axes[2].plot(np.arange(1, len(rates) + 1), rates, marker="o", label=r["mode"])
     axes[1].set_xlabel("draft tokens accepted in a step")
     axes[1].set_ylabel("share of steps")
-    axes[1].set_title("acceptance per depth")
+    axes[1].set_title("accepted drafts per step (distribution)")
     axes[1].legend()
+    axes[2].set_xticks(range(1, max((len(r["acceptance_per_depth"]) for r in rows), default=1) + 1))
+    axes[2].set_xlabel("tree depth d")
+    axes[2].set_ylabel("P(depth d accepted | depth d-1 accepted)")
+    axes[2].set_ylim(0, 1)
+    axes[2].set_title("acceptance rate per depth")
+    axes[2].legend()
     fig.tight_layout()
     fig.savefig(os.path.join(report_dir, "acceptance.png"), dpi=100)
     plt.close(fig)
@@ -219,30 +286,30 @@ def _markdown(report_dir, summary, class_names):
                                                                  if k not in ("model_dir", "out")) + ".",
              f"Check: {'passed' if summary['check']['ok'] else 'FAILED'} (worst absolute error "
              f"{summary['check']['worst_abs_error']:.2e}).", "",
-             "| mode | tree (batch / 1 image) | steps/image | mean accepted length | step cost vs ar | batch s | "
-             "speedup | 1-image s | speedup |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Step cost: the seconds of one step of the mode over those of one `ar` step (the accepted length at "
+             "which the mode breaks even), at the batch and at one image per call.", "",
+             "| mode | tree (batch / 1 image) | steps/image | mean accepted length | batch: step cost vs ar | "
+             "batch s | speedup | 1 image: step cost vs ar | 1-image s | speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['tree']} / {r['tree_batch1']} | {r['steps_per_image']:.1f} | "
                      f"{r['mean_accepted_length']:.2f} | "
-                     f"{r['step_cost_vs_ar']:.1f}x | "
-                     f"{r['batch_seconds']:.2f} | {r['speedup_batch']:.2f}x | {r['latency_batch1_seconds']:.3f} | "
+                     f"{r['step_cost_vs_ar']:.1f}x | {r['batch_seconds']:.2f} | {r['speedup_batch']:.2f}x | "
+                     f"{r['step_cost_vs_ar_batch1']:.1f}x | {r['latency_batch1_seconds']:.3f} | "
                      f"{r['speedup_batch1']:.2f}x |")
-    lines += ["", "A speculative step pays off when the mean accepted length exceeds its cost in AR steps. "
-              "The demo model is tiny, so on a CPU every engine call costs about the same fixed overhead and a "
-              "step (one drafter call per tree depth plus one verification) costs several AR steps; the step "
-              "compression (steps/image) is what carries over to large models and GPUs, where a tree "
-              "verification costs little more than a one-token step (see `python -m lantern.tools.bench_runtime`).",
-              ""]
+    lines += ["", summary["reading"], ""]
     tuned = summary.get("tuned")
     if tuned:
         cut = ", ".join(f"{k} {v}" for k, v in tuned["cut"].items())
         lines += [f"Tuned draft tree (`lantern-run tune`, settings `{tuned['key']}`), "
                   + _tuned_line(tuned).split("\n")[0] + ". The `lantern++ tuned` row runs it: generate picks it "
-                  f"for these settings by itself. Full tune report: `{os.path.relpath(tuned['report'], report_dir)}`; "
+                  f"for these settings by itself. Full tune report: "
+                  f"`{os.path.relpath(tuned['report'], os.path.join(summary['engine'], 'report'))}`; "
                   f"the demo's tune run is cut short to save time ({cut}).", ""]
     lines += ["![acceptance](acceptance.png)", "",
-              f"Grids: {summary['settings']['per_class']} images per class, in class order "
+              "Left: tokens per target step. Middle: how many draft tokens a step accepted (share of steps). "
+              "Right: of the steps that accepted the draft at depth d-1, the share that accepted one at depth d.",
+              "", f"Grids: {summary['settings']['per_class']} images per class, in class order "
               f"({', '.join(class_names)}), three classes per row.", ""]
     for r in rows:
         lines += [f"## {r['mode']}", "", f"![{r['mode']}]({r['image']})", ""]

@@ -107,6 +107,11 @@ def make_config(name=None, *, config_file=None, image_size=256, downsample_size=
     """
     if model_type not in ("c2i", "t2i"):
         raise LanternError(f"unknown model type {model_type!r}: expected 'c2i' or 't2i'")
+    for option, value in (("image size", image_size), ("downsample size", downsample_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LanternError(f"{option} must be a positive integer, got {value!r}")
+    if image_size % downsample_size:
+        raise LanternError(f"image size {image_size} is not a multiple of the downsample size {downsample_size}")
     grid = image_size // downsample_size
     base = dict(model_type=model_type, num_classes=num_classes, block_size=grid * grid,
                 cls_token_num=1 if model_type == "c2i" else 120)
@@ -120,7 +125,7 @@ def make_config(name=None, *, config_file=None, image_size=256, downsample_size=
     else:
         raise LanternError("no model config: give a model name (e.g. GPT-B) or a config file")
     base.update({k: v for k, v in overrides.items() if v is not None})
-    return validate_config(ModelArgs(**base))
+    return validate_config(ModelArgs(**base), source=config_file or name)
 
 
 def _read_config_file(path):
@@ -137,17 +142,55 @@ def _read_config_file(path):
     return {k: v for k, v in fields.items() if k in _FIELDS}
 
 
-def validate_config(args):
-    if args.dim % args.n_head:
-        raise LanternError(f"dim {args.dim} is not divisible by n_head {args.n_head}")
-    if args.n_head % args.kv_heads:
-        raise LanternError(f"n_head {args.n_head} is not a multiple of n_kv_head {args.kv_heads}")
-    if args.head_dim % 4:
-        raise LanternError(f"head_dim {args.head_dim} must be divisible by 4 for LlamaGen's 2D RoPE")
-    if args.grid_size ** 2 != args.block_size:
-        raise LanternError(f"block_size {args.block_size} is not a square number of image tokens")
+# What every config field may hold: (kind, low, high, may be None). "int": an integer (not a
+# bool, not 768.0) in [low, high]; "float": a finite number in (low, high]; "prob": a number in
+# [0, 1]. The upper bounds are far above any released model and keep a typo from allocating
+# terabytes before the checkpoint's shapes are compared.
+_FIELD_LIMITS = {
+    "dim": ("int", 1, 1 << 16, False), "n_layer": ("int", 1, 1024, False), "n_head": ("int", 1, 1024, False),
+    "n_kv_head": ("int", 1, 1024, True), "multiple_of": ("int", 1, 1 << 16, False),
+    "ffn_dim_multiplier": ("float", 0, 64, True), "rope_base": ("float", 0, 1e12, False),
+    "norm_eps": ("float", 0, 1, False), "num_classes": ("int", 1, 1 << 24, False),
+    "caption_dim": ("int", 1, 1 << 16, False), "class_dropout_prob": ("prob", 0, 1, False),
+    "vocab_size": ("int", 2, 1 << 24, False), "cls_token_num": ("int", 1, 1 << 12, False),
+    "block_size": ("int", 1, 1 << 20, False), "intermediate_size": ("int", 1, 1 << 20, True),
+}
+
+
+def check_field(name, value, kind, low, high, optional=False):
+    """None when `value` fits, else a phrase saying what `name` must be."""
+    if value is None and optional:
+        return None
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            return f"{name} must be an integer in [{low}, {high}], got {value!r}"
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        what = "a number in [0, 1]" if kind == "prob" else f"a finite number in ({low:g}, {high:g}]"
+        return f"{name} must be {what}, got {value!r}"
+    if (kind == "prob" and not 0 <= value <= 1) or (kind == "float" and not low < value <= high):
+        return f"{name} must be {'in [0, 1]' if kind == 'prob' else f'in ({low:g}, {high:g}]'}, got {value!r}"
+    return None
+
+
+def validate_config(args, source=None):
+    """Check every field's type and range, then how they fit together; LanternError naming the
+    field (and `source`, the file or name the config came from)."""
+    where = f"{source}: " if source else ""
     if args.model_type not in ("c2i", "t2i"):
-        raise LanternError(f"unknown model type {args.model_type!r}: expected 'c2i' or 't2i'")
+        raise LanternError(f"{where}unknown model type {args.model_type!r}: expected 'c2i' or 't2i'")
+    for name, (kind, low, high, optional) in _FIELD_LIMITS.items():
+        problem = check_field(name, getattr(args, name), kind, low, high, optional)
+        if problem:
+            raise LanternError(f"{where}config field {problem}")
+    if args.dim % args.n_head:
+        raise LanternError(f"{where}dim {args.dim} is not divisible by n_head {args.n_head}")
+    if args.n_head % args.kv_heads:
+        raise LanternError(f"{where}n_head {args.n_head} is not a multiple of n_kv_head {args.kv_heads}")
+    if args.head_dim % 4:
+        raise LanternError(f"{where}head_dim {args.head_dim} must be divisible by 4 for LlamaGen's 2D RoPE")
+    if args.grid_size ** 2 != args.block_size:
+        raise LanternError(f"{where}block_size {args.block_size} is not a square number of image tokens")
     return args
 
 
@@ -366,6 +409,22 @@ class DrafterArgs(_Heads):
         return ModelArgs(dim=self.dim, n_layer=1, n_head=self.n_head, n_kv_head=self.n_kv_head,
                          intermediate_size=self.intermediate_size, norm_eps=self.norm_eps,
                          vocab_size=self.vocab_size)
+
+    def validate(self, source=None):
+        """Check every field's type and range and how the heads fit; LanternError naming the field."""
+        where = f"{source}: " if source else ""
+        for name in ("dim", "n_head", "n_kv_head", "intermediate_size", "vocab_size", "norm_eps"):
+            kind, low, high, optional = _FIELD_LIMITS[name]
+            problem = check_field(name, getattr(self, name), kind, low, high, optional and name == "n_kv_head")
+            if problem:
+                raise LanternError(f"{where}drafter config field {problem}")
+        if not isinstance(self.fc_bias, bool):
+            raise LanternError(f"{where}drafter config field bias must be true or false, got {self.fc_bias!r}")
+        if self.dim % self.n_head:
+            raise LanternError(f"{where}drafter dim {self.dim} is not divisible by its {self.n_head} heads")
+        if self.n_head % self.kv_heads:
+            raise LanternError(f"{where}drafter n_head {self.n_head} is not a multiple of n_kv_head {self.kv_heads}")
+        return self
 
     @classmethod
     def for_target(cls, target_args, **overrides):

@@ -16,13 +16,13 @@ What this module does differently, on purpose:
   whenever the stored rows do not all have the same norm.
 """
 import os
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from lantern.runtime.errors import LanternError
+from lantern.runtime.integrity import read_npy
 
 # Rows per work item. 256 rows x 16384 codes x 8 bytes is 32 MiB of distances (plus as much for
 # the sort's indices and a scratch array), per thread.
@@ -113,13 +113,7 @@ def load_codebook(path, raw=False, normalize=False):
     if path.endswith(".npy"):
         if raw:
             raise LanternError("--raw applies to VQ checkpoints; a .npy codebook is always used as given")
-        with open(path, "rb") as f:
-            if f.read(6) != b"\x93NUMPY":
-                raise LanternError(f"{path}: not an .npy file (no NumPy header)")
-        try:
-            arr = np.load(path, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise LanternError(f"{path}: unreadable .npy file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        arr = read_npy(path, "codebook")  # header checked: a damaged one is one line, not a traceback
         if arr.ndim != 2:
             raise LanternError(f"{path}: codebook must be a 2-D array [codes, dim], got shape {list(arr.shape)}")
         if not normalize:
@@ -149,18 +143,17 @@ def _check_output(path):
 
 
 def save_npy_atomic(path, array):
-    """np.save to a temporary file next to `path`, then rename: readers never see a partial file."""
+    """np.save to a temporary file next to `path`, then rename: readers never see a partial file.
+    The file gets mode 0o666 less the umask (tempfile.mkstemp would make it private)."""
+    import io
+
+    from lantern.runtime.outdir import write_file
+
     path = os.fspath(path)
     _check_output(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npy", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    write_file(path, buffer.getbuffer())
 
 
 def add_parser(subparsers):

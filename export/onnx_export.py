@@ -26,18 +26,16 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 
 import torch
 
-from lantern.export import checkpoints, llamagen
-from lantern.export.graphs import graph_modules
+from lantern.export import placement
+from lantern.export.families import DTYPES, FAMILIES, family_of
 from lantern.runtime import manifest as engine_format
 from lantern.runtime.errors import LanternError
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_OPSET = 18  # the dynamo exporter's own opset; lower ones are not offered
 DEFAULT_TREE = "mc_sim_7b_63"  # EAGLE-1's default and the public LANTERN command line's
@@ -56,57 +54,26 @@ _ONNX_TYPES = {"float32": 1, "int64": 7, "bool": 9, "float16": 10, "bfloat16": 1
 # Loading and preparing the models (shared with `check` and the runtime's torch backend)
 
 
-def load_models(target, target_format=None, target_options=None, drafter=None, vq=None):
-    """Load the checkpoints through the strict loaders. Returns {role: (model, info)}."""
-    models = {"target": checkpoints.load_target(target, target_format, **(target_options or {}))}
-    target_args = models["target"][0].args
-    if drafter is not None:
-        models["drafter"] = checkpoints.load_drafter(drafter, target_args)
-        d_args = models["drafter"][0].args
-        if d_args.head_dim != target_args.head_dim:
-            raise LanternError(f"{drafter}: drafter head_dim {d_args.head_dim} (dim {d_args.dim} / {d_args.n_head} heads) "
-                               f"does not fit the target's RoPE table (head_dim {target_args.head_dim})")
-    if vq is not None:
-        from lantern.export.vq import load_vq
-
-        models["vq"] = load_vq(vq)
-        codes = models["vq"][0].config.codebook_size
-        if codes != target_args.vocab_size:
-            raise LanternError(f"{vq}: the VQ codebook has {codes} codes but the target's vocabulary is "
-                               f"{target_args.vocab_size}; image tokens must be the codes")
-    return models
-
-
-def cast_models(models, dtype):
-    """Cast target and drafter to the export dtype in place; the RoPE table stays fp32 (the
-    rotation runs in fp32 inside) and the VQ decoder stays fp32."""
-    if dtype not in DTYPES:
-        raise LanternError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    target = models["target"][0].to(DTYPES[dtype])
-    target.rope = llamagen.rope_table(target.args)
-    if "drafter" in models:
-        models["drafter"][0].to(DTYPES[dtype])
-    if "vq" in models:
-        models["vq"][0].float()
-    return models
-
-
 def load_graph_modules(manifest, verify=False):
     """The torch graph modules of an engine, rebuilt from the source checkpoints its manifest
-    records (same loaders, options, dtype and candidates as the export): {graph: (contract, module)}."""
+    records (same family, loaders, options, dtype and candidates as the export):
+    {graph: (contract, module)}."""
     sources = manifest.sources
     if not sources or "target" not in sources:
         raise LanternError("the engine's manifest records no source checkpoints, so its torch modules cannot be "
                            "rebuilt; re-export it with `lantern-export onnx`")
     if verify:
         verify_sources(manifest)
+    if manifest.family not in FAMILIES:
+        raise LanternError(f"the engine's family {manifest.family!r} is unknown to this lantern; valid: "
+                           f"{', '.join(FAMILIES)}")
+    family = FAMILIES[manifest.family]
     t = sources["target"]
-    models = load_models(t["path"], t["format"], t["options"],
+    models = family.load(t["path"], t.get("format_option"), t.get("options"),
                          drafter=sources["drafter"]["path"] if "drafter" in sources else None,
                          vq=sources["vq"]["path"] if "vq" in sources else None)
-    cast_models(models, manifest.dtype)
-    return graph_modules(models["target"][0], models.get("drafter", (None,))[0], models.get("vq", (None,))[0],
-                         candidates=manifest.candidates)
+    family.cast(models, manifest.dtype)
+    return family.graphs(models, manifest.candidates)
 
 
 def _source_record(role, path, info, options=None):
@@ -250,43 +217,6 @@ def _apply_contract(model, io_spec, where):
 # The engine directory
 
 
-def _graph_dims(contract, target_args, drafter_args, candidates):
-    a = target_args
-    if contract == "target":
-        return {"L": a.n_layer, "H": a.kv_heads, "hd": a.head_dim, "D": a.dim, "V": a.vocab_size,
-                "C": a.cls_token_num}
-    if contract == "drafter":
-        return {"L": 1, "H": drafter_args.kv_heads, "hd": drafter_args.head_dim, "D": a.dim, "K": candidates}
-    if contract.startswith("condition"):
-        return {"C": a.cls_token_num, "E": a.caption_dim, "D": a.dim}
-    return {"D": a.dim}
-
-
-def _check_output_dir(out, force):
-    if os.path.lexists(out):
-        if not force:
-            raise LanternError(f"{out} already exists; pass --force to replace it")
-        if not os.path.isdir(out) or os.path.islink(out):
-            raise LanternError(f"{out} exists and is not a directory; not replacing it")
-        if os.listdir(out) and not os.path.isfile(os.path.join(out, "manifest.json")):
-            raise LanternError(f"{out} is a non-empty directory without manifest.json (not an engine); "
-                               f"not replacing it even with --force")
-
-
-def _replace_dir(tmp, out):
-    """Move the finished temporary directory to `out`, replacing an old engine there."""
-    if not os.path.lexists(out):
-        os.rename(tmp, out)
-        return
-    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
-    os.rmdir(old)
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _tool_versions():
@@ -327,30 +257,32 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
         raise LanternError("--candidates needs --drafter (it is the drafter graph's top-k width)")
     if vq is None and neighbors_k is not None:
         raise LanternError("--neighbors-k needs --vq (the neighbours come from the VQ codebook)")
-    _check_output_dir(out, force)
+    placement.check_engine_destination(out, force)
     draft_tree = None
     if drafter is not None:
         from lantern.runtime.tree import build_tree
 
         draft_tree = build_tree(tree or DEFAULT_TREE)
 
-    stages = ["load"] + ["embed", "condition", "target"] + (["drafter"] if drafter else []) + \
+    graphs_made = ["target"] if family_of(target, target_format).name == "chameleon" else ["condition", "target"]
+    stages = ["load"] + graphs_made + (["drafter"] if drafter else []) + \
              (["vq_decoder", "neighbors"] if vq else []) + ["manifest"]
     bar = _progress(stages, progress)
     try:
-        return _build(out, bar, target, target_format, target_options, drafter, vq, draft_tree, dtype,
-                      candidates, opset, neighbors_k)
+        return _build(placement.engine_directory(out, force), bar, target, target_format, target_options, drafter,
+                      vq, draft_tree, dtype, candidates, opset, neighbors_k)
     finally:
         bar.close()
 
 
-def _build(out, bar, target, target_format, target_options, drafter, vq, draft_tree, dtype, candidates, opset,
+def _build(staging, bar, target, target_format, target_options, drafter, vq, draft_tree, dtype, candidates, opset,
            neighbors_k):
     bar.set_description("load")
-    models = load_models(target, target_format, target_options, drafter, vq)
-    t_model, t_info = models["target"]
-    a = t_model.args
+    family = family_of(target, target_format)
+    models = family.load(target, target_format, target_options, drafter, vq)
+    t_info = models["target"][1]
     sources = {"target": _source_record("target", target, t_info, _options_record(target_options))}
+    sources["target"]["format_option"] = target_format
     if drafter is not None:
         sources["drafter"] = _source_record("drafter", drafter, models["drafter"][1])
     if vq is not None:
@@ -359,35 +291,27 @@ def _build(out, bar, target, target_format, target_options, drafter, vq, draft_t
         neighbors_k = min(DEFAULT_NEIGHBORS_K, n_codes - 1) if neighbors_k is None else neighbors_k
         if isinstance(neighbors_k, bool) or not isinstance(neighbors_k, int) or not 1 <= neighbors_k <= n_codes - 1:
             raise LanternError(f"--neighbors-k must be in [1, {n_codes - 1}] for {n_codes} codes, got {neighbors_k!r}")
-    cast_models(models, dtype)
-    graphs = graph_modules(t_model, models.get("drafter", (None,))[0], models.get("vq", (None,))[0],
-                           candidates=candidates)
+    family.cast(models, dtype)
+    graphs = family.graphs(models, candidates)
+    record = family.record(models, t_info)
     if drafter is not None:
         candidates = graphs["drafter"][1].candidates
-        if candidates > a.vocab_size:
-            raise LanternError(f"--candidates {candidates} exceeds the vocabulary ({a.vocab_size})")
-        if candidates < max(draft_tree.widths):
+        codes = record["vocabulary"].codes
+        if candidates > codes:
+            raise LanternError(f"--candidates {candidates} exceeds the {codes} image tokens")
+        if candidates < draft_tree.max_width:
             raise LanternError(f"--candidates {candidates} is narrower than tree {draft_tree.name!r}, whose widest "
-                               f"node has {max(draft_tree.widths)} children")
+                               f"node has {draft_tree.max_width} children")
     bar.update()
 
-    parent = os.path.dirname(out)
+    tmp = staging.open()  # locks `out`, re-checks it, cleans dead runs' leftovers
     try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise LanternError(f"cannot create {parent}: {e.strerror}") from None
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the engine is an ordinary directory
         files, graph_entries = [], {}
-        drafter_args = models["drafter"][0].args if drafter is not None else None
         for name, (contract, module) in graphs.items():
             bar.set_description(f"export {name}")
             graph_dtype = "fp32" if name == "vq_decoder" else dtype
-            io_spec = resolve_io(contract, _graph_dims(contract, a, drafter_args, candidates), DTYPE_NAMES[graph_dtype],
-                                 layers=a.n_layer if contract == "target" else 1)
+            io_spec = resolve_io(contract, family.dims(contract, models, candidates), DTYPE_NAMES[graph_dtype],
+                                 layers=family.layers(contract, models))
             path = os.path.join(tmp, engine_format.GRAPH_FILES[name])
             written = export_graph(module, io_spec, path, opset)
             files += written
@@ -400,60 +324,43 @@ def _build(out, bar, target, target_format, target_options, drafter, vq, draft_t
         neighbors = None
         if vq is not None:
             bar.set_description("neighbors")
-            neighbors = _write_neighbors(tmp, models["vq"][0], neighbors_k)
+            neighbors = _write_neighbors(tmp, family.code_vectors(models), neighbors_k)
             files.append(neighbors.file)
             bar.update()
+        for name, src in family.extra_files(models, vq).items():
+            shutil.copyfile(src, os.path.join(tmp, name))
+            files.append(name)
+        if "text_tokenizer.json" in files:
+            record["condition"] = record["condition"].__class__(**{**record["condition"].__dict__,
+                                                                   "tokenizer": "text_tokenizer.json"})
 
         bar.set_description("manifest")
-        vq_model = models["vq"][0] if vq is not None else None
         manifest = engine_format.Manifest(
-            family="llamagen",
-            model={"config": a.to_dict(), "config_name": t_info.get("config_name"), "parameters": t_info["parameters"]},
-            target=_shape(a.n_layer, a.dim, a.n_head, a.kv_heads, a.head_dim, a.ffn_hidden),
-            condition=_condition_record(a),
-            vocabulary=engine_format.Vocabulary(size=a.vocab_size, image_start=0, image_end=a.vocab_size),
-            image=engine_format.Image(grid_height=a.grid_size, grid_width=a.grid_size,
-                                      pixels=a.grid_size * vq_model.config.downsample if vq_model else None),
-            max_positions=a.max_positions,
-            dtype=dtype, opset=opset, graphs=graph_entries,
+            **record, dtype=dtype, opset=opset, graphs=graph_entries,
             modes=("ar",) + (("exact",) if drafter else ()) + (("lantern", "lantern++") if drafter and vq else ()),
-            drafter=None if drafter is None else _shape(1, drafter_args.dim, drafter_args.n_head, drafter_args.kv_heads,
-                                                        drafter_args.head_dim, drafter_args.intermediate_size),
-            drafter_config=None if drafter is None else {"config": drafter_args.to_dict(),
-                                                         "parameters": models["drafter"][1]["parameters"]},
-            tree=None if draft_tree is None else draft_tree.to_json(),
-            candidates=candidates,
-            neighbors=neighbors,
-            vq=None if vq is None else {"config": models["vq"][1]["config"], "downsample": vq_model.config.downsample,
-                                        "vectors": "L2-normalised codes (as decoded)" if vq_model.config.codebook_l2_norm
-                                        else "codes (as decoded)"},
+            tree=None if draft_tree is None else draft_tree.to_json(), candidates=candidates, neighbors=neighbors,
             sources=sources, tools=_tool_versions(),
             build={"kind": "onnx", "exporter": "torch.onnx.export(dynamo=True)",
                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
             files=engine_format.describe_files(tmp, files))
         manifest.write(tmp)
-        _replace_dir(tmp, out)
+        staging.place()  # re-checks `out` under the lock; never replaces what this run did not expect
         bar.update()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staging.discard()
         raise
     return manifest
 
 
-def _write_neighbors(directory, vq_model, k):
-    """neighbors.npy from the vectors the decoder consumes (L2-normalised codes for LlamaGen)."""
+def _write_neighbors(directory, vectors, k):
+    """neighbors.npy: each code's k nearest codes by L2 distance of `vectors` (the family's)."""
     import numpy as np
 
     from lantern.export.neighbors import nearest_neighbors
 
-    table = nearest_neighbors(vq_model.code_vectors().detach().float().numpy(), k)
+    table = nearest_neighbors(vectors, k)
     np.save(os.path.join(directory, "neighbors.npy"), table, allow_pickle=False)
     return engine_format.Neighbors(file="neighbors.npy", k=int(table.shape[1]), dtype=str(table.dtype))
-
-
-def _shape(layers, dim, query_heads, kv_heads, head_dim, ffn_hidden):
-    return engine_format.Shape(layers=layers, dim=dim, query_heads=query_heads, kv_heads=kv_heads, head_dim=head_dim,
-                               ffn_hidden=ffn_hidden)
 
 
 def _options_record(options):
@@ -461,13 +368,6 @@ def _options_record(options):
     if options.get("config_file"):
         options["config_file"] = os.path.abspath(options["config_file"])
     return options
-
-
-def _condition_record(a):
-    if a.model_type == "c2i":
-        return engine_format.Condition(kind="class", tokens=a.cls_token_num, num_classes=a.num_classes,
-                                       null_class=a.num_classes if a.class_dropout_prob > 0 else None)
-    return engine_format.Condition(kind="caption", tokens=a.cls_token_num, caption_dim=a.caption_dim)
 
 
 class _NoBar:

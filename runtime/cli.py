@@ -3,9 +3,7 @@ Arguments are checked where the Python API checks them, so both give the same on
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import numpy as np
 
@@ -17,6 +15,14 @@ def _classes(text):
         return [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"class labels are comma-separated integers, got {text!r}") from None
+
+
+def _grid(text):
+    try:
+        h, w = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a grid is ROWSxCOLUMNS, e.g. 48x48; got {text!r}") from None
+    return h, w
 
 
 def add_generation_options(p, backends=("onnxruntime",), tree=True):
@@ -36,7 +42,9 @@ def add_generation_options(p, backends=("onnxruntime",), tree=True):
         p.add_argument("--tree", help="draft tree for this run (preset or JSON file; default: the engine's tuned "
                                       "tree for these settings, else its exported one)")
     p.add_argument("--backend", default="onnxruntime", choices=backends)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda for tensorrt, else cpu)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="tensorrt: enqueue every call instead of replaying a CUDA graph per call regime")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
 
 
@@ -52,11 +60,18 @@ def add_parser(sub, backend_loaders=None):
     loaders = dict(backend_loaders or {})
     g = sub.add_parser("generate", help="generate images: tokens.npy, stats.json and PNGs into --out")
     g.add_argument("engine", help="engine directory (from lantern-export onnx)")
-    add_generation_options(g, backends=("onnxruntime",) + tuple(loaders))
+    add_generation_options(g, backends=("onnxruntime", "tensorrt") + tuple(loaders))
     g.add_argument("--classes", type=_classes, help="class labels, e.g. 3,7 (c2i engines)")
     g.add_argument("--caption", help="T5 caption features .npy [N, tokens, dim], left-padded (t2i engines)")
     g.add_argument("--caption-mask", help=".npy [N, tokens] of 0/1: which caption tokens are real")
-    g.add_argument("--out", required=True, help="output directory")
+    g.add_argument("--prompt", action="append",
+                   help="text prompt (Anole / Lumina-mGPT engines); repeat for several images")
+    g.add_argument("--prompt-ids", help=".npy [L] or [N, L] of the prompts' text token ids, as the tokenizer gives "
+                                        "them, without the model's special tokens")
+    g.add_argument("--grid", type=_grid, help="latent rows x columns, e.g. 48x48 (Lumina-mGPT; default: the engine's)")
+    g.add_argument("--out", required=True, help="output directory (appears whole when the run succeeds)")
+    g.add_argument("--force", action="store_true",
+                   help="replace --out if it holds an earlier run's outputs (tokens.npy, stats.json, image_*.png only)")
     g.set_defaults(func=run_generate, backend_loaders=loaders)
 
 
@@ -76,38 +91,39 @@ def _load_npy(path, what):
 def open_engine(args):
     from lantern.runtime.generator import Engine
 
+    device = args.device or ("cuda" if args.backend == "tensorrt" else "cpu")
+    options = {"cuda_graphs": args.cuda_graphs} if args.backend == "tensorrt" else {}
     loader = args.backend_loaders.get(args.backend)
-    backend = loader(args.engine, args.threads, args.device) if loader else args.backend
-    return Engine(args.engine, backend=backend, threads=args.threads, device=args.device)
+    backend = loader(args.engine, args.threads, device) if loader else args.backend
+    return Engine(args.engine, backend=backend, threads=args.threads, device=device, **options)
 
 
-def write_outputs(out_dir, tokens, stats, images=None):
-    """Write tokens.npy, stats.json and PNGs into out_dir, staged so nothing is half-written."""
+def write_outputs(stage, tokens, stats, images=None):
+    """tokens.npy, stats.json and one PNG per image into a staging directory (OutputDirectory
+    places it whole)."""
+    from lantern.runtime.outdir import write_file
     from lantern.runtime.png import write_png
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=".lantern-", dir=parent)
-    try:
-        np.save(os.path.join(stage, "tokens.npy"), tokens)
-        with open(os.path.join(stage, "stats.json"), "w") as f:
-            json.dump(stats, f, indent=2)
-        for i, image in enumerate(images if images is not None else []):
-            write_png(os.path.join(stage, f"image_{i:03d}.png"), image)
-        os.makedirs(out_dir, exist_ok=True)
-        for name in os.listdir(stage):
-            os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+    with open(os.path.join(stage, "tokens.npy"), "wb") as f:
+        np.save(f, tokens, allow_pickle=False)
+    write_file(os.path.join(stage, "stats.json"), (json.dumps(stats, indent=2) + "\n").encode())
+    for i, image in enumerate(images if images is not None else []):
+        write_png(os.path.join(stage, f"image_{i:03d}.png"), image)
 
 
 def run_generate(args):
+    from lantern.runtime.outdir import OutputDirectory
+
     caption = _load_npy(args.caption, "caption features") if args.caption else None
     mask = _load_npy(args.caption_mask, "caption mask") if args.caption_mask else None
-    engine = open_engine(args)
-    result = engine.generate(classes=args.classes, caption=caption, caption_mask=mask, **generation_kwargs(args))
-    images = engine.decode(result.tokens) if "vq_decoder" in engine.manifest.graphs else None
-    write_outputs(args.out, result.tokens, result.stats, images)
+    prompt_ids = _load_npy(args.prompt_ids, "prompt ids") if args.prompt_ids else None
+    # --out is checked and locked before the work, and placed whole after it
+    with OutputDirectory(args.out, force=args.force) as stage:
+        engine = open_engine(args)
+        result = engine.generate(classes=args.classes, caption=caption, caption_mask=mask, prompt=args.prompt,
+                                 prompt_ids=prompt_ids, grid=args.grid, **generation_kwargs(args))
+        images = engine.decode(result.tokens, result.grid) if "vq_decoder" in engine.manifest.graphs else None
+        write_outputs(stage, result.tokens, result.stats, images)
     s = result.stats
     print(f"{s['images']} images, mode {s['mode']}: {s['steps_per_image']:.1f} steps/image, "
           f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_second']:.1f} tokens/s -> {args.out}")

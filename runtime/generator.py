@@ -30,6 +30,7 @@ from lantern.runtime.manifest import read_manifest, settings_key, tuning_setting
 from lantern.runtime.plan import Call, StepPlan, estimate_bytes
 from lantern.runtime.sampling import sampler_for
 from lantern.runtime.tree import build_tree, root_only
+from lantern.runtime.vocabulary import VocabularyView
 
 MODES = ("ar", "exact", "lantern", "lantern++")
 DEFAULT_K = 100
@@ -37,8 +38,10 @@ DEFAULT_K = 100
 
 @dataclass
 class Generation:
-    tokens: np.ndarray  # [N, image tokens] int64 VQ codes
+    tokens: np.ndarray  # [N, rows * columns] int64 VQ codes in grid order
     stats: dict = field(default_factory=dict)
+    grid: tuple = None  # (rows, columns) of the codes
+    body: np.ndarray = None  # [N, tokens generated] vocabulary ids as generated (forced tokens included)
 
 
 @dataclass(frozen=True)
@@ -70,28 +73,31 @@ class Engine:
     """An engine directory opened on one backend. Holds no per-generation state but the last
     step plan, which the next generation with the same tree and batch reuses."""
 
-    def __init__(self, directory, backend="onnxruntime", threads=None, device="cpu", verify=False,
+    def __init__(self, directory, backend="onnxruntime", threads=None, device="cpu", verify=True,
                  memory_limit=None, **backend_options):
         self.directory = os.fspath(directory)
         self.manifest = m = read_manifest(self.directory, verify=verify)
         # A backend name, or an opened backend (e.g. a TorchBackend over in-memory modules).
         self.backend = backend if not isinstance(backend, str) else open_backend(
             backend, self.directory, m, threads=threads, device=device, **backend_options)
-        self.condition = condition_adapter(m, self.backend.float_dtype)
+        self.condition = condition_adapter(m, self.backend.float_dtype, self.directory)
         self.tree = build_tree(m.tree) if m.tree else None
         self.neighbors = None
         if m.neighbors is not None:
-            from lantern.runtime.neighbors import load_neighbors
+            from lantern.runtime.integrity import load_neighbors
 
-            self.neighbors = load_neighbors(os.path.join(self.directory, m.neighbors.file), m.vocabulary.codes)
+            self.neighbors = load_neighbors(os.path.join(self.directory, m.neighbors.file), m.vocabulary.codes,
+                                            m.neighbors.k)
         self.memory_limit = memory_limit
         self._plan = None
 
     # ------------------------------------------------------------------------------------------
-    def generate(self, *, classes=None, caption=None, caption_mask=None, mode="lantern++", lam=2.0, delta=0.1,
-                 k=None, greedy=False, temperature=1.0, top_k=0, top_p=1.0, cfg_scale=1.0, cfg_interval=-1,
-                 seed=0, tree=None, observer=None):
-        """Generate one image per class (c2i) or per caption row (t2i). Returns a Generation.
+    def generate(self, *, classes=None, caption=None, caption_mask=None, prompt=None, prompt_ids=None, grid=None,
+                 mode="lantern++", lam=2.0, delta=0.1, k=None, greedy=False, temperature=1.0, top_k=0, top_p=1.0,
+                 cfg_scale=1.0, cfg_interval=-1, seed=0, tree=None, observer=None):
+        """Generate one image per class (c2i), caption row (t2i) or prompt (Chameleon family:
+        text, or the tokenizer's ids without special tokens; grid = (rows, columns) of codes for
+        Lumina-mGPT). Returns a Generation.
         tree: another draft tree for this call (preset name, JSON file or paths); its widest node
         must fit the drafter graph's candidates. Default: the tree `lantern-run tune` chose for
         these settings on this backend (manifest tuned_trees), else the one exported with.
@@ -109,7 +115,8 @@ class Engine:
             raise LanternError(f"cfg interval must be an integer >= -1 (-1: CFG for every token), got {cfg_interval!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise LanternError(f"seed must be an integer >= 0, got {seed!r}")
-        prefix = self.condition.prefix(cfg_scale > 1.0, classes=classes, caption=caption, caption_mask=caption_mask)
+        prefix = self.condition.prefix(cfg_scale > 1.0, classes=classes, caption=caption, caption_mask=caption_mask,
+                                       prompt=prompt, prompt_ids=prompt_ids, grid=grid)
         if given is None and mode != "ar":
             tuned = tuning_settings(mode, rule.k, lam, delta, greedy, temperature, top_k, top_p, cfg_scale,
                                     cfg_interval)
@@ -181,12 +188,13 @@ class Engine:
         self._plan = plan
         return plan
 
-    def decode(self, tokens):
-        """VQ codes [N, image tokens] -> uint8 images [N, H, W, 3]."""
+    def decode(self, tokens, grid=None):
+        """VQ codes [N, rows * columns] -> uint8 images [N, H, W, 3]; grid (rows, columns)
+        defaults to the engine's."""
         if "vq_decoder" not in self.manifest.graphs:
             raise LanternError(f"{self.directory} has no VQ decoder (export with --vq)")
-        img = self.manifest.image
-        codes = np.asarray(tokens, dtype=np.int64).reshape(-1, img.grid_height, img.grid_width)
+        h, w = grid or (self.manifest.image.grid_height, self.manifest.image.grid_width)
+        codes = np.asarray(tokens, dtype=np.int64).reshape(-1, h, w)
         image = self.backend.numpy(self.backend.run(Call("vq_decoder", "decode", {"codes": codes}))["image"])
         return np.clip((image.transpose(0, 2, 3, 1) + 1) * 127.5 + 0.5, 0, 255).astype(np.uint8)
 
@@ -203,8 +211,8 @@ class _Decoding:
         self.N, self.B, self.rows = plan.images, plan.rows, plan.halves
         self.offset = plan.prefix.position_offset
         self.max_position = engine.manifest.max_positions - 1
-        vocab = engine.manifest.vocabulary
-        self.image_ids = slice(vocab.image_start, vocab.image_end)
+        self.view = VocabularyView(engine.manifest.vocabulary, plan.prefix.forced)
+        self.neighbors = self.view.neighbors(engine.neighbors)
         self.length = plan.image_tokens
         self.tokens = np.zeros((self.N, self.length), dtype=np.int64)
         self.count = np.zeros(self.N, dtype=np.int64)
@@ -230,17 +238,19 @@ class _Decoding:
         return np.clip(slots - self.offset[:, None], 0, self.max_position)
 
     def combined_logits(self, logits, token_index):
-        """CFG-combined logits of the image tokens per image [N, T, codes] (float32); after
-        cfg_interval tokens only the conditional logits count."""
-        logits = self.be.numpy(logits)[..., self.image_ids].astype(np.float32, copy=False)
+        """CFG-combined logits per image [N, T, columns of the vocabulary view] (float32) for the
+        tokens at body indices token_index [N, T]; after cfg_interval tokens only the conditional
+        logits count; forced tokens applied."""
+        logits = self.view.gather(self.be.numpy(logits)).astype(np.float32, copy=False)
         if not self.cfg:
-            return logits
-        cond, uncond = logits[: self.N], logits[self.N:]
-        out = uncond + self.cfg_scale * (cond - uncond)
-        if self.cfg_interval >= 0:
-            late = token_index >= self.cfg_interval
-            out[late] = cond[late]
-        return out
+            out = logits[: self.N] if self.view.plain else logits[: self.N].copy()
+        else:
+            cond, uncond = logits[: self.N], logits[self.N:]
+            out = uncond + self.cfg_scale * (cond - uncond)
+            if self.cfg_interval >= 0:
+                late = token_index >= self.cfg_interval
+                out[late] = cond[late]
+        return self.view.force(out, token_index)
 
     # -- prefill -------------------------------------------------------------------------------
     def prefill(self):
@@ -253,7 +263,7 @@ class _Decoding:
                                  np.broadcast_to(np.arange(C), (self.B, C)), np.full(self.B, C),
                                  visible=plan.prefix.key_visible)
         logits = self.combined_logits(out["logits"][:, -1:], np.zeros((self.N, 1), dtype=np.int64))[:, 0]
-        self.tokens[:, 0] = self.sampler.draw(logits, self.rng) + self.image_ids.start
+        self.tokens[:, 0] = self.view.ids(self.sampler.draw(logits, self.rng))
         self.count[:] = 1
         if self.tree.depth:  # the first pair: the last prefix token's hidden state with the first image token
             self.set_pending(out["hidden"], np.full((self.B, 1), C - 1), self.tokens[:, :1], np.ones(self.N, np.int64))
@@ -301,7 +311,8 @@ class _Decoding:
         hidden, parent_cols = out["hidden_out"], last[self.rows][:, None]
         root_slot = plan.target_cache.length
         for level in tree.levels:
-            self.node_tokens[:, level.nodes] = parent_ids[:, level.slots, level.ranks] + self.image_ids.start
+            self.node_tokens[:, level.nodes] = self.view.ids(parent_ids[:, level.slots, level.ranks])
+            self.force_drafts(level)
             if level.depth == tree.depth:
                 break
             call = plan.calls[f"draft{level.depth}"]
@@ -320,10 +331,23 @@ class _Decoding:
             hidden = out["hidden_out"]
 
     def take_candidates(self, out, nodes, cols):
-        """The drafter's top-K (as image codes) of the conditional rows at columns cols [N, n]."""
+        """The drafter's top-K (as view columns) of the conditional rows at columns cols [N, n]."""
         n = np.arange(self.N)[:, None]
-        self.cand_ids[:, nodes] = self.be.numpy(out["topk_ids"])[n, cols] - self.image_ids.start
+        self.cand_ids[:, nodes] = self.view.columns(self.be.numpy(out["topk_ids"])[n, cols])
         self.cand_probs[:, nodes] = self.be.numpy(out["topk_probs"])[n, cols]
+
+    def force_drafts(self, level):
+        """Where a depth's body index has a forced token, every draft there is that token, drawn
+        by the drafter with probability 1, so acceptance takes it outright."""
+        column = self.view.forced_at(self.count - 1 + level.depth)
+        images = np.flatnonzero(column >= 0)
+        if images.size == 0:
+            return
+        self.node_tokens[images[:, None], level.nodes[None, :]] = self.view.ids(column[images])[:, None]
+        parents = np.unique(level.parents)[None, :]
+        self.cand_ids[images[:, None], parents] = column[images][:, None, None]
+        self.cand_probs[images[:, None], parents] = 0.0
+        self.cand_probs[images[:, None], parents, 0] = 1.0
 
     def verify(self):
         call, tree, cache = self.plan.calls["verify"], self.tree, self.plan.target_cache
@@ -335,14 +359,14 @@ class _Decoding:
     def accept(self, active, out):
         logits = self.combined_logits(out["logits"], self.count[:, None] + self.tree.depths[None, :])
         a = np.flatnonzero(active)
-        return self.sampler.accept(self.tree, self.node_tokens[a] - self.image_ids.start, logits[a], self.cand_ids[a],
-                                   self.cand_probs[a], self.rule, self.rng, self.e.neighbors)
+        return self.sampler.accept(self.tree, self.view.columns(self.node_tokens[a]), logits[a], self.cand_ids[a],
+                                   self.cand_probs[a], self.rule, self.rng, self.neighbors)
 
     def commit(self, active, outcome, out):
         a = np.flatnonzero(active)
         path = outcome.path  # [len(a), depth + 1]
         emitted = self.node_tokens[a[:, None], np.maximum(np.roll(path, -1, axis=1), 0)]
-        emitted[np.arange(len(a)), outcome.accepted] = outcome.next_token + self.image_ids.start
+        emitted[np.arange(len(a)), outcome.accepted] = self.view.ids(outcome.next_token)
         emit = np.minimum(outcome.accepted + 1, self.length - self.count[a])
         for i, n in enumerate(a):  # at most depth + 1 tokens per image
             self.tokens[n, self.count[n]: self.count[n] + emit[i]] = emitted[i, : emit[i]]
@@ -386,7 +410,8 @@ class _Decoding:
         seconds = time.perf_counter() - start
         stats = self.stats(steps, seconds)
         stats["engine_calls_per_step"] = (self.engine_calls - prefill_calls) / max(step, 1)
-        return Generation(tokens=self.tokens - self.image_ids.start, stats=stats)
+        return Generation(tokens=self.view.codes_of(self.tokens), stats=stats, grid=self.plan.prefix.grid,
+                          body=self.tokens)
 
     def record(self, step, active, outcome):
         decisions = np.full((self.N, self.tree.num_nodes), -1, dtype=np.int8)

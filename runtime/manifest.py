@@ -8,6 +8,8 @@ engines/NAME/
   vq_decoder.onnx   code grid -> RGB in [-1, 1] (optional)
   neighbors.npy     latent neighbours [codes, k] of every code, nearest first (optional)
   *.onnx.data       external weights of a graph
+  plans/KEY/*.plan  TensorRT plans built from the graphs by `lantern-export trt` (optional;
+                    KEY = flavor and compute capabilities, e.g. tensorrt-rtx-SM89)
 
 `Manifest` is the only way into a manifest: export builds one and writes it with `write`, the
 runtime reads it with `read_manifest`, which validates every field (types, ranges, the graphs'
@@ -32,6 +34,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -39,6 +42,7 @@ from lantern.runtime.errors import LanternError
 
 SCHEMA_VERSION = 2
 MODES = ("ar", "exact", "lantern", "lantern++")
+PROMPT_STYLES = ("anole", "lumina_mgpt")
 DTYPES = ("fp32", "fp16", "bf16")
 
 # Graph I/O contracts. Symbolic dims: B batch rows (2N with CFG: [cond; uncond]), N images,
@@ -72,6 +76,22 @@ GRAPHS = {
         "outputs": {
             "logits": ("float32", ["B", "T", "V"]),
             "hidden": ("float", ["B", "T", "D"]),  # after the final norm: the drafter's input
+            "new_keys": ("float", ["L", "B", "H", "T", "hd"]),
+            "new_values": ("float", ["L", "B", "H", "T", "hd"]),
+        },
+    },
+    # The same target for prompts of token ids only (the Chameleon family): no condition rows.
+    "target_ids": {
+        "inputs": {
+            "input_ids": ("int64", ["B", "T"]),
+            "position_ids": ("int64", ["B", "T"]),
+            "attention_mask": ("bool", ["B", 1, "T", "P+T"]),
+            "past_keys_{i}": ("float", ["B", "H", "P", "hd"]),
+            "past_values_{i}": ("float", ["B", "H", "P", "hd"]),
+        },
+        "outputs": {
+            "logits": ("float32", ["B", "T", "V"]),
+            "hidden": ("float", ["B", "T", "D"]),
             "new_keys": ("float", ["L", "B", "H", "T", "hd"]),
             "new_values": ("float", ["L", "B", "H", "T", "hd"]),
         },
@@ -174,13 +194,17 @@ class Shape:
 class Condition:
     """How a generation is conditioned. kind 'class': one token, a class label per image
     (null_class is the unconditional row's label, None when the model has no CFG row);
-    kind 'caption': `tokens` caption features of width caption_dim per image."""
+    kind 'caption': `tokens` caption features of width caption_dim per image;
+    kind 'prompt': a text prompt as token ids, in the rows of `style` (anole, lumina_mgpt: see
+    lantern.runtime.chameleon_prompts), with the engine's copy of the text tokenizer, if any."""
 
     kind: str
-    tokens: int
+    tokens: Optional[int] = None  # condition tokens per row (class, caption); a prompt's vary
     num_classes: Optional[int] = None
     null_class: Optional[int] = None
     caption_dim: Optional[int] = None
+    style: Optional[str] = None
+    tokenizer: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +243,49 @@ class Neighbors:
 class FileRecord:
     size: int
     sha256: str
+
+
+@dataclass(frozen=True)
+class PlanProfile:
+    """One optimization profile of a TensorRT plan: every dynamic input's shape range (min, opt,
+    max; all three equal in the exact profiles `lantern-export trt` builds) and the step plan's
+    calls it was built for, as labels such as "verify n1 cfg mc_sim_7b_63"."""
+
+    serves: tuple
+    shapes: dict  # input name -> {"min": [...], "opt": [...], "max": [...]}
+
+    def covers(self, shapes):
+        """Whether a call with these input shapes {name: shape} runs in this profile."""
+        for name, rng in self.shapes.items():
+            shape = shapes.get(name)
+            if shape is None or len(shape) != len(rng["min"]) or not all(
+                    lo <= d <= hi for lo, d, hi in zip(rng["min"], shape, rng["max"])):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    file: str  # relative path, listed in `files`
+    profiles: tuple  # PlanProfile, in the plan's profile order
+
+
+@dataclass(frozen=True)
+class TensorRTPlans:
+    """One `lantern-export trt` build: a plan per graph for one flavor and set of GPUs. A plan
+    runs only on the TensorRT version that built it and on the compute capabilities it targets."""
+
+    flavor: str  # "tensorrt" (full TensorRT) or "tensorrt-rtx" (TensorRT for RTX)
+    version: str  # the TensorRT (or TensorRT-RTX) version that built the plans
+    compute_capabilities: tuple  # "SM89", ...
+    plans: dict  # graph name -> PlanFile
+    batches: tuple  # images per call the profiles were made for
+    cfg: tuple  # (False,), (True,) or (False, True): with / without classifier-free guidance
+    trees: tuple  # names of the draft trees the profiles were made for
+    builder: dict = field(default_factory=dict)  # builder settings, for people and for rebuilding
+
+
+PLAN_FLAVORS = ("tensorrt", "tensorrt-rtx")
 
 
 @dataclass(frozen=True)
@@ -323,6 +390,7 @@ class Manifest:
     sources: dict = field(default_factory=dict)  # checkpoints the graphs came from (export reads it)
     tools: dict = field(default_factory=dict)
     build: dict = field(default_factory=dict)
+    tensorrt: Optional[dict] = None  # plans directory key ("tensorrt-rtx-SM89") -> TensorRTPlans
     tuned_trees: dict = field(default_factory=dict)  # settings key -> TunedSettings (lantern-run tune)
     schema: int = SCHEMA_VERSION
 
@@ -382,7 +450,7 @@ class _Reader:
     """Typed access to a JSON object; every failure is one LanternError naming the field."""
 
     def __init__(self, data, where, fix="re-export the engine with `lantern-export onnx`"):
-        self.where, self.fix = where, fix
+        self.where, self.fix = where, fix  # fix: what the message tells the user to do
         if not isinstance(data, dict):
             self.fail("", f"must be an object, got {type(data).__name__}")
         self.data = data
@@ -463,15 +531,21 @@ def _parse(data, where):
         raise LanternError(f"{where}: engine schema {schema!r} is not the supported {SCHEMA_VERSION}; "
                            f"re-export the engine with this version of `lantern-export onnx`")
     cond = r.obj("condition")
-    kind = cond.get("kind", str, check=lambda v: v in ("class", "caption"), why="'class' or 'caption'")
-    condition = Condition(kind=kind, tokens=cond.positive("tokens"), num_classes=cond.positive("num_classes", True),
+    kind = cond.get("kind", str, check=lambda v: v in ("class", "caption", "prompt"),
+                    why="'class', 'caption' or 'prompt'")
+    condition = Condition(kind=kind, tokens=cond.positive("tokens", optional=kind == "prompt"),
+                          num_classes=cond.positive("num_classes", True),
                           null_class=cond.get("null_class", int, True, lambda v: v >= 0, "an id >= 0"),
-                          caption_dim=cond.positive("caption_dim", True))
+                          caption_dim=cond.positive("caption_dim", True),
+                          style=cond.get("style", str, True, lambda v: v in PROMPT_STYLES, " or ".join(PROMPT_STYLES)),
+                          tokenizer=cond.get("tokenizer", str, True))
     cond.done(_fields(Condition))
     if kind == "class" and condition.num_classes is None:
         cond.fail("num_classes", "is missing (class-conditional engine)")
     if kind == "caption" and condition.caption_dim is None:
         cond.fail("caption_dim", "is missing (caption-conditional engine)")
+    if kind == "prompt" and condition.style is None:
+        cond.fail("style", "is missing (prompt-conditional engine)")
     voc = r.obj("vocabulary")
     vocabulary = Vocabulary(size=voc.positive("size"), image_start=voc.get("image_start", int, check=lambda v: v >= 0,
                                                                             why="an id >= 0"),
@@ -511,7 +585,64 @@ def _parse(data, where):
         schema=SCHEMA_VERSION)
     r.done(_fields(Manifest))
     _check_consistency(m, r)
+    plans = r.get("tensorrt", dict, optional=True)
+    if plans is not None:
+        m = m.replace(tensorrt={key: _plans(_Reader(v, f"{where}: tensorrt.{key}", _REBUILD_PLANS), key, m)
+                                for key, v in plans.items()})
     return m
+
+
+_REBUILD_PLANS = "rebuild the plans with `lantern-export trt ENGINE --force`"
+_SM = re.compile(r"^SM\d{2,3}$")
+
+
+def _plans(r, key, m):
+    """One TensorRTPlans entry: plans of graphs the engine has, listed in `files`, with profiles
+    whose ranges are well formed and name the graph's inputs."""
+    flavor = r.get("flavor", str, check=lambda v: v in PLAN_FLAVORS, why=f"one of {', '.join(PLAN_FLAVORS)}")
+    ccs = r.get("compute_capabilities", list, check=lambda v: v and all(isinstance(c, str) and _SM.match(c) for c in v),
+                why="a non-empty list like ['SM89']")
+    plans = {}
+    for graph, entry in r.get("plans", dict, check=lambda v: len(v) > 0, why="a non-empty object").items():
+        pr = _Reader(entry, f"{r.where}.plans.{graph}", r.fix)
+        if graph not in m.graphs:
+            pr.fail("", "is a plan for a graph the engine does not have")
+        file = pr.get("file", str, check=lambda v: v in m.files, why="a file that `files` lists")
+        profiles = []
+        for i, p in enumerate(pr.get("profiles", list, check=lambda v: len(v) > 0, why="a non-empty list")):
+            profiles.append(_profile(_Reader(p, f"{pr.where}.profiles[{i}]", r.fix), m.graphs[graph]))
+        pr.done(_fields(PlanFile))
+        plans[graph] = PlanFile(file=file, profiles=tuple(profiles))
+    t = TensorRTPlans(
+        flavor=flavor, version=r.get("version", str, check=lambda v: len(v) > 0, why="a version string"),
+        compute_capabilities=tuple(ccs), plans=plans,
+        batches=tuple(r.get("batches", list, check=lambda v: v and all(isinstance(b, int) and not isinstance(b, bool)
+                                                                        and b > 0 for b in v),
+                            why="a non-empty list of positive integers")),
+        cfg=tuple(r.get("cfg", list, check=lambda v: v and all(isinstance(c, bool) for c in v) and len(set(v)) == len(v),
+                        why="[false], [true] or [false, true]")),
+        trees=tuple(r.get("trees", list, check=lambda v: all(isinstance(t, str) for t in v), why="a list of tree names")),
+        builder=r.get("builder", dict))
+    r.done(_fields(TensorRTPlans))
+    return t
+
+
+def _profile(r, graph):
+    serves = r.get("serves", list, check=lambda v: all(isinstance(s, str) for s in v), why="a list of labels")
+    shapes = {}
+    for name, rng in r.get("shapes", dict).items():
+        sr = _Reader(rng, f"{r.where}.shapes.{name}", r.fix)
+        if name not in graph.inputs:
+            sr.fail("", f"is not an input of the {graph.contract} graph")
+        dims = [sr.get(k, list, check=lambda v: all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v),
+                       why="a list of dims") for k in ("min", "opt", "max")]
+        sr.done(["min", "opt", "max"])
+        if not (len(dims[0]) == len(dims[1]) == len(dims[2]) == len(graph.inputs[name].shape)) or not all(
+                a <= b <= c for a, b, c in zip(*dims)):
+            sr.fail("", f"needs min <= opt <= max of the input's rank, got {dims}")
+        shapes[name] = dict(zip(("min", "opt", "max"), dims))
+    r.done(_fields(PlanProfile))
+    return PlanProfile(serves=tuple(serves), shapes=shapes)
 
 
 def _tuned_settings(r):
@@ -567,6 +698,11 @@ def _check_consistency(m, r):
     modes, a neighbour table for relaxed ones; every graph's file listed."""
     if "target" not in m.graphs:
         r.fail("graphs", "has no target graph")
+    wants = "target_ids" if m.condition.kind == "prompt" else "target"
+    if m.graphs["target"].contract != wants:
+        r.fail("graphs.target.contract", f"is {m.graphs['target'].contract!r}; a {m.condition.kind} engine's is {wants!r}")
+    if m.condition.tokenizer is not None and m.condition.tokenizer not in m.files:
+        r.fail("condition.tokenizer", f"names {m.condition.tokenizer}, which `files` does not list")
     if m.vocabulary.size != m.graphs["target"].outputs["logits"].shape[-1]:
         r.fail("vocabulary.size", f"({m.vocabulary.size}) differs from the target's logits width")
     if m.graphs["target"].layers != m.target.layers:
@@ -610,9 +746,10 @@ def _check_consistency(m, r):
                 tuned.fail(key, f"names {name}, which `files` does not list")
 
 
-def read_manifest(directory, verify=False):
+def read_manifest(directory, verify=True):
     """Load and validate an engine directory's manifest: a Manifest, or LanternError saying what
-    to rebuild. Sizes of all files are checked; their sha256 too when verify is true."""
+    to rebuild. Every file's size is checked, and its sha256 unless verify is false (hashes are
+    remembered per file version, so later opens cost a stat per file: runtime/integrity.py)."""
     directory = os.fspath(directory)
     path = os.path.join(directory, "manifest.json")
     if not os.path.isdir(directory):
@@ -630,16 +767,20 @@ def read_manifest(directory, verify=False):
     return manifest
 
 
-def check_files(directory, manifest, verify=False):
-    for name, entry in manifest.files.items():
+def check_files(directory, manifest, verify=True):
+    """Sizes (and, with verify, sha256) of every file the manifest lists."""
+    from lantern.runtime.integrity import verify_files
+
+    files = {name: {"size": f.size, "sha256": f.sha256} for name, f in manifest.files.items()}
+    if verify:
+        verify_files(directory, files)
+        return
+    for name, entry in files.items():
         file = os.path.join(directory, name)
         if os.path.isabs(name) or os.path.normpath(name).startswith(".."):
             raise LanternError(f"{directory}: manifest lists {name!r}, outside the engine directory; re-export it")
         if not os.path.isfile(file):
             raise LanternError(f"{directory}: {name} is missing; re-export the engine with `lantern-export onnx`")
-        size = os.path.getsize(file)
-        if size != entry.size:
-            raise LanternError(f"{directory}: {name} has {size} bytes, the manifest says {entry.size}; "
-                               f"the file was changed or truncated; re-export the engine")
-        if verify and sha256(file) != entry.sha256:
-            raise LanternError(f"{directory}: {name} does not match its sha256 in the manifest; re-export the engine")
+        if os.path.getsize(file) != entry["size"]:
+            raise LanternError(f"{directory}: {name} has {os.path.getsize(file)} bytes, the manifest says "
+                               f"{entry['size']}; the file was changed or truncated; re-export the engine")

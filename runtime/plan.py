@@ -46,7 +46,7 @@ class StepPlan:
         self.images, self.rows, self.tokens = prefix.images, prefix.rows, prefix.tokens
         B, C = prefix.rows, prefix.tokens
         self.halves = np.arange(B) % self.images  # the image of each batch row
-        self.image_tokens = m.image.tokens
+        self.image_tokens = prefix.length  # tokens generated per image
         t = m.target
         self.target_cache = KVCache(backend, t.layers, B, t.kv_heads, C + self.image_tokens, t.head_dim)
         self.drafter_cache = None
@@ -88,7 +88,8 @@ class StepPlan:
 
     def fits(self, prefix):
         """Whether this plan's shapes serve a prefix (same rows and prefix length)."""
-        return (prefix.rows, prefix.tokens, prefix.images) == (self.rows, self.tokens, self.images)
+        return (prefix.rows, prefix.tokens, prefix.images, prefix.length) == \
+            (self.rows, self.tokens, self.images, self.image_tokens)
 
     def reset(self, prefix, settings):
         """Start a generation: empty caches, write the prefix's feeds and the sampling settings
@@ -157,7 +158,7 @@ def estimate_bytes(manifest, tree, prefix, itemsize):
     caches and feed buffers, the largest call's outputs and working memory (attention scores and
     softmax, the MLP), and the host's acceptance work on a step's logits. Weights not included."""
     m, B, C, N = manifest, prefix.rows, prefix.tokens, prefix.images
-    image, M = m.image.tokens, tree.num_nodes
+    image, M = prefix.length, tree.num_nodes
     calls = [("target", m.target, C, C + image), ("target", m.target, M, C + image)]
     held = 2 * m.target.layers * B * m.target.kv_heads * (C + image) * m.target.head_dim * itemsize
     if tree.depth:

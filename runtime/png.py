@@ -3,12 +3,12 @@ have neither PIL nor torch).
 
 Writes 8-bit RGB (colour type 2), one IDAT chunk, filter type 0 (None) on every row, no
 interlacing: the simplest valid PNG. Files are written atomically (temporary file in the same
-directory, then os.replace), so a reader never sees half an image.
+directory, then os.replace), so a reader never sees half an image, with the mode any new file
+gets (0o666 less the umask; tempfile.mkstemp's 0600 made PNGs private beside a 0644 stats.json).
 """
 import math
 import os
 import struct
-import tempfile
 import zlib
 
 import numpy as np
@@ -39,20 +39,15 @@ def encode_png(image, compress_level=6):
 
 
 def write_png(path, image):
-    """Write an [H, W, 3] uint8 image to `path` atomically."""
+    """Write an [H, W, 3] uint8 image to `path` atomically, mode 0o666 less the umask."""
+    from lantern.runtime.outdir import write_file
+
     data = encode_png(image)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise LanternError(f"{path}: output directory {directory} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_file(path, data)
 
 
 def to_uint8(image, layout="auto"):

@@ -22,3 +22,15 @@ def t2i_engine(tmp_path_factory):
     from engines import build_engine
 
     return build_engine(tmp_path_factory.mktemp("t2i"), "t2i", tree="naive_extend_57")
+
+
+@pytest.fixture(scope="session")
+def demo_engine(tmp_path_factory):
+    """The README's main command, `lantern-export demo`, run once per session: its engine directory
+    (the shipped demo model exported, checked and run) serves every test that needs a real engine
+    with a drafter, a neighbour table and a VQ decoder."""
+    from lantern.export import cli
+
+    out = tmp_path_factory.mktemp("demo") / "engine"
+    assert cli.main(["demo", "--out", str(out), "--per-class", "1", "--threads", "1"]) == 0
+    return out

@@ -1,18 +1,17 @@
 """`lantern-run tune` on real tiny engines: acceptance statistics against independent counts, the
 latency fit, the manifest's tuned trees (parsing, atomic install, generate using them), the
 compiled-plans hook, and the command's one-line errors."""
-import dataclasses
 import json
 import os
 import shutil
-from typing import Optional
 
 import numpy as np
 import pytest
 
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
-from lantern.runtime.manifest import Manifest, read_manifest, settings_key, sha256, tuning_settings
+from lantern.runtime.manifest import (PlanFile, PlanProfile, TensorRTPlans, read_manifest, settings_key, sha256,
+                                      tuning_settings)
 from lantern.runtime.tree import build_tree, root_only
 from lantern.tools import tune
 from lantern.tools.run_cli import main as run_main
@@ -260,29 +259,42 @@ def test_bad_tuned_entries_are_refused_in_one_line(c2i_engine, tuned_report, tmp
 # Compiled plans
 
 
-@dataclasses.dataclass(frozen=True)
-class WithPlans(Manifest):
-    """A manifest with TensorRT plans recorded (the trt2 branch's field), for the hook."""
-
-    tensorrt: Optional[dict] = None
-
-
 def test_plans_coverage_of_a_tuned_tree(c2i_engine):
     engine = Engine(c2i_engine, threads=1)
     m = engine.manifest
     assert tune.plans_coverage(m, engine.condition, "chain-2", 2, True) is None
-    # plans built with exact profiles for chain-2 at 2 images with CFG, as build_plan records them
+    # plans built with exact profiles for chain-2 at 2 images with CFG, recorded as `lantern-export trt` does
     shapes = tune.call_shapes(m, engine.condition, "chain-2", 2, True)
-    plans = {}
+    profiles = {}
     for regime, (graph, inputs) in shapes.items():
-        profile = {name: {"min": list(s), "opt": list(s), "max": list(s)} for name, s in inputs.items()}
-        plans.setdefault(graph, {"profiles": []})["profiles"].append(profile)
-    with_plans = WithPlans(**{f.name: getattr(m, f.name) for f in dataclasses.fields(m)}, tensorrt=plans)
-    assert tune.plans_coverage(with_plans, engine.condition, "chain-2", 2, True) == []
-    missing = tune.plans_coverage(with_plans, engine.condition, "kary-2-2", 2, True)
+        ranges = {name: {"min": list(s), "opt": list(s), "max": list(s)} for name, s in inputs.items()}
+        profiles.setdefault(graph, []).append(PlanProfile(serves=(regime,), shapes=ranges))
+    plans = TensorRTPlans(flavor="tensorrt-rtx", version="1.7", compute_capabilities=("SM89",),
+                          plans={g: PlanFile(file=f"plans/x/{g}.plan", profiles=tuple(p)) for g, p in profiles.items()},
+                          batches=(2,), cfg=(True,), trees=("chain-2",))
+    with_plans = m.replace(tensorrt={"tensorrt-rtx-SM89": plans})
+    assert tune.plans_coverage(with_plans, engine.condition, "chain-2", 2, True) == {"tensorrt-rtx-SM89": []}
+    missing = tune.plans_coverage(with_plans, engine.condition, "kary-2-2", 2, True)["tensorrt-rtx-SM89"]
     assert "verify" in missing and "prefill" not in missing and "condition" not in missing
-    assert "needs `lantern-export trt` again" in tune.coverage_note(missing)
-    assert tune.plans_coverage(with_plans, engine.condition, "chain-2", 1, True)  # another batch: not covered
+    assert "needs `lantern-export trt` again" in tune.coverage_note({"tensorrt-rtx-SM89": missing})
+    assert tune.plans_coverage(with_plans, engine.condition, "chain-2", 1, True)["tensorrt-rtx-SM89"]  # other batch
+    assert "within plans/tensorrt-rtx-SM89" in tune.coverage_note({"tensorrt-rtx-SM89": []})
+
+
+def test_trt_export_builds_for_trees_tuned_on_tensorrt(c2i_engine, tuned_report, tmp_path):
+    from lantern.export import trt_export
+
+    report, _ = tuned_report
+    d = engine_copy(c2i_engine, tmp_path)
+    exported = read_manifest(d).tree["name"]
+    install_trees(d, {**report, "backend": "tensorrt"}, {1: build_tree("kary-2-2", name="k"), 2: root_only()})
+    m = read_manifest(d)
+    trees = trt_export._trees(m, [], d)
+    assert [t.name for t in trees] == [exported, f"{report['key']}.b1"] and trees[1].paths == build_tree("kary-2-2").paths
+    assert [t.name for t in trt_export._trees(m, ["chain-3"], d)] == ["chain-3"]  # --tree given: only those
+    d2 = engine_copy(c2i_engine, tmp_path, "copy2")
+    install_trees(d2, report, {1: build_tree("kary-2-2", name="k"), 2: root_only()})  # tuned on onnxruntime
+    assert [t.name for t in trt_export._trees(read_manifest(d2), [], d2)] == [exported]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,7 +327,7 @@ def test_cli_dry_run_and_errors(c2i_engine, t2i_engine, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["settings"] == tuning_settings("exact", greedy=True) and (out / "report.md").exists()
     assert run_main(["tune", t2i_engine, "--classes", "1"]) == 2
-    assert "give --caption features, not --classes" in capsys.readouterr().err
+    assert "give --caption, not --classes" in capsys.readouterr().err
     # for real: the entry lands in the manifest and `generate` without --tree follows it
     assert run_main(["tune", d, "--threads", "1", "--mode", "exact", "--greedy", "--budget", "4", "--depth", "2",
                      "--images", "2", "--repeats", "1"]) == 0

@@ -105,7 +105,7 @@ def main(argv=None):
     if not os.path.exists(os.path.join(engine_dir, "manifest.json")):
         engine_dir, export_seconds = build_engine(workdir, args.model, "mc_sim_7b_63", args.threads)
     engine = Engine(engine_dir, threads=args.threads)
-    capacity = engine.manifest.condition.tokens + engine.manifest.image.tokens
+    capacity = (engine.manifest.condition.tokens or 8) + engine.manifest.image.tokens
     context = min(256, capacity - 65)
 
     curve = verify_latency(engine, (1, 2, 4, 8, 16, 26, 58), context=context, repeats=args.repeats)

@@ -40,11 +40,14 @@ def plan_for(engine, tree, images, cfg_scale, context):
 
 
 def default_condition(engine, images):
-    """Inputs for `images` images of any condition kind (class 0, or blank captions)."""
+    """Inputs for `images` images of any condition kind (classes, blank captions, or prompts of
+    five token ids)."""
     c = engine.manifest.condition
     if c.kind == "class":
         return {"classes": [i % c.num_classes for i in range(images)]}
-    return {"caption": np.zeros((images, c.tokens, c.caption_dim), dtype=np.float32)}
+    if c.kind == "caption":
+        return {"caption": np.zeros((images, c.tokens, c.caption_dim), dtype=np.float32)}
+    return {"prompt_ids": np.full((images, 5), 100, dtype=np.int64)}
 
 
 STATS = {"median": np.median, "min": np.min}

@@ -43,12 +43,14 @@ changes only latency: one tree per batch size tuned, and generate takes the tune
 its image count. The backend is recorded and must match; the thread count and the machine are
 recorded in the entry, not matched (re-run tune after moving an engine to other hardware).
 
-Compiled plans (issue 10 item 7): where the engine records TensorRT plans, `plans_coverage`
-checks whether a tree's call shapes (StepPlan.shapes()) fall inside the plans' optimization
-profiles. Tuning on the tensorrt backend keeps the search within them; tuning on another backend
-reports a chosen tree the plans do not cover as needing `lantern-export trt` again. The runtime
-uses an entry only on the backend it was measured on, so a tree tuned elsewhere never runs on
-plans built for another tree.
+Compiled plans (issue 10 item 7): where the engine records TensorRT plans (`Manifest.tensorrt`),
+`plans_coverage` checks whether a tree's calls (StepPlan.shapes()) each get a profile of the
+plans, as the tensorrt backend assigns them. Tuning on the tensorrt backend keeps the search
+within its plans (AR and the trees they were built for); tuning on another backend reports a
+chosen tree the plans do not cover as needing `lantern-export trt` again. The runtime uses an
+entry only on the backend it was measured on, so a tree tuned elsewhere never runs on plans
+built for another tree, and `lantern-export trt` builds profiles for the trees tuned on the
+tensorrt backend besides the engine's own, so a rebuild keeps covering them.
 """
 import datetime
 import json
@@ -97,22 +99,39 @@ def generation_settings(engine, mode="lantern++", lam=2.0, delta=0.1, k=None, gr
     return kwargs, settings, settings_key(settings)
 
 
-def conditions(engine, images, classes=None, caption=None, caption_mask=None):
-    """(one generate() condition dict per image, a note on what was used). Given classes or
-    caption rows are cycled to `images`; by default classes are spread over the model's range,
-    and a caption engine gets blank (zero) caption features."""
+DEFAULT_PROMPTS = ("a photo of a cat", "a red car on a city street", "a bowl of fruit on a wooden table",
+                   "a mountain lake at sunset", "a portrait of an old man", "a lighthouse on a cliff by the sea",
+                   "a bicycle leaning against a brick wall", "a plate of pasta with basil")
+
+
+def conditions(engine, images, classes=None, caption=None, caption_mask=None, prompt=None, prompt_ids=None):
+    """(one generate() condition dict per image, a note on what was used). Given classes,
+    caption rows or prompts are cycled to `images`. Defaults: classes spread over the model's
+    range; blank (zero) caption features for a caption engine; a few everyday prompts for a
+    prompt engine with a text tokenizer (one without needs --prompt-ids)."""
     c = engine.manifest.condition
+    given = {"--classes": classes, "--caption": caption, "--prompt": prompt, "--prompt-ids": prompt_ids}
+    takes = {"class": ("--classes",), "caption": ("--caption",), "prompt": ("--prompt", "--prompt-ids")}[c.kind]
+    wrong = [name for name, value in given.items() if value is not None and name not in takes]
+    if wrong:
+        raise LanternError(f"this is a {c.kind}-conditional engine: give {' or '.join(takes)}, not {wrong[0]}")
     if c.kind == "class":
-        if caption is not None:
-            raise LanternError("this is a class-conditional engine: give --classes, not --caption")
-        given = classes is not None
-        if not given:
+        if classes is None:
             classes = [(i * c.num_classes) // min(images, c.num_classes) % c.num_classes for i in range(images)]
         picked = [int(classes[i % len(classes)]) for i in range(images)]
-        note = f"classes {sorted(set(picked))}" + ("" if given else " (default: spread over the model's classes)")
+        note = f"classes {sorted(set(picked))}" + ("" if given["--classes"] else " (default: spread over the classes)")
         return [{"classes": [cl]} for cl in picked], note
-    if classes is not None:
-        raise LanternError("this is a caption-conditional engine: give --caption features, not --classes")
+    if c.kind == "prompt":
+        if prompt_ids is not None:
+            rows = np.asarray(prompt_ids)
+            rows = rows[None] if rows.ndim == 1 else rows
+            return ([{"prompt_ids": rows[i % len(rows)]} for i in range(images)],
+                    f"{len(rows)} prompt(s) as ids, cycled to {images} images")
+        if prompt is None and c.tokenizer is None:
+            raise LanternError("this engine has no text tokenizer: give calibration prompts as --prompt-ids")
+        texts = list(prompt) if prompt is not None else list(DEFAULT_PROMPTS)
+        note = f"{len(texts)} prompt(s)" + (" (default: everyday scenes)" if prompt is None else "")
+        return [{"prompt": texts[i % len(texts)]} for i in range(images)], note + f", cycled to {images} images"
     if caption is None:
         blank = default_condition(engine, 1)["caption"][0]
         note = ("blank (all-zero) caption features: no --caption was given, so acceptance is measured on an "
@@ -134,6 +153,10 @@ def batched(conds, size):
         chunk = conds[start: start + size]
         if "classes" in chunk[0]:
             out.append({"classes": [c["classes"][0] for c in chunk]})
+        elif "prompt" in chunk[0]:
+            out.append({"prompt": [c["prompt"] for c in chunk]})
+        elif "prompt_ids" in chunk[0]:
+            out.append({"prompt_ids": np.stack([c["prompt_ids"] for c in chunk])})
         else:
             call = {"caption": np.stack([c["caption"] for c in chunk])}
             if "caption_mask" in chunk[0]:
@@ -292,63 +315,51 @@ class _ShapesOnly:
 
 
 def call_shapes(manifest, condition, tree, images, cfg):
-    """StepPlan.shapes() of a generation of `images` images with `tree`, allocating nothing."""
+    """StepPlan.shapes() of a generation of `images` images with `tree`, allocating nothing
+    (prompt engines: a five-token prompt, as lantern.tools.latency times them)."""
     c = manifest.condition
-    inputs = ({"classes": [0] * images} if c.kind == "class"
-              else {"caption": np.zeros((images, c.tokens, c.caption_dim), dtype=np.float32)})
+    if c.kind == "class":
+        inputs = {"classes": [0] * images}
+    elif c.kind == "caption":
+        inputs = {"caption": np.zeros((images, c.tokens, c.caption_dim), dtype=np.float32)}
+    else:
+        inputs = {"prompt_ids": np.full((images, 5), 100, dtype=np.int64)}
     prefix = condition.prefix(cfg, **inputs)
     settings = dict(cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0)
     return StepPlan(manifest, _ShapesOnly(), build_tree(tree), prefix, settings).shapes()
 
 
-def _plan_profiles(record):
-    """{graph: [profile]} with profile = {input: {"min", "opt", "max"}}, from the manifest's
-    TensorRT record. HOOK: written for build_plan's record (export/tensorrt_build.py) kept per
-    graph, {graph: {"profiles": [...], ...}}, optionally under "plans"; adapt here when the
-    `tensorrt` manifest field lands on main (branch trt2)."""
-    if hasattr(record, "plans"):
-        record = record.plans
-    elif isinstance(record, dict) and "plans" in record:
-        record = record["plans"]
+def plans_coverage(manifest, condition, tree, images, cfg):
+    """None when the engine records no TensorRT plans (`Manifest.tensorrt`); else per plans
+    build {key: the call regimes of the tree's generation (for `images` images, CFG on or off)
+    that no profile of their graph's plan covers}, [] where every call fits. As the tensorrt
+    backend assigns them, every call of one step plan needs a profile of its own."""
+    if not manifest.tensorrt:
+        return None
+    shapes = call_shapes(manifest, condition, tree, images, cfg)
     out = {}
-    for graph, plan in (record.items() if isinstance(record, dict) else []):
-        profiles = plan.get("profiles") if isinstance(plan, dict) else getattr(plan, "profiles", None)
-        if profiles:
-            out[graph] = profiles
+    for key, entry in manifest.tensorrt.items():
+        taken, missing = {}, []
+        for regime, (graph, call) in shapes.items():
+            plan, used = entry.plans.get(graph), taken.setdefault(graph, set())
+            index = None if plan is None else next(
+                (i for i, p in enumerate(plan.profiles) if i not in used and p.covers(call)), None)
+            if index is None:
+                missing.append(regime)
+            else:
+                used.add(index)
+        out[key] = missing
     return out
 
 
-def plans_coverage(manifest, condition, tree, images, cfg):
-    """None when the engine records no TensorRT plans; else the call regimes of the tree (for
-    `images` images, CFG on or off) that no optimization profile of their graph's plan covers
-    ([] = every call fits the plans)."""
-    record = getattr(manifest, "tensorrt", None)  # the trt2 branch's field; absent on older manifests
-    if not record:
-        return None
-    profiles = _plan_profiles(record)
-    missing = []
-    for regime, (graph, shapes) in call_shapes(manifest, condition, tree, images, cfg).items():
-        def fits(profile):
-            for name, shape in shapes.items():
-                bounds = profile.get(name)
-                if bounds is None:
-                    continue  # an input the profile does not constrain (static in the plan)
-                lo, hi = bounds["min"], bounds["max"]
-                if len(lo) != len(shape) or any(not lo[i] <= shape[i] <= hi[i] for i in range(len(shape))):
-                    return False
-            return True
-
-        if not any(fits(p) for p in profiles.get(graph, [])):
-            missing.append(regime)
-    return missing
-
-
-def coverage_note(missing):
-    if missing is None:
+def coverage_note(coverage):
+    if coverage is None:
         return "no TensorRT plans recorded"
-    if not missing:
-        return "within the engine's TensorRT plan profiles"
-    return f"needs `lantern-export trt` again: the plans' profiles do not cover {', '.join(missing)}"
+    notes = []
+    for key, missing in coverage.items():
+        notes.append(f"within plans/{key}" if not missing else
+                     f"plans/{key} do not cover {', '.join(missing)}: needs `lantern-export trt` again to run it there")
+    return "; ".join(notes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,7 +410,7 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
 
     cfg = kwargs["cfg_scale"] > 1
     per_batch, chosen = {}, {}
-    on_plans = engine.backend.name == "tensorrt" and getattr(m, "tensorrt", None)
+    on_plans = engine.backend.name == "tensorrt"  # its calls must fall in the plans' profiles
     for images in batches:
         t0 = time.perf_counter()
         generation = (m.image.tokens - 1, images)  # the first token comes from the prefill
@@ -414,9 +425,10 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
         measured = [(t, float(min(full)), "calibration") if full and t == calib else (t, ms[t.paths], "generation")
                     for t in trees]
 
-        def allowed(tree):  # tuning on TensorRT plans: only trees their profiles cover
-            missing = plans_coverage(m, engine.condition, tree, images, cfg)
-            return coverage_note(missing) if missing else None
+        def allowed(tree):  # tuning on TensorRT plans: only trees the backend's plans cover
+            coverage = plans_coverage(m, engine.condition, tree, images, cfg)
+            missing = coverage.get(engine.backend.key, ["every call"])
+            return coverage_note({engine.backend.key: missing}) if missing else None
 
         # The chosen tree is measured too and the host terms refitted with it, until the search
         # settles on a tree whose step was measured (or AR): the choice rests on a measurement.
@@ -435,9 +447,9 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
             measured.append((tree, ms[tree.paths], "chosen"))
         report = tree_report.build_report(result, p, latency, min(K, MAX_WIDTH), counts, calibration=calib,
                                           generation=generation)
-        missing = plans_coverage(m, engine.condition, tree, images, cfg)
-        report.update(images=images, host_fit=host, fit=fit, plans=coverage_note(missing),
-                      plans_cover=None if missing is None else not missing)
+        coverage = plans_coverage(m, engine.condition, tree, images, cfg)
+        report.update(images=images, host_fit=host, fit=fit, plans=coverage_note(coverage),
+                      plans_cover=None if coverage is None else {k: not v for k, v in coverage.items()})
         per_batch[images], chosen[images] = report, tree
         log(f"[2/3] latency for {images} image(s) per call: verification T 1..{latency.verify.max_x}, drafter widths "
             f"1..{latency.draft.max_x}, {len(fit)} loop measurements; {time.perf_counter() - t0:.1f} s")
@@ -605,10 +617,12 @@ def add_parser(sub, backend_loaders=None):
     p = sub.add_parser("tune", help="measure acceptance and latency on this machine and pick the fastest draft tree "
                                     "for the given settings (writes it into the engine directory)")
     p.add_argument("engine", help="engine directory")
-    add_generation_options(p, backends=("onnxruntime",) + tuple(loaders), tree=False)
+    add_generation_options(p, backends=("onnxruntime", "tensorrt") + tuple(loaders), tree=False)
     p.add_argument("--classes", type=_classes, help="calibration class labels (default: spread over the classes)")
     p.add_argument("--caption", help="calibration T5 caption features .npy [N, tokens, dim] (default: blank captions)")
     p.add_argument("--caption-mask", help=".npy [N, tokens] of 0/1 for --caption")
+    p.add_argument("--prompt", action="append", help="calibration prompt (Chameleon engines); repeat for several")
+    p.add_argument("--prompt-ids", help=".npy [L] or [N, L] of calibration prompts' token ids (Chameleon engines)")
     p.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
                    help=f"largest tree, root included (default {DEFAULT_BUDGET})")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help=f"depth limit (default {DEFAULT_DEPTH})")
@@ -637,9 +651,11 @@ def run(args):
         args.cfg, args.cfg_interval)
     caption = _load_npy(args.caption, "caption features") if args.caption else None
     mask = _load_npy(args.caption_mask, "caption mask") if args.caption_mask else None
-    conds, note = conditions(engine, args.images, args.classes, caption, mask)
+    prompt_ids = _load_npy(args.prompt_ids, "prompt ids") if args.prompt_ids else None
+    conds, note = conditions(engine, args.images, args.classes, caption, mask, args.prompt, prompt_ids)
     batches = sorted({1, args.batch})
-    clock = default_clock(args.threads, args.device) if args.clock == "auto" else args.clock
+    device = args.device or ("cuda" if args.backend == "tensorrt" else "cpu")  # as generate's
+    clock = default_clock(args.threads, device) if args.clock == "auto" else args.clock
     print(f"tuning {key} on {args.engine} ({engine.backend.name}, {args.threads or os.cpu_count()} thread(s), "
           f"{clock} clock)")
     print(f"conditions: {note}")

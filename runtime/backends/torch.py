@@ -1,7 +1,13 @@
 """PyTorch backend: the graphs as torch modules (the very modules that were exported, rebuilt by
 lantern.export from the engine's source checkpoints), on the CPU or a GPU. The reference for
 `check`, and the GPU path measurable where PyTorch has CUDA. lantern.runtime never imports
-lantern.export: the modules are handed in."""
+lantern.export: the modules are handed in.
+
+On CUDA, bind(plan) gives every call of the plan static device inputs (ids, positions, masks,
+sampling settings; caches, hidden states and condition embeddings already live on the device)
+and, by default, captures each call regime in a CUDA graph: a step then costs a few small
+host-to-device copies and one graph replay per engine call. cuda_graphs=False runs the modules
+eagerly on the same static buffers, for comparison."""
 import numpy as np
 
 from lantern.runtime.errors import LanternError
@@ -13,7 +19,7 @@ _TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, modules, manifest, threads=None, device="cpu"):
+    def __init__(self, modules, manifest, threads=None, device="cpu", cuda_graphs=True):
         """modules: {graph name: torch module}, inputs and outputs in the order of the graph's contract."""
         try:
             import torch
@@ -24,9 +30,12 @@ class TorchBackend:
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
                 raise LanternError(f"threads must be a positive integer, got {threads!r}")
             torch.set_num_threads(threads)
+        if device not in ("cpu", "cuda"):
+            raise LanternError(f"unknown device {device!r}; valid: cpu, cuda")
         if device == "cuda" and not torch.cuda.is_available():
             raise LanternError("device cuda: this PyTorch has no CUDA device")
         self.device = torch.device(device)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.dtype = getattr(torch, _TORCH_DTYPES[manifest.dtype])
         # bf16 has no numpy type: host copies of bf16 tensors come back as float32
         self.float_dtype = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}[manifest.dtype]
@@ -39,6 +48,7 @@ class TorchBackend:
             self.inputs[name] = list(io["inputs"])
             self.outputs[name] = list(io["outputs"])
             self.floats[name] = {k for k, (kind, _) in io["inputs"].items() if kind == "float"}
+        self._bound = {}  # id(call) -> (call, static inputs, CUDA graph or None, graph outputs)
 
     def _tensor(self, x, is_float):
         if not isinstance(x, self.torch.Tensor):
@@ -49,11 +59,65 @@ class TorchBackend:
         return self.torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def bind(self, plan):
-        """Nothing to prepare: feeds are wrapped per call (zero-copy on the CPU)."""
+        if self.device.type != "cuda":
+            return  # on the CPU feeds are wrapped per call, without copies
+        torch = self.torch
+        pool = None  # the plan's graphs share one memory pool, which dies with them
+        for call in plan.calls.values():
+            floats = self.floats[call.graph]
+            static = {}
+            for name in self.inputs[call.graph]:
+                buf = call.feeds[name]
+                if isinstance(buf, torch.Tensor):
+                    static[name] = buf  # caches, hidden states: already on the device, in place
+                else:
+                    static[name] = torch.empty(buf.shape, dtype=self.dtype if name in floats else
+                                               getattr(torch, str(buf.dtype)), device=self.device)
+            self._copy_feeds(call, static)
+            graph, outputs = None, None
+            if self.cuda_graphs:
+                graph, outputs = self._capture(call.graph, [static[n] for n in self.inputs[call.graph]], pool)
+                pool = graph.pool()
+            self._bound[id(call)] = (call, static, graph, outputs)
+
+    def _capture(self, graph_name, args, pool):
+        """A CUDA graph of one call over static inputs (warmed up on a side stream first, as
+        torch.cuda.graphs requires), allocating from `pool`."""
+        torch = self.torch
+        module = self.modules[graph_name]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                module(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+            out = module(*args)
+        out = out if isinstance(out, tuple) else (out,)
+        return graph, dict(zip(self.outputs[graph_name], out))
+
+    def _copy_feeds(self, call, static):
+        for name, buf in call.feeds.items():
+            if not isinstance(buf, self.torch.Tensor):
+                static[name].copy_(self.torch.from_numpy(np.ascontiguousarray(buf)), non_blocking=True)
+
+    def release(self, plan):
+        for call in plan.calls.values():
+            self._bound.pop(id(call), None)
 
     def run(self, call):
-        floats = self.floats[call.graph]
-        args = [self._tensor(call.feeds[name], name in floats) for name in self.inputs[call.graph]]
+        bound = self._bound.get(id(call))
+        if bound is not None and bound[0] is call:
+            _, static, graph, outputs = bound
+            self._copy_feeds(call, static)
+            if graph is not None:
+                graph.replay()
+                return outputs
+            args = [static[n] for n in self.inputs[call.graph]]
+        else:
+            floats = self.floats[call.graph]
+            args = [self._tensor(call.feeds[name], name in floats) for name in self.inputs[call.graph]]
         with self.torch.inference_mode():
             out = self.modules[call.graph](*args)
         out = out if isinstance(out, tuple) else (out,)
@@ -64,17 +128,22 @@ class TorchBackend:
             return array
         return array.detach().float().cpu().numpy() if array.is_floating_point() else array.cpu().numpy()
 
-    def _index(self, values):
-        return self.torch.as_tensor(np.array(values), device=self.device)
+    def _indices(self, *arrays):
+        """Index arrays on the device, in one host-to-device copy."""
+        stacked = self.torch.as_tensor(np.stack([np.broadcast_to(a, np.shape(arrays[0])) for a in arrays]),
+                                       device=self.device)
+        return stacked.unbind(0)
 
     def gather(self, src, rows, cols, out):
-        out.copy_(src[self._index(rows), self._index(cols)])
+        r, c = self._indices(rows, cols)
+        out.copy_(src[r, c])
 
     def copy(self, src, out):
         out.copy_(self._tensor(src, True))
 
     def commit(self, cache, new, rows, src, dst):
-        cache[:, self._index(rows), :, self._index(dst)] = new[:, self._index(rows), :, self._index(src)]
+        r, s, d = self._indices(rows, src, dst)
+        cache[:, r, :, d] = new[:, r, :, s]
 
     def synchronize(self):
         if self.device.type == "cuda":

@@ -1,0 +1,542 @@
+"""Quantized engine graphs, made from exported ONNX graphs with the vendors' own tools.
+
+ONNX Runtime: weight-only `int8` / `int4` (quantize_graph, quantize_engine)
+  Every MatMul with a constant 2-D weight becomes ONNX Runtime's MatMulNBits (com.microsoft):
+  weights in blocks of `block` (32) along K, one float scale per block, symmetric (no zero
+  points), written by ONNX Runtime's `MatMulNBitsQuantizer` (round to nearest). The output head
+  gets its own precision (HEAD: int8 in both schemes). With accuracy_level 4 the CPU kernel
+  rounds the activations to int8 per block of each row and runs an int8 dot product, which is
+  what makes the step faster. MatMuls whose second input is not a constant (attention scores and
+  values) stay as they are. K not a multiple of the block is padded with zero weights to whole
+  blocks by the quantizer (exact), so every 2-D constant weight is taken; a weight MatMul the
+  quantizer leaves alone (an N-D weight with batch dims) is listed in the record's `skipped`.
+  The block must be a power of two >= 16 (MatMulNBits' rule).
+
+TensorRT: Q/DQ forms `fp8`, `int8` (weights and activations, calibrated) and `int4` (weight-only,
+  blocked DequantizeLinear), made by NVIDIA ModelOpt's ONNX PTQ (quantize_qdq; see there),
+  calibrated on ONNX Runtime's CPU provider. TensorRT for RTX 1.7 builds all three on this CPU
+  for SM89 and SM120 (tools/bench_quant_trt.py; GPT-B target plans: fp32 407 MB, fp8 and int8
+  155 MB, int4 113 MB, the head in float); fp8 does not build for SM75-SM86, int8 and int4 not
+  for SM75.
+
+DECISIONS. Measured with `python -m lantern.tools.bench_quant --decisions` (ONNX Runtime 1.32 CPU,
+2 intra-op threads, no spinning; a 2-core machine shared with other jobs, so times are medians
+of interleaved runs: trust their ratios, not their absolute values). Speed: GPT-B target, random
+weights, batch 2 (CFG), 256 cached tokens. Fidelity: teacher-forced greedy agreement (how often
+the quantized graph's CFG-combined argmax equals fp32's, on the inputs of an fp32 sampled
+generation) and the logits' relative RMS error; deterministic.
+
+  one-token step (ms)     fp32 30.3 | int8 15.9 (1.9x) | int4 13.3 (2.3x)
+    head float            int8 17.7 | int4 15.8     (the head is 12.6M of GPT-B's 97M weights)
+    head int4             int4 13.7
+    accuracy level 0      int8 318  | int4 99       (weights dequantized to fp32 on every call)
+    quantize_dynamic int8 15.3
+  L(T) (ms), T=1/8/26/58  fp32 31/56/140/391 | int8 16/40/101/365 | int4 13/40/110/265
+                          quantize_dynamic int8 13/24/57/127
+  greedy agreement / logits error, demo model (trained; 1920 positions, cfg 3):
+                          int8 95.5% / 0.0067 | int4 82.9% / 0.052
+    head float            int8 95.6% / 0.0064 | int4 83.1% / 0.052
+    head int4                                 | int4 79.4% / 0.056
+    accuracy level 0      int8 98.6% / 0.0034 | int4 83.5% / 0.052
+    quantize_dynamic int8 88.4% / 0.0185
+  same on GPT-B random weights (512 positions, cfg 4): int8 96.3% / 0.016 | int4 67.0% / 0.149
+  quantization time: 1-2 s per GPT-B target graph; bytes 392 MB -> int8 111 MB, int4 69 MB.
+
+  * accuracy level 4: the only level faster than fp32 (level 0 is 3-10x slower). Its price: the
+    int8 rounding of activations makes the outputs step-wise in the inputs, so the float noise
+    between a 1-token call and a 27-token call of the same position becomes whole rounding steps.
+    Greedy `exact` then matches greedy `ar` only where the model has no near-ties: on the tiny
+    test engines it does; on the demo model in 86% (int8) / 88% (int4) of the tokens at cfg 3,
+    97% / 94% at cfg 1 (15 images). At level 0 exact == ar
+    token for token (tests/test_quantize.py), as for fp32. Exactness holds relative to the
+    verifying call's numerics, not to a different call shape.
+  * int8 is MatMulNBits bits=8, not quantize_dynamic: equal one-token step, better fidelity, and
+    row-local: quantize_dynamic scales activations per tensor, so a row's output depends on the
+    other rows of the call (measured: one large row moved another row's output by 14%), i.e. on
+    the other image, the CFG half and the tree's other tokens. Its large-T speed (3x fp32 at
+    T=58, where MatMulNBits is 1.1-1.5x) is the measured cost of that choice.
+  * output head at int8 in both schemes: a float head costs ~2 ms of the step; an int8 head is as
+    fast as an int4 one and as faithful as a float one (int4: 82.9% vs 83.1% float, 79.4% int4).
+  * Quantized verification is relatively dearer: L(58)/L(1) is 12.6 (fp32), 23 (int8), 20 (int4),
+    so on a CPU quantized engines favour smaller trees (pick the tree per engine, as always).
+"""
+import contextlib
+import io
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from lantern.runtime.errors import LanternError
+
+SCHEMES = ("int8", "int4")  # ONNX Runtime weight-only
+BITS = {"int8": 8, "int4": 4}
+DEFAULT_BLOCK = 32
+DEFAULT_ACCURACY_LEVEL = 4  # int8 activations inside MatMulNBits: the fast CPU path
+HEAD_PRECISIONS = ("float", "int8", "int4")
+HEAD = {"int8": "int8", "int4": "int8"}  # the output head's precision per scheme; see DECISIONS
+
+# Tolerances of a quantized graph against its fp32 graph on the same inputs: the relative RMS
+# error ||q - f|| / ||f|| of each float output. Round to nearest with a symmetric scale per block
+# of 32 has a step of max|w| / (2^(bits-1) - 1): an RMS weight error of ~0.5% (int8) and ~9%
+# (int4) of the weights' RMS. Measured on real generations' inputs (logits; see DECISIONS): demo
+# 0.007 / 0.052, GPT-B random weights 0.016 / 0.149, tiny test engines up to 0.009 / 0.15 (K/V).
+TOLERANCES = {"int8": 0.03, "int4": 0.25}
+
+# ---------------------------------------------------------------------------------------------
+# ONNX Runtime weight-only
+
+
+def quantize_graph(src, dst, scheme, *, block=DEFAULT_BLOCK, head=None, accuracy_level=DEFAULT_ACCURACY_LEVEL,
+                   symmetric=True):
+    """Write `dst`, the graph `src` with its constant-weight MatMuls quantized (weight-only) to
+    `scheme` ('int8' | 'int4'). The output head (output_heads()) gets `head`: 'float', 'int8' or
+    'int4' (default HEAD[scheme]). Graphs with external data (`src`.data) work; `dst` keeps the
+    source's layout (its weights go to `dst`.data when the source's did). Returns the record:
+    scheme, bits, block, symmetric, accuracy_level, the head's nodes and precision, how many
+    MatMuls were quantized and which weight MatMuls stayed float (with the reason), sizes,
+    seconds and the tool version."""
+    import onnxruntime
+
+    if scheme not in SCHEMES:
+        raise LanternError(f"unknown quantization scheme {scheme!r}; valid: {', '.join(SCHEMES)}")
+    head = HEAD[scheme] if head is None else head
+    if head not in HEAD_PRECISIONS:
+        raise LanternError(f"unknown head precision {head!r}; valid: {', '.join(HEAD_PRECISIONS)}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1):
+        raise LanternError(f"quantization block must be a power of two >= 16, got {block!r}")
+    if accuracy_level not in (0, 1, 2, 3, 4):
+        raise LanternError(f"accuracy level must be 0..4 (MatMulNBits), got {accuracy_level!r}")
+    src, dst = os.fspath(src), os.fspath(dst)
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise LanternError(f"{dst}: the quantized graph must not overwrite its source")
+    model = _load(src)
+    if any(n.op_type == "MatMulNBits" for n in model.graph.node):
+        raise LanternError(f"{src}: the graph is already quantized (it has MatMulNBits nodes); start from the float graph")
+    external = _uses_external_data(src)
+    weights = weight_matmuls(model)
+    heads = output_heads(model)
+
+    start = time.perf_counter()
+    # The body first (the head excluded unless it gets the same bits), then the head alone.
+    model = _matmul_nbits(model, BITS[scheme], block, symmetric, accuracy_level,
+                          exclude=[] if head == scheme else heads)
+    if head != "float" and head != scheme:
+        model = _matmul_nbits(model, BITS[head], block, symmetric, accuracy_level,
+                              exclude=[n for n in weight_matmuls(model) if n not in heads])
+    seconds = time.perf_counter() - start
+
+    quantized = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    left = weight_matmuls(model)
+    skipped = [{"node": name, "reason": "output head (kept in float)" if name in heads else
+                f"weight shape {left[name]} not supported by MatMulNBits"} for name in sorted(left)]
+    if len(quantized) + len(left) != len(weights):
+        raise RuntimeError(f"{src}: {len(weights)} weight MatMuls became {len(quantized)} quantized + "
+                           f"{len(left)} float; the quantizer changed something else")
+    _save(model, dst, external)
+    return {
+        "scheme": scheme,
+        "bits": BITS[scheme],
+        "block": block,
+        "symmetric": symmetric,
+        "accuracy_level": accuracy_level,
+        "operator": "com.microsoft.MatMulNBits",
+        "head": {"nodes": heads, "precision": head},
+        "quantized": len(quantized),
+        "skipped": skipped,
+        "bytes": {"source": _graph_bytes(src), "quantized": _graph_bytes(dst)},
+        "seconds": round(seconds, 3),
+        "tool": {"onnxruntime": onnxruntime.__version__, "quantizer": "MatMulNBitsQuantizer (round to nearest)"},
+    }
+
+
+def _matmul_nbits(model, bits, block, symmetric, accuracy_level, exclude):
+    """One pass of ONNX Runtime's MatMulNBitsQuantizer over every MatMul not in `exclude`
+    (those without a constant weight are left alone by the quantizer)."""
+    quantizer_class = _nbits_quantizer()
+    with _quiet("onnxruntime.quantization"):
+        quantizer = quantizer_class(model, bits=bits, block_size=block, is_symmetric=symmetric,
+                                    accuracy_level=accuracy_level, nodes_to_exclude=sorted(exclude))
+        quantizer.process()
+    return quantizer.model.model
+
+
+def quantize_engine(src, dst, scheme, *, graphs=("target", "drafter"), force=False, **options):
+    """Copy the engine directory `src` to `dst` with `graphs` quantized by quantize_graph(scheme,
+    **options); the other files are copied (not hard-linked: onnx refuses external data files
+    with several links, as a hardlink attack). Each quantized
+    graph's manifest entry gets its record under "quantization", and manifest["quantization"]
+    maps graph -> scheme. Built in a temporary sibling and renamed into place. Returns the manifest.
+
+    Phase 1 of issue 13: `lantern-export onnx --quantize` will write this record itself."""
+    from lantern.runtime import manifest as engine_format
+
+    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    manifest = engine_format.read_manifest(src)
+    missing = [g for g in graphs if g not in manifest["graphs"]]
+    if missing:
+        raise LanternError(f"{src}: no {', '.join(missing)} graph to quantize (graphs: {', '.join(manifest['graphs'])})")
+    if os.path.lexists(dst):
+        if not force:
+            raise LanternError(f"{dst} already exists; pass force=True to replace it")
+        if not os.path.isfile(os.path.join(dst, "manifest.json")):
+            raise LanternError(f"{dst} exists and is not an engine directory; not replacing it")
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    try:
+        os.chmod(tmp, 0o777 & ~_umask())
+        replaced = set()
+        for g in graphs:
+            entry = manifest["graphs"][g]
+            replaced.update(f for f in (entry["file"], entry.get("external_data")) if f)
+        for name in manifest["files"]:
+            if name not in replaced:
+                shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
+        for g in graphs:
+            entry = manifest["graphs"][g]
+            for name in (entry["file"], entry.get("external_data")):
+                manifest["files"].pop(name, None)
+            record = quantize_graph(os.path.join(src, entry["file"]), os.path.join(tmp, entry["file"]), scheme, **options)
+            data = entry["file"] + ".data"
+            entry["external_data"] = data if os.path.exists(os.path.join(tmp, data)) else None
+            entry["quantization"] = record
+            manifest["files"].update(engine_format.describe_files(tmp, [f for f in (entry["file"], entry["external_data"]) if f]))
+        manifest["quantization"] = {g: scheme for g in graphs}
+        engine_format.write_manifest(tmp, manifest)
+        if os.path.lexists(dst):
+            shutil.rmtree(dst)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def weight_matmuls(model):
+    """{node name: weight shape} of the MatMuls whose second input is a constant (an initializer)."""
+    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
+    return {n.name: shapes[n.input[1]] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in shapes}
+
+
+def output_heads(model, quantized=False):
+    """Names of the weight MatMuls that read a graph output: the output head, which maps the
+    `hidden` (target) / `hidden_out` (drafter) output to the vocabulary in both graph contracts.
+    quantized: also find MatMulNBits heads (by the name of the MatMul they replaced)."""
+    outputs = {o.name for o in model.graph.output}
+    weights = weight_matmuls(model)
+    names = [n.name for n in model.graph.node if n.input and n.input[0] in outputs and n.name in weights]
+    if quantized:
+        names += [_source_name(n) for n in model.graph.node if n.op_type == "MatMulNBits" and n.input[0] in outputs]
+    return sorted(names)
+
+
+def _source_name(node):
+    """The MatMul a MatMulNBits node replaced: the quantizer names it <name>_Q<bits>."""
+    return re.sub(r"_Q\d+$", "", node.name)
+
+
+def verify_record(path, record):
+    """Check that the graph at `path` is what its quantization `record` says: scheme and bits,
+    block, symmetry and accuracy level of every MatMulNBits node (the head's at the head's
+    precision), how many there are, which weight MatMuls stayed float. Raises LanternError
+    naming the first mismatch."""
+    import onnx
+
+    where = os.fspath(path)
+    scheme = record.get("scheme")
+    if scheme not in BITS:
+        raise LanternError(f"{where}: the record's scheme {scheme!r} is not one of {', '.join(SCHEMES)}")
+    if record.get("bits") != BITS[scheme]:
+        raise LanternError(f"{where}: the record says scheme {scheme} with {record.get('bits')} bits "
+                           f"({scheme} is {BITS[scheme]} bits)")
+    head = record.get("head") or {}
+    if head.get("precision") not in HEAD_PRECISIONS:
+        raise LanternError(f"{where}: the record's head precision {head.get('precision')!r} is not one of "
+                           f"{', '.join(HEAD_PRECISIONS)}")
+    model = onnx.load(where, load_external_data=False)
+    nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    if len(nodes) != record.get("quantized"):
+        raise LanternError(f"{where}: {len(nodes)} MatMulNBits nodes, the record says {record.get('quantized')}")
+    head_nodes = sorted(head.get("nodes", []))
+    if head_nodes != output_heads(model, quantized=True):
+        raise LanternError(f"{where}: output head {output_heads(model, quantized=True)}, the record says {head_nodes}")
+    float_heads = [name for name in head_nodes if name in weight_matmuls(model)]
+    if (head["precision"] == "float") != (float_heads == head_nodes):
+        raise LanternError(f"{where}: the record says the head is {head['precision']}, the graph's head "
+                           f"{head_nodes} is {'float' if float_heads else 'quantized'}")
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        is_head = _source_name(node) in head_nodes
+        expected = dict(record, bits=BITS[head["precision"]] if is_head else record["bits"])
+        found = {"bits": attrs.get("bits", 4), "block": attrs.get("block_size"),
+                 "accuracy_level": attrs.get("accuracy_level", 0),
+                 "symmetric": len(node.input) < 4 or not node.input[3]}
+        for key, value in found.items():
+            if value != expected.get(key):
+                raise LanternError(f"{where}: node {node.name} has {key} {value}, the record says {expected.get(key)}")
+    left = sorted(weight_matmuls(model))
+    recorded = sorted(s["node"] for s in record.get("skipped", []))
+    if left != recorded:
+        raise LanternError(f"{where}: float weight MatMuls {left}, the record lists {recorded} as skipped")
+
+
+def relative_errors(reference, quantized):
+    """{output: ||q - f|| / ||f||} over the float outputs of two runs of one graph ({name: array});
+    integer outputs (top-k ids) give the fraction of positions whose first id differs."""
+    errors = {}
+    for name, f in reference.items():
+        q = quantized[name]
+        if np.issubdtype(f.dtype, np.floating):
+            f64, q64 = f.astype(np.float64), q.astype(np.float64)
+            errors[name] = float(np.linalg.norm(q64 - f64) / max(np.linalg.norm(f64), 1e-30))
+        else:
+            errors[name] = float(np.mean(f[..., 0] != q[..., 0]))
+    return errors
+
+
+def check_outputs(reference, quantized, tolerance, where="graph"):
+    """relative_errors(), raising LanternError when a float output's error exceeds `tolerance`
+    (a number, or a scheme name from TOLERANCES). Returns the errors."""
+    limit = TOLERANCES[tolerance] if isinstance(tolerance, str) else float(tolerance)
+    errors = relative_errors(reference, quantized)
+    for name, error in errors.items():
+        if np.issubdtype(reference[name].dtype, np.floating) and not error <= limit:
+            raise LanternError(f"{where}: output {name} differs from the float graph by {error:.4g} "
+                               f"(relative RMS), over the tolerance {limit:g}")
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorRT: Q/DQ forms made by NVIDIA ModelOpt
+
+
+QDQ_SCHEMES = ("fp8", "int8", "int4")
+QDQ_INT4_BLOCK = 128  # ModelOpt's default INT4 block; TensorRT's weight-only INT4 takes blocks along K
+
+
+def quantize_qdq(src, dst, scheme, calibration=None, *, block=QDQ_INT4_BLOCK, head="float",
+                 method=None, high_precision=None):
+    """Write `dst`, the graph `src` in the Q/DQ form TensorRT builds from, made by NVIDIA ModelOpt's
+    ONNX post-training quantization (`modelopt.onnx.quantization.quantize`), calibrated with ONNX
+    Runtime on the CPU:
+      fp8   FP8 E4M3 weights and activations of the MatMuls (per-tensor activation scales), the
+            attention MatMuls included (TensorRT for RTX builds it for SM89 and later)
+      int8  INT8 weights (per channel) and activations, likewise (SM80 and later)
+      int4  weight-only INT4 in blocks of `block` along K (blocked DequantizeLinear, opset 21;
+            SM80 and later)
+    calibration: a list of feed dicts for the graph (the inputs a real generation gives it);
+    required for fp8 and int8, optional for int4 (AWQ-clip with it, round-to-nearest without).
+    method: ModelOpt's calibration method (default: 'max' for fp8/int8, 'awq_clip' / 'rtn_dq'
+    for int4). high_precision: what stays unquantized, 'fp32' or 'fp16' (default: the graph's own
+    float type). head: 'float' (default) or 'quantized' (the same scheme as the body). Returns
+    the record."""
+    import onnx
+    import onnxruntime
+    from importlib import metadata
+
+    if scheme not in QDQ_SCHEMES:
+        raise LanternError(f"unknown Q/DQ scheme {scheme!r}; valid: {', '.join(QDQ_SCHEMES)}")
+    if scheme != "int4" and not calibration:
+        raise LanternError(f"{scheme} quantizes activations too: give calibration feeds (a list of input dicts)")
+    if scheme == "int4" and (isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1)):
+        raise LanternError(f"INT4 block must be a power of two >= 16, got {block!r}")
+    try:
+        from modelopt.onnx.quantization import quantize as modelopt_quantize
+    except ImportError as e:
+        raise LanternError(f"NVIDIA ModelOpt's ONNX quantization is not importable ({e}); "
+                           f"pip install 'lantern[trt-quant]'") from None
+    src, dst = os.fspath(src), os.fspath(dst)
+    model = _load(src)
+    external = _uses_external_data(src)
+    if high_precision is None:
+        high_precision = "fp16" if _float_type(model) == onnx.TensorProto.FLOAT16 else "fp32"
+    if method is None:
+        method = "max" if scheme != "int4" else ("awq_clip" if calibration else "rtn_dq")
+    heads = output_heads(model)
+    if head not in ("float", "quantized"):
+        raise LanternError(f"head must be 'float' or 'quantized' for Q/DQ graphs, got {head!r}")
+    exclude = [] if head == "quantized" else ["^" + re.escape(name) + "$" for name in heads]
+    weights = weight_matmuls(model)
+    del model
+
+    # Weights stored quantized (DequantizeLinear of an int8 / fp8 constant; dq_only) rather than as
+    # fp32 behind a Q/DQ pair: a quarter of the bytes, and TensorRT builds either.
+    options = {"block_size": block} if scheme == "int4" else {"dq_only": True}
+    if calibration and method.startswith("awq"):
+        # AWQ concatenates each MatMul's activations over the calibration calls, so they must
+        # share one shape: keep the most common call shape (a run's verification calls).
+        calibration = _largest_shape_group(calibration)
+    start = time.perf_counter()
+    printed = io.StringIO()  # ModelOpt logs to stdout (and tools print JSON there)
+    with tempfile.TemporaryDirectory(prefix="lantern-modelopt-") as work, contextlib.redirect_stdout(printed), \
+            _quiet("modelopt"), _quiet("onnxruntime"), _quiet("onnxslim"):
+        out = os.path.join(work, "quantized.onnx")
+        modelopt_quantize(src, quantize_mode=scheme, calibration_method=method,
+                          calibration_data_reader=_feed_reader(calibration) if calibration else None,
+                          calibration_eps=["cpu"], nodes_to_exclude=exclude, high_precision_dtype=high_precision,
+                          use_external_data_format=external, output_path=out, log_level="CRITICAL", **options)
+        quantized = onnx.load(out)
+    seconds = time.perf_counter() - start
+    dequantized = _dequantized_weights(quantized)
+    left = weight_matmuls(quantized)
+    skipped = [{"node": name, "reason": "output head (kept in float)" if name in heads else "not quantized by ModelOpt"}
+               for name in sorted(left)]
+    _save(quantized, dst, external)
+    return {
+        "scheme": scheme,
+        "format": "qdq",
+        "weights": {"fp8": "float8e4m3fn", "int8": "int8", "int4": "int4"}[scheme],
+        "activations": {"fp8": "float8e4m3fn", "int8": "int8", "int4": "float"}[scheme],
+        "block": block if scheme == "int4" else None,
+        "symmetric": True,
+        "calibration": {"method": method, "samples": len(calibration or []), "provider": "CPUExecutionProvider"},
+        "high_precision": high_precision,
+        "head": {"nodes": heads, "precision": scheme if head == "quantized" else "float"},
+        "weight_matmuls": len(weights),
+        "quantized": len(dequantized),
+        "skipped": skipped,
+        "bytes": {"source": _graph_bytes(src), "quantized": _graph_bytes(dst)},
+        "seconds": round(seconds, 3),
+        "tool": {"modelopt": metadata.version("nvidia-modelopt"), "onnxruntime": onnxruntime.__version__},
+    }
+
+
+def _feed_reader(feeds):
+    """ONNX Runtime's CalibrationDataReader over a list of feed dicts, with the get_first() and
+    rewind() ModelOpt's calibration also calls."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class FeedReader(CalibrationDataReader):
+        def __init__(self):
+            self.feeds, self.position = list(feeds), 0
+
+        def get_next(self):
+            self.position += 1
+            return self.feeds[self.position - 1] if self.position <= len(self.feeds) else None
+
+        def get_first(self):
+            return self.feeds[0]
+
+        def rewind(self):
+            self.position = 0
+
+        def __len__(self):
+            return len(self.feeds)
+
+    return FeedReader()
+
+
+def _largest_shape_group(feeds):
+    groups = {}
+    for f in feeds:
+        groups.setdefault(tuple((k, np.shape(v)) for k, v in sorted(f.items())), []).append(f)
+    return max(groups.values(), key=len)
+
+
+def _dequantized_weights(model):
+    """Names of the MatMuls whose second input is a DequantizeLinear of a constant (directly, or
+    through a QuantizeLinear of a constant)."""
+    constants = {t.name for t in model.graph.initializer}
+    producer = {out: n for n in model.graph.node for out in n.output}
+
+    def constant(name):
+        node = producer.get(name)
+        return name in constants or (node is not None and node.op_type == "QuantizeLinear" and node.input[0] in constants)
+
+    names = []
+    for n in model.graph.node:
+        dq = producer.get(n.input[1]) if n.op_type == "MatMul" else None
+        if dq is not None and dq.op_type == "DequantizeLinear" and constant(dq.input[0]):
+            names.append(n.name)
+    return names
+
+
+def _float_type(model):
+    for value in model.graph.input:
+        kind = value.type.tensor_type.elem_type
+        if kind in (1, 10, 16):  # float, float16, bfloat16
+            return kind
+    return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def _load(path):
+    import onnx
+
+    if not os.path.isfile(path):
+        raise LanternError(f"{path}: no such ONNX file")
+    try:
+        return onnx.load(path)  # external data is read from next to the file
+    except Exception as e:  # onnx raises several types for unreadable files / missing data
+        raise LanternError(f"{path}: cannot load the graph ({str(e).splitlines()[0]})") from None
+
+
+def _uses_external_data(path):
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+
+    model = onnx.load(path, load_external_data=False)
+    return any(uses_external_data(t) for t in model.graph.initializer)
+
+
+def _save(model, dst, external):
+    """Write `dst` (and `dst`.data) through a temporary directory beside it, so a failed save
+    leaves nothing half-written under the final names."""
+    import onnx
+
+    parent = os.path.dirname(os.path.abspath(dst)) or "."
+    name = os.path.basename(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        onnx.save_model(model, os.path.join(tmp, name), save_as_external_data=external,
+                        all_tensors_to_one_file=True, location=name + ".data", size_threshold=1024)
+        if not external and os.path.exists(dst + ".data"):
+            os.remove(dst + ".data")  # a stale data file of an earlier quantized graph
+        for file in sorted(os.listdir(tmp), reverse=True):  # the .onnx.data first, the graph last
+            os.chmod(os.path.join(tmp, file), 0o666 & ~_umask())  # onnx writes .data files private
+            os.replace(os.path.join(tmp, file), os.path.join(parent, file))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _graph_bytes(path):
+    return os.path.getsize(path) + (os.path.getsize(path + ".data") if os.path.exists(path + ".data") else 0)
+
+
+def _nbits_quantizer():
+    """ONNX Runtime's MatMulNBitsQuantizer. Its module calls logging.basicConfig(level=INFO) on
+    import, which would make every logger of this process print INFO lines; undo that."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    return MatMulNBitsQuantizer
+
+
+@contextlib.contextmanager
+def _quiet(logger_name):
+    """ONNX Runtime's quantizers log every node at INFO."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
