@@ -290,7 +290,8 @@ def test_trt_export_builds_for_trees_tuned_on_tensorrt(c2i_engine, tuned_report,
     install_trees(d, {**report, "backend": "tensorrt"}, {1: build_tree("kary-2-2", name="k"), 2: root_only()})
     m = read_manifest(d)
     trees = trt_export._trees(m, [], d)
-    assert [t.name for t in trees] == [exported, f"{report['key']}.b1"] and trees[1].paths == build_tree("kary-2-2").paths
+    assert [t.name for t in trees] == [exported, f"{report['key']}.b1"]
+    assert trees[1].paths == build_tree("kary-2-2").paths
     assert [t.name for t in trt_export._trees(m, ["chain-3"], d)] == ["chain-3"]  # --tree given: only those
     d2 = engine_copy(c2i_engine, tmp_path, "copy2")
     install_trees(d2, report, {1: build_tree("kary-2-2", name="k"), 2: root_only()})  # tuned on onnxruntime
