@@ -519,6 +519,12 @@ def _graph(r, name):
     expected = graph_io(contract, max(g.layers, 1))
     if set(g.inputs) != set(expected["inputs"]) or set(g.outputs) != set(expected["outputs"]):
         r.fail("inputs", f"do not follow the {contract!r} contract of this lantern version")
+    for side in ("inputs", "outputs"):  # buffers are sized from these shapes: a wrong rank fails in the backend
+        for k, spec in getattr(g, side).items():
+            want = expected[side][k][1]
+            if len(spec.shape) != len(want):
+                r.fail(f"{side}.{k}.shape", f"is {list(spec.shape)}, of rank {len(spec.shape)}; the {contract!r} "
+                                            f"contract has {list(want)}")
     # in the contract's order, whatever order the file kept
     return dataclasses.replace(g, inputs={k: g.inputs[k] for k in expected["inputs"]},
                                outputs={k: g.outputs[k] for k in expected["outputs"]})
