@@ -366,7 +366,7 @@ class _Decoding:
 
     def accept(self, active, out):
         logits = self.combined_logits(out["logits"], self.count[:, None] + self.tree.depths[None, :])
-        a = np.flatnonzero(active)
+        a = slice(None) if active.all() else np.flatnonzero(active)  # no copy of the logits while all run
         return self.sampler.accept(self.tree, self.view.columns(self.node_tokens[a]), logits[a], self.cand_ids[a],
                                    self.cand_probs[a], self.rule, self.rng, self.neighbors)
 
