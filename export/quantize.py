@@ -341,6 +341,57 @@ def check_outputs(reference, quantized, tolerance, where="graph"):
 
 
 # ---------------------------------------------------------------------------------------------
+# Fidelity through the runtime
+
+
+class _Recording:
+    """A backend that keeps a copy of every target call's inputs (for teacher forcing)."""
+
+    def __init__(self, backend):
+        self.backend, self.target_calls = backend, []
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def run(self, call):
+        if call.graph == "target":
+            self.target_calls.append((call.regime, {k: np.array(v, copy=True) for k, v in call.feeds.items()}))
+        return self.backend.run(call)
+
+
+def greedy_agreement(reference, engines, classes, cfg_scale):
+    """Teacher-forced greedy agreement with a reference engine (runtime Engines, class-conditional):
+    the reference generates greedy `ar` images for `classes` with its target calls recorded, then
+    every engine's target runs on exactly those inputs. Returns ({name: the fraction of (call,
+    image) pairs whose CFG-combined greedy image token at the call's last position equals the
+    reference's}, the reference's greedy tokens). Free of the divergence that makes free-running
+    agreement fall after a first different token: it measures each step's fidelity."""
+    from lantern.runtime.plan import Call
+
+    recorder = _Recording(reference.backend)
+    reference.backend = recorder
+    try:
+        tokens = reference.generate(classes=list(classes), mode="ar", greedy=True, cfg_scale=cfg_scale).tokens
+    finally:
+        reference.backend = recorder.backend
+    m, images = reference.manifest, len(classes)
+    columns = slice(m.vocabulary.image_start, m.vocabulary.image_end)
+
+    def greedy(engine, regime, feeds):
+        logits = engine.backend.numpy(engine.backend.run(Call("target", regime, feeds))["logits"])
+        last = logits[:, -1, columns].astype(np.float64)
+        if cfg_scale > 1.0:  # rows [cond; uncond], combined as the decoding loop does
+            last = last[images:] + cfg_scale * (last[:images] - last[images:])
+        return last.argmax(-1)
+
+    want = [greedy(reference, regime, feeds) for regime, feeds in recorder.target_calls]
+    agreement = {name: float(np.mean([(greedy(e, regime, feeds) == w).mean()
+                                      for (regime, feeds), w in zip(recorder.target_calls, want)]))
+                 for name, e in engines.items()}
+    return agreement, tokens
+
+
+# ---------------------------------------------------------------------------------------------
 # Command line: `lantern-export onnx --quantize ...` and `lantern-export quantize ENGINE --out NEW`
 
 
