@@ -1,7 +1,13 @@
 """Quantized engine graphs, made from exported ONNX graphs with the vendors' own tools.
 
-ONNX Runtime: weight-only `int8` / `int4` (quantize_graph, quantize_engine)
-  Every MatMul with a constant 2-D weight becomes ONNX Runtime's MatMulNBits (com.microsoft):
+ONNX Runtime: weight-only `int8` / `int4` (quantize_graph; for engines `lantern-export onnx
+  --quantize int8|int4 [--quant-block N] [--quant-accuracy-level 0|4]`, which quantizes the
+  target and drafter graphs in the export's staging directory, or `lantern-export quantize ENGINE
+  --scheme S --out NEW` from an fp32 engine in a second or two: quantize_graphs, quantize_engine).
+  The manifest records each quantized graph's Quantization (lantern.runtime.manifest: scheme,
+  bits, block, symmetry, accuracy level, head precision and nodes, quantized and skipped
+  MatMuls, tool versions); `lantern-export check` verifies the graph against it (verify_record)
+  and compares with the fp32 PyTorch modules at the scheme's TOLERANCES. Every MatMul with a constant 2-D weight becomes ONNX Runtime's MatMulNBits (com.microsoft):
   weights in blocks of `block` (32) along K, one float scale per block, symmetric (no zero
   points), written by ONNX Runtime's `MatMulNBitsQuantizer` (round to nearest). The output head
   gets its own precision (HEAD: int8 in both schemes). With accuracy_level 4 the CPU kernel
@@ -344,7 +350,7 @@ def check_outputs(reference, quantized, tolerance, where="graph"):
 # Fidelity through the runtime
 
 
-class _Recording:
+class RecordingBackend:
     """A backend that keeps a copy of every target call's inputs (for teacher forcing)."""
 
     def __init__(self, backend):
@@ -368,7 +374,7 @@ def greedy_agreement(reference, engines, classes, cfg_scale):
     agreement fall after a first different token: it measures each step's fidelity."""
     from lantern.runtime.plan import Call
 
-    recorder = _Recording(reference.backend)
+    recorder = RecordingBackend(reference.backend)
     reference.backend = recorder
     try:
         tokens = reference.generate(classes=list(classes), mode="ar", greedy=True, cfg_scale=cfg_scale).tokens

@@ -465,7 +465,7 @@ def test_qdq_form_builds_with_tensorrt_rtx(c2i, qdq, scheme):
     from lantern.tools.bench_quant_trt import build, profile_sizes
 
     path = qdq[scheme][0]
-    sizes = profile_sizes(json.load(open(os.path.join(c2i, "manifest.json"))), "target")
+    sizes = profile_sizes(read_manifest(c2i), "target")
     for cc in ("SM89", "SM120"):
         result = build(trt, path, cc, sizes)
         assert result["ok"] and result["plan_bytes"] > 0, result
