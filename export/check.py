@@ -12,17 +12,24 @@ Cases per graph (seeded random inputs), in the shapes the decoding loop's step p
   draft0   the drafter's fixed-width first call: real pairs then padding that sees only itself
 plus two batch sizes for the condition graph and two code grids for the VQ decoder. With CFG
 rows the drafter combines [cond; uncond] partners; its filters are exercised in one case.
+A backend that serves fixed shapes only (tensorrt: the optimization profiles its plans were
+built with) says which through `call_shapes(graph)`; the cases are then one per profile, in
+exactly those shapes (causal blocks over a partly filled cache, CFG pairs on even batches).
 
 Comparison per output: max |a - b| must be <= atol + rtol * max |reference| (the output's
 scale). Defaults, stated in TOLERANCES:
-  fp32  atol 1e-5, rtol 1e-4
-  fp16  atol 1e-3, rtol 1e-2   (backends round fp16 differently per op)
+  fp32  atol 1e-5, rtol 1e-4   (TensorRT plans are built with TF32 off unless `lantern-export trt
+                                --tf32`, so fp32 plans compute in fp32; TF32 plans need rtol ~1e-2)
+  fp16  atol 1e-3, rtol 1e-2   (backends round fp16 differently per op; TensorRT's fused fp16
+                                kernels accumulate in fp32 like ONNX Runtime's)
   bf16  atol 1e-4, rtol 2e-3   ONNX Runtime's CPU EP has no bf16 kernels: the bf16 graphs run
         with their bf16 tensors upcast exactly to fp32 against the reference holding the same
         bf16 weights, run in fp32 — this checks the graph and its weights, not bf16 rounding.
 VQ decoder images are compared with atol at least IMAGE_ATOL = 1e-3 (an eighth of an 8-bit
 level): the deep convolution stacks round differently per backend (1.4e-4 seen on a 48x48 grid
 in fp32), and the images are quantized to 8 bits anyway.
+  bf16 on tensorrt  atol 1e-2, rtol 5e-2   TensorRT computes in bf16 (8-bit mantissa, ~0.4% per
+        rounding) against that fp32 reference: a first bound, not yet measured on a GPU.
 The drafter's top-k ids are compared only at ranks clear of a near-tie: the reference's gap in
 log-probability to the neighbouring ranks must exceed 4x the largest log-probability error
 between the two backends (ranks of zero probability are not comparable and are skipped).
@@ -49,6 +56,7 @@ from lantern.runtime.tree import build_tree
 
 TOLERANCES = {"fp32": (1e-5, 1e-4), "fp16": (1e-3, 1e-2), "bf16": (1e-4, 2e-3)}
 IMAGE_ATOL = 1e-3
+BF16_COMPUTED = (1e-2, 5e-2)  # a backend that computes bf16 in bf16 (tensorrt) against the fp32 upcast
 GARBAGE = 100.0  # scale of the junk in unused cache slots (finite: masked slots get weight 0)
 THREADS = 2
 _NUMPY_FLOAT = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}  # bf16 graphs run upcast
@@ -92,8 +100,11 @@ def _attention_cases(manifest):
     ]
 
 
-def check_cases(graph, manifest, rng):
-    """[(case name, {input name: numpy array})] for one graph."""
+def check_cases(graph, manifest, rng, shapes=None):
+    """[(case name, {input name: numpy array})] for one graph; in the given shapes when `shapes`
+    ([(case name, {input: shape})], the dynamic inputs' shapes) is given."""
+    if shapes is not None:
+        return [(name, _shaped_case(graph, manifest, rng, dims)) for name, dims in shapes]
     entry = manifest.graphs[graph]
     fdt = _NUMPY_FLOAT[entry.dtype]
     V = manifest.vocabulary.size
@@ -151,6 +162,47 @@ def check_cases(graph, manifest, rng):
                          top_p=np.array([top_p], dtype=np.float32))
         cases.append((name, feeds))
     return cases
+
+
+def _shaped_case(graph, manifest, rng, dims):
+    """Inputs of one graph in given shapes: ids, a causal block over a cache filled up to the
+    last T slots (garbage beyond, masked), positions past + 0..T-1 clamped to the RoPE table."""
+    entry = manifest.graphs[graph]
+    fdt = _NUMPY_FLOAT[entry.dtype]
+    shape = {name: tuple(dims.get(name, spec.shape)) for name, spec in entry.inputs.items()}
+    V = manifest.vocabulary.size
+    if graph == "condition" and entry.contract == "condition_c2i":
+        rows = manifest.condition.num_classes + (manifest.condition.null_class is not None)
+        return {"class_ids": rng.integers(0, rows, shape["class_ids"])}
+    if graph == "condition":
+        b = shape["unconditional"][0]
+        return {"caption": rng.standard_normal(shape["caption"]).astype(fdt), "unconditional": np.arange(b) % 2 == 1}
+    if graph == "vq_decoder":
+        return {"codes": rng.integers(0, manifest.vocabulary.codes, shape["codes"])}
+    b, t = shape["input_ids"]
+    capacity = shape["past_keys_0"][2]
+    valid = max(0, min(capacity - t, manifest.max_positions - t))
+    feeds = {"input_ids": rng.integers(0, V, (b, t))}
+    if graph == "target":
+        C = shape["cond_embeds"][1]
+        feeds["input_ids"][:, : min(C, t)] = V + np.arange(min(C, t))  # condition tokens, as prefill feeds them
+        feeds["cond_embeds"] = rng.standard_normal(shape["cond_embeds"]).astype(fdt)
+    else:
+        feeds["target_hidden"] = rng.standard_normal(shape["target_hidden"]).astype(fdt)
+    positions = np.minimum(valid + np.arange(t), manifest.max_positions - 1)
+    feeds["position_ids"] = np.ascontiguousarray(np.broadcast_to(positions, (b, t))).astype(np.int64)
+    feeds["attention_mask"] = _mask(b, capacity, valid, np.tril(np.ones((t, t), dtype=bool)))
+    _, _, _, head_dim = shape["past_keys_0"]
+    heads = shape["past_keys_0"][1]
+    feeds.update(cache_feeds(_kv(rng, entry.layers, b, heads, capacity, valid, head_dim, fdt),
+                             _kv(rng, entry.layers, b, heads, capacity, valid, head_dim, fdt)))
+    if graph == "drafter":
+        cfg = b % 2 == 0
+        pair = (np.arange(b) + b // 2) % b if cfg else np.arange(b)
+        feeds.update(cfg_pair=pair.astype(np.int64), cfg_scale=np.array([2.0 if cfg else 1.0], dtype=np.float32),
+                     temperature=np.array([1.0], dtype=np.float32), top_k=np.array([0], dtype=np.int64),
+                     top_p=np.array([1.0], dtype=np.float32))
+    return {name: feeds[name] for name in entry.inputs}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,14 +405,18 @@ def check_engine(directory, *, backend="onnxruntime", against="torch", verify=Tr
 
         verify_sources(manifest)
     default_atol, default_rtol = TOLERANCES[manifest.dtype]
+    if manifest.dtype == "bf16" and "tensorrt" in (backend, against):
+        default_atol, default_rtol = BF16_COMPUTED
     atol = default_atol if atol is None else atol
     rtol = default_rtol if rtol is None else rtol
     rng = np.random.default_rng(seed)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         tested, reference = open_backends(directory, manifest, backend, against, modules, tmp)
+        fixed = next((b for b in (tested, reference) if hasattr(b, "call_shapes")), None)
         for graph in manifest.graphs:
-            for case, feeds in check_cases(graph, manifest, rng):
+            shapes = fixed.call_shapes(graph) if fixed is not None else None
+            for case, feeds in check_cases(graph, manifest, rng, shapes):
                 call = Call(graph, case, feeds)
                 got = {k: tested.numpy(v) for k, v in tested.run(call).items()}
                 want = {k: reference.numpy(v) for k, v in reference.run(call).items()}
@@ -384,9 +440,10 @@ def check_engine(directory, *, backend="onnxruntime", against="torch", verify=Tr
 
 
 def format_report(report):
+    width = max([9] + [len(r["case"]) + 1 for r in report["results"]])
     lines = [f"engine {report['engine']} ({report['dtype']}): {report['backend']} against {report['against']}, pass iff "
              f"max|a - b| <= {report['atol']:g} + {report['rtol']:g} * max|{report['against']}| per output",
-             f"{'graph':<11}{'case':<9}{'output':<15}{'max abs':>10}{'max rel':>10}  result"]
+             f"{'graph':<11}{'case':<{width}}{'output':<15}{'max abs':>10}{'max rel':>10}  result"]
     quantized = report.get("quantization", {})
     if quantized:  # in the header's place for those graphs
         lines[1:1] = [f"  except {g} ({q['scheme']} weight-only): pass iff ||a - b|| / ||{report['against']}|| <= "
@@ -396,7 +453,7 @@ def format_report(report):
         note = r.get("note", "") if r["output"] == "topk_ids" or not r["ok"] else ""
         if "rms_rel" in r and "note" not in r:
             note = f"relative RMS {r['rms_rel']:.2e} {'<=' if r['ok'] else '>'} {r['bound']:g}"
-        lines.append(f"{r['graph']:<11}{r['case']:<9}{r['output']:<15}{row}  {'ok' if r['ok'] else 'FAIL'}"
+        lines.append(f"{r['graph']:<11}{r['case']:<{width}}{r['output']:<15}{row}  {'ok' if r['ok'] else 'FAIL'}"
                      + (f" ({note})" if note else ""))
     return "\n".join(lines)
 

@@ -8,8 +8,10 @@ time for named compute capabilities, no GPU needed) share one API; the few place
 Networks are strongly typed: precision comes from the ONNX graph's types (export fp16/bf16
 graphs for fp16/bf16 plans); no precision flags are set. Optimization profiles are plain data:
 a list of {input name: (min, opt, max)}, one profile per call regime (`exact_profile`) or one
-spanning all regimes (`spanning_profile`). For a shape-tensor input (an int tensor TensorRT needs
-the *values* of at build time, such as the v1 drafter's `cond_batch`) the triple holds values.
+spanning all regimes (`spanning_profile`). The engine graphs have no shape-tensor inputs (CFG is
+data: the drafter's `cfg_pair`), so a profile only ever holds shapes; a graph with a shape
+tensor is refused. `lantern-export trt` (lantern.export.trt_export) builds an engine
+directory's plans with these functions.
 
 Facts about TensorRT-RTX 1.7 measured on a CPU-only machine (see tests/test_tensorrt_build.py):
 building needs no GPU; deserializing a plan does (so `plan_io` needs one, and `build_plan`'s
@@ -89,7 +91,7 @@ def spanning_profile(regimes, opt=None):
 
 
 def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing_cache=None, workspace_bytes=None,
-               decomposable_attention=False, progress=None):
+               decomposable_attention=False, tf32=False, progress=None):
     """Parse `onnx_path` (external data next to it is found) into a strongly typed network and
     build a serialized plan with one optimization profile per entry of `profiles`.
 
@@ -101,6 +103,9 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
     decomposable_attention: let fused attention layers (ONNX Attention -> IAttention) fall back
       to plain layers where TensorRT has no fused kernel (fp32 has none); off, such a graph
       fails to build, which says the fusion did not happen.
+    tf32: let fp32 matrix products run in TF32 (TensorRT's default, on): off by default here, so
+      an fp32 graph computes in fp32 as its types say and checks against ONNX Runtime at fp32
+      tolerances; TF32 costs ~1e-3 relative error per product.
     progress: called as progress(phase, done, total) for the builder's top-level phases.
 
     Returns (plan bytes, record): the record holds flavor, TensorRT version, compute
@@ -116,6 +121,11 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
     fused = _fused_layers(trt, network, decomposable_attention)
 
     config = builder.create_builder_config()
+    if not tf32:
+        config.clear_flag(trt.BuilderFlag.TF32)
+    user_allocation = hasattr(trt.BuilderFlag, "REQUIRE_USER_ALLOCATION")
+    if user_allocation:  # TensorRT-RTX: what makes an execution context stream-capturable (CUDA graphs)
+        config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)
     targets = _set_compute_capabilities(trt, config, flavor, compute_capabilities)
     if workspace_bytes is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
@@ -147,6 +157,8 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
             "workspace_bytes": config.get_memory_pool_limit(trt.MemoryPoolType.WORKSPACE),
             "timing_cache": str(timing_cache) if timing_cache is not None else None,
             "decomposable_attention": bool(decomposable_attention),
+            "tf32": config.get_flag(trt.BuilderFlag.TF32),
+            "require_user_allocation": user_allocation,
         },
         "fused_layers": fused,
         "io": io,
@@ -182,12 +194,8 @@ def plan_io(plan, *, flavor):
         name = engine.get_tensor_name(i)
         entry = {"dtype": _dtype(engine.get_tensor_dtype(name)), "shape": list(engine.get_tensor_shape(name))}
         if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT:
-            profiles = range(engine.num_optimization_profiles)
-            if engine.is_shape_inference_io(name):  # a shape tensor: the profile holds values
-                # (the binding's positional order is (profile index, name), its names say otherwise)
-                entry["profiles"] = [[list(v) for v in engine.get_tensor_profile_values(p, name)] for p in profiles]
-            else:
-                entry["profiles"] = [[list(s) for s in engine.get_tensor_profile_shape(name, p)] for p in profiles]
+            entry["profiles"] = [[list(s) for s in engine.get_tensor_profile_shape(name, p)]
+                                 for p in range(engine.num_optimization_profiles)]
             out["inputs"][name] = entry
         else:
             out["outputs"][name] = entry
@@ -375,12 +383,13 @@ def _add_profile(builder, config, logger, io, profile, index, where):
     missing = [n for n in dynamic if n not in profile]
     if missing:
         raise LanternError(f"{where}: profile {index} gives no shapes for dynamic input(s) {', '.join(missing)}")
+    tensors = [n for n, e in inputs.items() if e["shape_tensor"]]
+    if tensors:
+        raise LanternError(f"{where}: input(s) {', '.join(tensors)} are shape tensors (TensorRT needs their values "
+                           f"at build time); lantern's graphs have none: re-export the engine with `lantern-export onnx`")
     p = builder.create_optimization_profile()
     for name, (mn, op, mx) in profile.items():
         entry = inputs[name]
-        if entry["shape_tensor"]:
-            p.set_shape_input(name, mn, op, mx)
-            continue
         for label, shape in (("min", mn), ("opt", op), ("max", mx)):
             if len(shape) != len(entry["shape"]) or any(isinstance(d, int) and d >= 0 and d != s
                                                        for d, s in zip(entry["shape"], shape)):
@@ -395,6 +404,6 @@ def _add_profile(builder, config, logger, io, profile, index, where):
     # What TensorRT holds, read back from its profile object: {input: {"min", "opt", "max"}}.
     held = {}
     for name in profile:
-        triple = p.get_shape_input(name) if inputs[name]["shape_tensor"] else p.get_shape(name)
+        triple = p.get_shape(name)
         held[name] = {k: [int(d) for d in s] for k, s in zip(("min", "opt", "max"), triple)}
     return held

@@ -40,7 +40,9 @@ def add_generation_options(p, backends=("onnxruntime",)):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tree", help="draft tree for this run (preset or JSON file; default: the engine's)")
     p.add_argument("--backend", default="onnxruntime", choices=backends)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda for tensorrt, else cpu)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="tensorrt: enqueue every call instead of replaying a CUDA graph per call regime")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
 
 
@@ -56,7 +58,7 @@ def add_parser(sub, backend_loaders=None):
     loaders = dict(backend_loaders or {})
     g = sub.add_parser("generate", help="generate images: tokens.npy, stats.json and PNGs into --out")
     g.add_argument("engine", help="engine directory (from lantern-export onnx)")
-    add_generation_options(g, backends=("onnxruntime",) + tuple(loaders))
+    add_generation_options(g, backends=("onnxruntime", "tensorrt") + tuple(loaders))
     g.add_argument("--classes", type=_classes, help="class labels, e.g. 3,7 (c2i engines)")
     g.add_argument("--caption", help="T5 caption features .npy [N, tokens, dim], left-padded (t2i engines)")
     g.add_argument("--caption-mask", help=".npy [N, tokens] of 0/1: which caption tokens are real")
@@ -87,9 +89,11 @@ def _load_npy(path, what):
 def open_engine(args):
     from lantern.runtime.generator import Engine
 
+    device = args.device or ("cuda" if args.backend == "tensorrt" else "cpu")
+    options = {"cuda_graphs": args.cuda_graphs} if args.backend == "tensorrt" else {}
     loader = args.backend_loaders.get(args.backend)
-    backend = loader(args.engine, args.threads, args.device) if loader else args.backend
-    return Engine(args.engine, backend=backend, threads=args.threads, device=args.device)
+    backend = loader(args.engine, args.threads, device) if loader else args.backend
+    return Engine(args.engine, backend=backend, threads=args.threads, device=device, **options)
 
 
 def write_outputs(stage, tokens, stats, images=None):

@@ -73,13 +73,15 @@ class Engine:
     """An engine directory opened on one backend. Holds no per-generation state but the last
     step plan, which the next generation with the same tree and batch reuses."""
 
-    def __init__(self, directory, backend="onnxruntime", threads=None, device="cpu", verify=True,
+    def __init__(self, directory, backend="onnxruntime", threads=None, device=None, verify=True,
                  memory_limit=None, **backend_options):
         self.directory = os.fspath(directory)
         self.manifest = m = read_manifest(self.directory, verify=verify)
         # A backend name, or an opened backend (e.g. a TorchBackend over in-memory modules).
-        self.backend = backend if not isinstance(backend, str) else open_backend(
-            backend, self.directory, m, threads=threads, device=device, **backend_options)
+        if isinstance(backend, str):  # device None: the backend's own default (cpu; cuda for tensorrt)
+            options = dict(backend_options, threads=threads, **({} if device is None else {"device": device}))
+            backend = open_backend(backend, self.directory, m, **options)
+        self.backend = backend
         self.condition = condition_adapter(m, self.backend.float_dtype, self.directory)
         self.tree = build_tree(m.tree) if m.tree else None
         self.neighbors = None

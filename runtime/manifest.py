@@ -8,6 +8,8 @@ engines/NAME/
   vq_decoder.onnx   code grid -> RGB in [-1, 1] (optional)
   neighbors.npy     latent neighbours [codes, k] of every code, nearest first (optional)
   *.onnx.data       external weights of a graph
+  plans/KEY/*.plan  TensorRT plans built from the graphs by `lantern-export trt` (optional;
+                    KEY = flavor and compute capabilities, e.g. tensorrt-rtx-SM89)
 
 `Manifest` is the only way into a manifest: export builds one and writes it with `write`, the
 runtime reads it with `read_manifest`, which validates every field (types, ranges, the graphs'
@@ -22,6 +24,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -258,6 +261,49 @@ class FileRecord:
 
 
 @dataclass(frozen=True)
+class PlanProfile:
+    """One optimization profile of a TensorRT plan: every dynamic input's shape range (min, opt,
+    max; all three equal in the exact profiles `lantern-export trt` builds) and the step plan's
+    calls it was built for, as labels such as "verify n1 cfg mc_sim_7b_63"."""
+
+    serves: tuple
+    shapes: dict  # input name -> {"min": [...], "opt": [...], "max": [...]}
+
+    def covers(self, shapes):
+        """Whether a call with these input shapes {name: shape} runs in this profile."""
+        for name, rng in self.shapes.items():
+            shape = shapes.get(name)
+            if shape is None or len(shape) != len(rng["min"]) or not all(
+                    lo <= d <= hi for lo, d, hi in zip(rng["min"], shape, rng["max"])):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    file: str  # relative path, listed in `files`
+    profiles: tuple  # PlanProfile, in the plan's profile order
+
+
+@dataclass(frozen=True)
+class TensorRTPlans:
+    """One `lantern-export trt` build: a plan per graph for one flavor and set of GPUs. A plan
+    runs only on the TensorRT version that built it and on the compute capabilities it targets."""
+
+    flavor: str  # "tensorrt" (full TensorRT) or "tensorrt-rtx" (TensorRT for RTX)
+    version: str  # the TensorRT (or TensorRT-RTX) version that built the plans
+    compute_capabilities: tuple  # "SM89", ...
+    plans: dict  # graph name -> PlanFile
+    batches: tuple  # images per call the profiles were made for
+    cfg: tuple  # (False,), (True,) or (False, True): with / without classifier-free guidance
+    trees: tuple  # names of the draft trees the profiles were made for
+    builder: dict = field(default_factory=dict)  # builder settings, for people and for rebuilding
+
+
+PLAN_FLAVORS = ("tensorrt", "tensorrt-rtx")
+
+
+@dataclass(frozen=True)
 class Manifest:
     family: str
     model: dict  # the family's own config and parameter count, for people and for re-export
@@ -280,6 +326,7 @@ class Manifest:
     sources: dict = field(default_factory=dict)  # checkpoints the graphs came from (export reads it)
     tools: dict = field(default_factory=dict)
     build: dict = field(default_factory=dict)
+    tensorrt: Optional[dict] = None  # plans directory key ("tensorrt-rtx-SM89") -> TensorRTPlans
     schema: int = SCHEMA_VERSION
 
     def to_json(self):
@@ -329,15 +376,14 @@ def describe_files(directory, names):
 class _Reader:
     """Typed access to a JSON object; every failure is one LanternError naming the field."""
 
-    def __init__(self, data, where):
-        self.where = where
+    def __init__(self, data, where, fix="re-export the engine with `lantern-export onnx`"):
+        self.where, self.fix = where, fix  # fix: what the message tells the user to do
         if not isinstance(data, dict):
             self.fail("", f"must be an object, got {type(data).__name__}")
         self.data = data
 
     def fail(self, key, why):
-        raise LanternError(f"{self.where}{'.' + key if key else ''} {why}; re-export the engine with "
-                           f"`lantern-export onnx`")
+        raise LanternError(f"{self.where}{'.' + key if key else ''} {why}; {self.fix}")
 
     def get(self, key, kind, optional=False, check=None, why=""):
         if key not in self.data:
@@ -359,7 +405,7 @@ class _Reader:
 
     def obj(self, key, optional=False):
         value = self.get(key, dict, optional)
-        return None if value is None else _Reader(value, f"{self.where}.{key}")
+        return None if value is None else _Reader(value, f"{self.where}.{key}", self.fix)
 
     def done(self, known):
         unknown = sorted(set(self.data) - set(known))
@@ -498,7 +544,64 @@ def _parse(data, where):
         build=r.get("build", dict), schema=SCHEMA_VERSION)
     r.done(_fields(Manifest))
     _check_consistency(m, r)
+    plans = r.get("tensorrt", dict, optional=True)
+    if plans is not None:
+        m = m.replace(tensorrt={key: _plans(_Reader(v, f"{where}: tensorrt.{key}", _REBUILD_PLANS), key, m)
+                                for key, v in plans.items()})
     return m
+
+
+_REBUILD_PLANS = "rebuild the plans with `lantern-export trt ENGINE --force`"
+_SM = re.compile(r"^SM\d{2,3}$")
+
+
+def _plans(r, key, m):
+    """One TensorRTPlans entry: plans of graphs the engine has, listed in `files`, with profiles
+    whose ranges are well formed and name the graph's inputs."""
+    flavor = r.get("flavor", str, check=lambda v: v in PLAN_FLAVORS, why=f"one of {', '.join(PLAN_FLAVORS)}")
+    ccs = r.get("compute_capabilities", list, check=lambda v: v and all(isinstance(c, str) and _SM.match(c) for c in v),
+                why="a non-empty list like ['SM89']")
+    plans = {}
+    for graph, entry in r.get("plans", dict, check=lambda v: len(v) > 0, why="a non-empty object").items():
+        pr = _Reader(entry, f"{r.where}.plans.{graph}", r.fix)
+        if graph not in m.graphs:
+            pr.fail("", "is a plan for a graph the engine does not have")
+        file = pr.get("file", str, check=lambda v: v in m.files, why="a file that `files` lists")
+        profiles = []
+        for i, p in enumerate(pr.get("profiles", list, check=lambda v: len(v) > 0, why="a non-empty list")):
+            profiles.append(_profile(_Reader(p, f"{pr.where}.profiles[{i}]", r.fix), m.graphs[graph]))
+        pr.done(_fields(PlanFile))
+        plans[graph] = PlanFile(file=file, profiles=tuple(profiles))
+    t = TensorRTPlans(
+        flavor=flavor, version=r.get("version", str, check=lambda v: len(v) > 0, why="a version string"),
+        compute_capabilities=tuple(ccs), plans=plans,
+        batches=tuple(r.get("batches", list, check=lambda v: v and all(isinstance(b, int) and not isinstance(b, bool)
+                                                                        and b > 0 for b in v),
+                            why="a non-empty list of positive integers")),
+        cfg=tuple(r.get("cfg", list, check=lambda v: v and all(isinstance(c, bool) for c in v) and len(set(v)) == len(v),
+                        why="[false], [true] or [false, true]")),
+        trees=tuple(r.get("trees", list, check=lambda v: all(isinstance(t, str) for t in v), why="a list of tree names")),
+        builder=r.get("builder", dict))
+    r.done(_fields(TensorRTPlans))
+    return t
+
+
+def _profile(r, graph):
+    serves = r.get("serves", list, check=lambda v: all(isinstance(s, str) for s in v), why="a list of labels")
+    shapes = {}
+    for name, rng in r.get("shapes", dict).items():
+        sr = _Reader(rng, f"{r.where}.shapes.{name}", r.fix)
+        if name not in graph.inputs:
+            sr.fail("", f"is not an input of the {graph.contract} graph")
+        dims = [sr.get(k, list, check=lambda v: all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v),
+                       why="a list of dims") for k in ("min", "opt", "max")]
+        sr.done(["min", "opt", "max"])
+        if not (len(dims[0]) == len(dims[1]) == len(dims[2]) == len(graph.inputs[name].shape)) or not all(
+                a <= b <= c for a, b, c in zip(*dims)):
+            sr.fail("", f"needs min <= opt <= max of the input's rank, got {dims}")
+        shapes[name] = dict(zip(("min", "opt", "max"), dims))
+    r.done(_fields(PlanProfile))
+    return PlanProfile(serves=tuple(serves), shapes=shapes)
 
 
 def _check_consistency(m, r):

@@ -500,67 +500,6 @@ def test_vq_strict(tmp_path):
 # ONNX: target, drafter and VQ decoder export and run on ONNX Runtime like torch
 
 
-def _export_and_run(module, io_spec, path, feeds):
-    from lantern.export.onnx_export import export_graph
-
-    ort = pytest.importorskip("onnxruntime")
-    export_graph(module, io_spec, str(path))
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    assert [i.name for i in session.get_inputs()] == list(io_spec["inputs"])
-    assert [o.name for o in session.get_outputs()] == list(io_spec["outputs"])
-    return session.run(None, {k: v.numpy() for k, v in feeds.items()})
-
-
-def test_onnx_target_drafter_vq(tmp_path):
-    """One layer and a two-level VQ-GAN: the dynamo exporter's tracing time grows with the op
-    count (the loaders and deeper models are covered above)."""
-    pytest.importorskip("onnxscript")
-    target = _target(seed=12, num_hidden_layers=1, num_key_value_heads=2)
-    drafter = _drafter(target, seed=13)
-    vq = cvq.init_random(cvq.ChameleonVQ(cvq.tiny_config(ch_mult=(1, 2))), seed=14).eval()
-    graphs = ch.graph_modules(target, drafter, vq, candidates=16)
-    c = target.config
-    # A tree-verification call: batch 2, cache 5, 4 new tokens with a tree mask.
-    B, P, T = 2, 5, 4
-    mask = torch.ones(B, 1, T, P + T, dtype=torch.bool)
-    mask[..., P:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    mask[1, ..., :2] = False  # a left-padded row
-    caches = [torch.randn(B, c.num_key_value_heads, P, c.head_dim) for _ in range(2 * c.num_hidden_layers)]
-    feeds = {"input_ids": torch.randint(0, 65536, (B, T)), "position_ids": torch.tensor([[5, 6, 6, 7], [3, 4, 4, 5]]),
-             "attention_mask": mask}
-    feeds.update({f"past_keys_{i}": caches[i] for i in range(c.num_hidden_layers)})
-    feeds.update({f"past_values_{i}": caches[c.num_hidden_layers + i] for i in range(c.num_hidden_layers)})
-    with torch.no_grad():
-        want = graphs["target"][1](*feeds.values())
-    got = _export_and_run(graphs["target"][1], ch.graph_io("target", c), tmp_path / "target.onnx", feeds)
-    for name, a, b in zip(("logits", "hidden", "new_keys", "new_values"), got, want):
-        assert np.allclose(a, b.numpy(), atol=1e-4), name
-
-    d = drafter.config
-    feeds = {"target_hidden": torch.randn(B, T, c.hidden_size), "input_ids": torch.randint(4, 8196, (B, T)),
-             "position_ids": feeds["position_ids"], "attention_mask": mask,
-             "past_keys_0": torch.randn(B, d.num_key_value_heads, P, d.head_dim),
-             "past_values_0": torch.randn(B, d.num_key_value_heads, P, d.head_dim),
-             "cfg_pair": torch.tensor([1, 0]), "cfg_scale": torch.tensor([3.0]), "temperature": torch.tensor([1.0]),
-             "top_k": torch.tensor([10], dtype=torch.int64), "top_p": torch.tensor([0.95])}
-    with torch.no_grad():
-        want = graphs["drafter"][1](*feeds.values())
-    got = _export_and_run(graphs["drafter"][1], ch.graph_io("drafter", c, candidates=16), tmp_path / "drafter.onnx", feeds)
-    assert np.array_equal(got[3], want[3].numpy())  # topk_ids
-    for a, b in zip(got, want):
-        assert np.allclose(a, b.numpy(), atol=1e-4)
-
-    feeds = {"codes": torch.randint(0, 8192, (1, 2, 3))}
-    with torch.no_grad():
-        want = graphs["vq_decoder"][1](feeds["codes"])
-    got = _export_and_run(graphs["vq_decoder"][1], ch.graph_io("vq_decoder", c), tmp_path / "vq.onnx", feeds)
-    assert got[0].shape == (1, 3, 4, 6) and np.allclose(got[0], want.numpy(), atol=1e-4)
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompt rows, positions, forced tokens (runtime/chameleon_prompts.py), text tokenizer
-
-
 def test_anole_rows_as_the_public_code_forms_them():
     cond, uncond = prompts.anole_rows([[5000, 5001, 5002], [6000]])
     batch, pair = prompts.cfg_batch(cond, uncond)

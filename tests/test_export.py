@@ -62,12 +62,10 @@ def sources(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def c2i_engine(sources, tmp_path_factory):
-    """fp32 c2i engine: llamagen-pt target + .bin drafter + VQ decoder, through the API."""
-    out = tmp_path_factory.mktemp("engines") / "c2i"
-    manifest = onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]},
-                                         drafter=sources["c2i_drafter"], vq=sources["vq"])
-    return str(out), manifest
+def c2i(c2i_engine):
+    """The session's c2i engine (tests/conftest.py: a LlamaGen .pt target with a config file, a
+    .bin drafter, a VQ decoder, exported through the CLI) and its manifest."""
+    return c2i_engine, read_manifest(c2i_engine)
 
 
 def _export_cli(sources, out, *extra):
@@ -79,13 +77,13 @@ def _export_cli(sources, out, *extra):
 # Engines that pass
 
 
-def test_c2i_engine_passes_check(c2i_engine):
-    out, manifest = c2i_engine
+def test_c2i_engine_passes_check(c2i):
+    out, manifest = c2i
     expected = {"condition", "target", "drafter"} | ({"vq_decoder"} if manifest.vq else set())
     assert set(manifest.graphs) == expected
     assert manifest.modes == ("ar", "exact") + (("lantern", "lantern++") if manifest.vq else ())
     assert manifest.condition == Condition(kind="class", tokens=1, num_classes=10, null_class=10)
-    assert (manifest.vocabulary.image_start, manifest.vocabulary.image_end) == (0, 64) and manifest.candidates == 64
+    assert (manifest.vocabulary.image_start, manifest.vocabulary.image_end) == (0, 64) and manifest.candidates == 16
     assert manifest.sources["target"]["format"] == "llamagen-pt"
     assert manifest.sources["drafter"]["format"] == "drafter"
     report = check_engine(out)
@@ -97,8 +95,8 @@ def test_c2i_engine_passes_check(c2i_engine):
             ("drafter", "draft0")} <= cases
 
 
-def test_vq_decoder_and_neighbors(c2i_engine):
-    out, manifest = c2i_engine
+def test_vq_decoder_and_neighbors(c2i):
+    out, manifest = c2i
     if manifest.vq is None:
         pytest.skip("lantern.export.vq is not available")
     from lantern.export.neighbors import nearest_neighbors
@@ -109,20 +107,15 @@ def test_vq_decoder_and_neighbors(c2i_engine):
     vq, _ = load_vq(manifest.sources["vq"]["path"])
     np.testing.assert_array_equal(table, nearest_neighbors(vq.code_vectors().detach().numpy(), 63))
     assert manifest.graphs["vq_decoder"].dtype == "fp32"
-    assert manifest.image.pixels == manifest.image.grid_width * manifest.vq["downsample"] == 8
+    assert manifest.image.pixels == manifest.image.grid_width * manifest.vq["downsample"] == 24
 
 
-def test_t2i_engine_via_cli_passes_check(sources, tmp_path, capsys):
-    out = tmp_path / "t2i"
-    rc = cli.main(["onnx", "--target", sources["t2i"], "--drafter", sources["t2i_drafter"], "--tree", "chain",
-                   "--out", str(out), "--no-progress"])
-    assert rc == 0
-    assert "tree chain (6 nodes, depth 5)" in capsys.readouterr().out
-    manifest = read_manifest(out, verify=True)
+def test_t2i_engine_via_cli_passes_check(t2i_engine, capsys):
+    manifest = read_manifest(t2i_engine)
     assert manifest.condition.kind == "caption" and manifest.condition.tokens == 6
     assert manifest.graphs["condition"].contract == "condition_t2i"
     assert manifest.sources["target"]["format"] == "lantern-hf"
-    assert cli.main(["check", str(out)]) == 0
+    assert cli.main(["check", t2i_engine]) == 0
     printed = capsys.readouterr().out
     assert "target     tree     logits" in printed and "check passed" in printed
 
@@ -159,8 +152,8 @@ def test_bf16_ar_engine_checks_through_fp32_upcast(sources, tmp_path):
 # Manifest and dynamic axes
 
 
-def test_manifest_round_trips_and_names_the_contracts(c2i_engine):
-    out, manifest = c2i_engine
+def test_manifest_round_trips_and_names_the_contracts(c2i):
+    out, manifest = c2i
     assert read_manifest(out, verify=True) == manifest
     for name, entry in manifest.graphs.items():
         spec = graph_io(entry.contract, 2 if entry.contract == "target" else 1)
@@ -174,7 +167,7 @@ def test_manifest_round_trips_and_names_the_contracts(c2i_engine):
             assert dims == list(io[value.name].shape)
     target = manifest.graphs["target"]
     assert target.inputs["attention_mask"].shape == ("B", 1, "T", "P+T")
-    assert target.inputs["past_keys_1"].shape == ("B", 4, "P", 8)
+    assert target.inputs["past_keys_1"].shape == ("B", 2, "P", 8)
     assert target.inputs["cond_embeds"].shape == ("B", 1, 32)
     assert "past_keys_2" not in target.inputs
     from lantern.runtime.tree import build_tree
@@ -185,8 +178,8 @@ def test_manifest_round_trips_and_names_the_contracts(c2i_engine):
     assert len(digest) == 64
 
 
-def test_dynamic_axes_at_several_batch_sizes_and_cache_lengths(c2i_engine):
-    out, manifest = c2i_engine
+def test_dynamic_axes_at_several_batch_sizes_and_cache_lengths(c2i):
+    out, manifest = c2i
     modules = onnx_export.load_graph_modules(manifest)
     target = modules["target"][1]
     session = ort.InferenceSession(os.path.join(out, "target.onnx"), providers=["CPUExecutionProvider"])
@@ -241,9 +234,9 @@ def _perturb_initializer(path):
     onnx.save(model, path)
 
 
-def test_changed_graph_is_caught_by_hash_then_fails_numerically(c2i_engine, tmp_path, capsys):
+def test_changed_graph_is_caught_by_hash_then_fails_numerically(c2i, tmp_path, capsys):
     out = tmp_path / "perturbed"
-    shutil.copytree(c2i_engine[0], out)
+    shutil.copytree(c2i[0], out)
     before = os.path.getsize(out / "target.onnx")
     _perturb_initializer(str(out / "target.onnx"))
     assert os.path.getsize(out / "target.onnx") == before  # only the hash can tell
@@ -264,9 +257,9 @@ def test_changed_graph_is_caught_by_hash_then_fails_numerically(c2i_engine, tmp_
     assert printed[-1].startswith("check FAILED: ") and "target/" in printed[-1]
 
 
-def test_truncated_file_is_caught_by_size(c2i_engine, tmp_path):
+def test_truncated_file_is_caught_by_size(c2i, tmp_path):
     out = tmp_path / "truncated"
-    shutil.copytree(c2i_engine[0], out)
+    shutil.copytree(c2i[0], out)
     with open(out / "drafter.onnx", "r+b") as f:
         f.truncate(100)
     with pytest.raises(LanternError, match="drafter.onnx has 100 bytes"):

@@ -83,8 +83,8 @@ def test_torch_backend_agrees_with_onnxruntime(c2i):
 def full_forward_logits(engine_dir, kind, tokens, cfg, cond):
     """Causal PyTorch forward over the finished sequences: CFG-combined logits per image token."""
     with open(os.path.join(engine_dir, "manifest.json")) as f:
-        source = json.load(f)["sources"]["target"]["path"]
-    model, _ = checkpoints.load_target(source)
+        source = json.load(f)["sources"]["target"]
+    model, _ = checkpoints.load_target(source["path"], None, **source["options"])
     N = len(tokens)
     if kind == "c2i":
         c = torch.tensor(cond["classes"])

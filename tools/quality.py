@@ -241,7 +241,7 @@ def _sweep(args, out_dir, work):
     expected = len(engines) * (per_row * (len(classes) + len(greedy_classes)) + len(plan) * len(classes)
                                * cost["ar"]["decode"]) + len(classes) * sum(cost["ar"].values())
     total_images = (len(classes) + len(greedy_classes)) * len(plan) * len(engines) + len(classes) + len(greedy_classes)
-    print(f"quality: {len(engines)} schemes ({', '.join(engines)}) x {len(plan)} methods "
+    print(f"quality: {len(engines)} scheme{'s' if len(engines) > 1 else ''} ({', '.join(engines)}) x {len(plan)} methods "
           f"({', '.join(name for name, _ in plan)}) x {len(classes)} sampled images ({args.per_class} per class x "
           f"{n_classes} classes) + {len(greedy_classes)} greedy ones + ar's noise floor = {total_images} images in "
           f"batches of {args.batch}; expect about {_duration(expected)} (measured on one batch of ar and of exact)",

@@ -56,7 +56,13 @@ def _torch(directory, manifest, modules=None, **options):
     return TorchBackend(modules, manifest, **options)
 
 
-BACKENDS = {"onnxruntime": _onnxruntime, "torch": _torch}
+def _tensorrt(directory, manifest, **options):
+    from lantern.runtime.backends.tensorrt import TensorRTBackend
+
+    return TensorRTBackend(directory, manifest, **options)
+
+
+BACKENDS = {"onnxruntime": _onnxruntime, "tensorrt": _tensorrt, "torch": _torch}
 
 
 def open_backend(name, directory, manifest, **options):
