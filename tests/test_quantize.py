@@ -237,9 +237,9 @@ def test_export_with_quantize_writes_records_and_passes_check(c2i, tmp_path, cap
     `check` at its scheme's tolerance against the fp32 PyTorch modules."""
     sources = read_manifest(c2i).sources
     out = tmp_path / "int4"
-    argv = ["onnx", "--target", sources["target"]["path"], "--drafter", sources["drafter"]["path"],
-            "--candidates", "16", "--out", str(out), "--no-progress", "--quantize", "int4", "--quant-block", "64",
-            "--quant-accuracy-level", "0"]
+    argv = ["onnx", "--target", sources["target"]["path"], "--config", sources["target"]["options"]["config_file"],
+            "--drafter", sources["drafter"]["path"], "--candidates", "16", "--out", str(out), "--no-progress",
+            "--quantize", "int4", "--quant-block", "64", "--quant-accuracy-level", "0"]
     assert cli.main(argv) == 0
     assert "quantized weight-only: target int4 (block 64, accuracy level 0" in capsys.readouterr().out
     m = read_manifest(out)
@@ -261,7 +261,7 @@ def test_export_with_quantize_writes_records_and_passes_check(c2i, tmp_path, cap
     for bad, message in ((["--quantize", "int8", "--dtype", "fp16"], "starts from fp32"),
                          (["--quantize", "int8", "--quant-block", "48"], "power of two"),
                          (["--quant-block", "64"], "needs --quantize")):
-        assert cli.main(argv[:9] + ["--out", str(tmp_path / "bad"), "--no-progress"] + bad) == 2
+        assert cli.main(argv[:11] + ["--out", str(tmp_path / "bad"), "--no-progress"] + bad) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
 
@@ -339,6 +339,14 @@ def test_torch_backend_refuses_a_quantized_engine(quantized, tmp_path, capsys):
     argv = ["generate", quantized["int8"], "--backend", "torch", "--classes", "1", "--out", str(tmp_path / "o")]
     assert run_cli.main(argv) == 2
     assert "int8-quantized graphs, which the torch backend cannot run" in capsys.readouterr().err
+
+
+def test_tensorrt_plans_refused_for_a_quantized_engine(quantized, capsys):
+    """TensorRT's parser takes MatMulNBits only with fp16 inputs (measured: TensorRT for RTX 1.7
+    refuses an fp32 one), so `lantern-export trt` says so at once instead of failing mid-build."""
+    assert cli.main(["trt", quantized["int8"], "--flavor", "tensorrt-rtx", "--compute-capability", "89"]) == 2
+    assert "int8 weight-only graphs" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(quantized["int8"], "plans"))
 
 
 def test_quantize_command_refuses_bad_requests(c2i, quantized, tmp_path, capsys):
