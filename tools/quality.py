@@ -20,7 +20,7 @@ in report.json and report.md with a speed-versus-quality plot, written to its ow
 (--out, default ./quality-ENGINE_NAME) which appears when the sweep is complete. The classifier is
 the demo's (tools/train_classifier.py) unless --classifier.
 
-The default (3 schemes x 3 methods, 6 images per class) takes about 4-5 min on two CPU cores;
+The default (3 schemes x 3 methods, 6 images per class) takes about 3 min on two CPU cores;
 --schemes none compares methods on the engine alone (a third of that, or --per-class 20 for
 tighter numbers); --lams, --ks and --deltas widen the sweep, each speculative method taking about
 as long as exact. Before the sweep it states its size and the time it expects, measured on one
