@@ -72,9 +72,14 @@ class _ShapesOnly:
         return np.broadcast_to(np.zeros((), dtype=self.float_dtype), shape)
 
 
+PROMPT_TOKENS = 16  # a Chameleon prompt's text tokens in the plans' prefill shapes (prompts vary)
+
+
 def _prefix(manifest, images, cfg, adapter):
     if manifest.condition.kind == "class":
         return adapter.prefix(cfg, classes=[0] * images)
+    if manifest.condition.kind == "prompt":
+        return adapter.prefix(cfg, prompt_ids=np.full((images, PROMPT_TOKENS), 100, dtype=np.int64))
     caption = np.zeros((images, manifest.condition.tokens, manifest.condition.caption_dim), dtype=np.float32)
     return adapter.prefix(cfg, caption=caption)
 
@@ -85,7 +90,7 @@ def call_shapes(manifest, batches, cfgs, trees):
     tree is added), labelled like "verify n1 cfg mc_sim_7b_63"; occurrence counts the earlier
     calls of the same graph and shapes in the same step plan. Plus the VQ decoder's calls, one
     per batch."""
-    adapter = condition_adapter(manifest, np.float32)
+    adapter = condition_adapter(manifest, np.float32, directory=None)  # ids only: no tokenizer needed
     backend = _ShapesOnly(np.float32)
     settings = dict(cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0)
     out = {graph: {} for graph in GRAPH_ORDER if graph in manifest.graphs}

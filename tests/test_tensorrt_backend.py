@@ -232,7 +232,7 @@ def test_profile_coverage():
 
 def test_opening_without_a_gpu_is_one_line(planned, tmp_path):
     with pytest.raises(LanternError) as err:
-        Engine(planned, backend="tensorrt")  # Engine's default device is cpu
+        Engine(planned, backend="tensorrt", device="cpu")
     assert "the tensorrt backend runs on an NVIDIA GPU: device must be cuda or cuda:N, got 'cpu'" in _one_line(err)
     if GPU is not None:
         pytest.skip("the rest checks the no-GPU messages; a GPU is present")
@@ -241,9 +241,10 @@ def test_opening_without_a_gpu_is_one_line(planned, tmp_path):
         words = "no CUDA GPU is visible (the tensorrt backend runs on NVIDIA GPUs)"
     except ImportError:
         words = "the tensorrt backend needs NVIDIA's CUDA Python bindings"
-    with pytest.raises(LanternError) as err:
-        Engine(planned, backend="tensorrt", device="cuda")
-    assert words in _one_line(err)
+    for device in ("cuda", None):  # None: the backend's own default, cuda
+        with pytest.raises(LanternError) as err:
+            Engine(planned, backend="tensorrt", device=device)
+        assert words in _one_line(err)
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "lantern.tools.run_cli", "generate", str(planned), "--backend", "tensorrt",
                         "--classes", "1", "--out", str(out)], capture_output=True, text=True)
