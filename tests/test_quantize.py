@@ -289,10 +289,13 @@ def test_quantized_engine_passes_check_and_generates(c2i, quantized, capsys):
 def test_wrong_tolerance_is_caught_by_check(quantized):
     """A tolerance below what quantization costs (here fp32's level, or half of what int8
     measures) fails the check: it can fail, so its pass means something."""
-    report = check_engine(quantized["int8"], verify=False)
+    from lantern.export.onnx_export import load_graph_modules
+
+    modules = load_graph_modules(read_manifest(quantized["int8"]))  # the fp32 reference, loaded once
+    report = check_engine(quantized["int8"], verify=False, modules=modules)
     worst = max(r["rms_rel"] for r in report["results"] if "rms_rel" in r)
     for tolerance in (1e-4, worst / 2):
-        bad = check_engine(quantized["int8"], verify=False, quant_tolerance=tolerance)
+        bad = check_engine(quantized["int8"], verify=False, quant_tolerance=tolerance, modules=modules)
         assert not bad["ok"] and all("relative RMS error" in f for f in bad["failures"] if "topk_ids" not in f)
 
 
