@@ -2,18 +2,19 @@
 
 Exports the shipped checkpoints (real LlamaGen / LANTERN / VQ formats, see demo_model/MODEL_CARD.md)
 to engines/demo, checks every graph against PyTorch, generates the same grid of images with `ar`,
-`exact` and `lantern++` on ONNX Runtime CPU, prints a table and writes the images and a report
-(report.json, report.md with plots) to engines/demo/report/.
+`exact` and `lantern++` on ONNX Runtime CPU, tunes the draft tree for this machine (`lantern-run
+tune`, small: see TUNE) and runs lantern++ with the tuned tree beside the preset, prints a table
+and writes the images and a report (report.json, report.md with plots) to engines/demo/report/.
 
 Beside it, a quantized engine (--quantize, default int8) made from the exported one in a second or
 two (`lantern-export quantize`, to engines/demo-int8): checked against PyTorch at its scheme's
-tolerance, the same grid with `ar` and `lantern++`, its speed next to fp32's and its fidelity
-(teacher-forced greedy agreement with fp32, the check's worst relative error). int8 because it is
-the scheme that keeps the fp32 model's choices (95% teacher-forced greedy agreement on this model,
-int4 83%) while halving the one-token step of a GPT-B-sized model on a CPU; on this tiny model a
-step is not bound by reading weights, so neither scheme is faster here (lantern.export.quantize).
-`lantern-run quality engines/demo` compares fp32, int8 and int4 in class accuracy and Fréchet
-distance as well.
+tolerance, the same grid with `ar` and `lantern++` (the preset tree), its speed next to fp32's and
+its fidelity (teacher-forced greedy agreement with fp32, the check's worst relative error). int8
+because it is the scheme that keeps the fp32 model's choices (95% teacher-forced greedy agreement
+on this model, int4 83%) while halving the one-token step of a GPT-B-sized model on a CPU; on this
+tiny model a step is not bound by reading weights, so neither scheme is faster here
+(lantern.export.quantize). `lantern-run quality engines/demo` compares fp32, int8 and int4 in
+class accuracy and Fréchet distance as well.
 """
 import json
 import os
@@ -26,6 +27,10 @@ from lantern.runtime.errors import LanternError
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
 REPORT_FILES = ("report.json", "report.md", "*.png")
 DEFAULTS = dict(tree="mc_sim_7b_63", lam=5.0, k=20, cfg=3.0, temperature=1.0, top_k=0, per_class=2, seed=0)
+# The demo's tune run, cut to take ~10-20 s on a 2-core CPU: 8 calibration images (tune's default
+# 16), budget 32 and depth 5 (64 and 6), 3 timed repeats per call size (5), one loop run per tree
+# (3), batch sizes 1 and 8 only (the grid's 30 images use the batch-8 tree, the nearest tuned batch).
+TUNE = dict(images=8, budget=32, depth=5, batches=(1, 8), repeats=3, loop_runs=1)
 QUANTIZED_RUNS = ("ar", "lantern++")  # the quantized engine's grid: the baseline and the demo's method
 
 
@@ -41,6 +46,7 @@ def add_parser(sub):
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--threads", type=int, default=1,
                    help="ONNX Runtime intra-op threads (default 1: the demo model is too small to gain from more)")
+    p.add_argument("--no-tune", action="store_true", help="skip tuning the draft tree for this machine")
     p.add_argument("--quantize", default="int8", choices=("none", "int8", "int4"),
                    help="also quantize the engine (weight-only) into OUT-SCHEME and report it beside fp32 "
                         "(default int8; none: skip)")
@@ -69,7 +75,8 @@ def run(args):
     src = demo_sources(args.model_dir)
     out = os.path.abspath(args.out)
     check_engine_destination(out, force=True)  # replaces an engine, never anything else
-    steps = 5 if args.quantize != "none" else 4
+    steps = 4 + (not args.no_tune) + (args.quantize != "none")
+    generating = 3 + (not args.no_tune)  # the step number of the generation
     print(f"[1/{steps}] exporting the demo model to {out}")
     export_engine(out, src["target"], target_options={"config_file": src["target_config"]}, drafter=src["drafter"],
                   vq=src["vq"], tree=args.tree, force=True, progress=True)
@@ -86,25 +93,35 @@ def run(args):
     classes = [c for c in range(len(class_names)) for _ in range(args.per_class)]
     common = dict(classes=classes, cfg_scale=args.cfg, temperature=DEFAULTS["temperature"], top_k=DEFAULTS["top_k"],
                   seed=args.seed)
-    runs = [("ar", {}), ("exact", {}), ("lantern++", dict(lam=args.lam, k=args.k))]
-    print(f"[3/{steps}] generating {len(classes)} images ({args.per_class} per class) with "
-          + ", ".join(m for m, _ in runs) + f" (sampling, CFG {args.cfg}, tree {args.tree})")
+    tuned = None
+    if not args.no_tune:
+        tuned = _tune(engine, out, args, steps)
+        engine = Engine(out, threads=args.threads)  # reopened: generate now finds the tuned trees
+    # the preset rows name their tree, so a tree tuned for the same settings does not replace it
+    runs = [("ar", {}), ("exact", {"tree": args.tree}), ("lantern++", dict(lam=args.lam, k=args.k, tree=args.tree))]
+    if tuned is not None:
+        runs.append(("lantern++ tuned", dict(lam=args.lam, k=args.k)))  # generate picks the tuned tree
+    print(f"[{generating}/{steps}] generating {len(classes)} images ({args.per_class} per class) with "
+          + ", ".join(m for m, _ in runs) + f" (sampling, CFG {args.cfg}, tree {args.tree}"
+          + (", and the tuned tree" if tuned is not None else "") + ")")
     engine.generate(mode="exact", **{**common, "classes": classes[:2]})  # warm up the sessions
     results = {}
     for mode, extra in runs:
-        results[mode] = engine.generate(mode=mode, **common, **extra)
+        results[mode] = engine.generate(mode=mode.split()[0], **common, **extra)
     # One image per call, the setting of the paper's speedups: medians over a few classes.
-    single = {}
+    single, single_trees = {}, {}
     for mode, extra in runs:
-        stats = [engine.generate(mode=mode, **{**common, "classes": [c]}, **extra).stats
+        stats = [engine.generate(mode=mode.split()[0], **{**common, "classes": [c]}, **extra).stats
                  for c in range(0, len(class_names), max(1, len(class_names) // 5))]
         single[mode] = {key: float(np.median([_stat(st, key) for st in stats]))
                         for key in ("seconds", "steps_per_image", "engine_calls", "verify")}
+        single_trees[mode] = stats[0]["tree"]
 
     quantized = None
     if args.quantize != "none":
-        print(f"[4/{steps}] {args.quantize} engine: the demo engine's target and drafter quantized to {out}-{args.quantize}, "
-              f"checked at the {args.quantize} tolerance, the same grid with {' and '.join(QUANTIZED_RUNS)}")
+        print(f"[{generating + 1}/{steps}] {args.quantize} engine: the demo engine's target and drafter quantized to "
+              f"{out}-{args.quantize}, checked at the {args.quantize} tolerance, the same grid with "
+              f"{' and '.join(QUANTIZED_RUNS)}")
         quantized = quantized_beside(out, args.quantize, engine, common, runs, results, args.threads)
         print(f"      {quantized['check_line']}")
     print(f"[{steps}/{steps}] writing images and the report")
@@ -117,9 +134,10 @@ def run(args):
             s, one = r.stats, single[mode]
             images = engine.decode(r.tokens)
             images = images.repeat(3, axis=1).repeat(3, axis=2) if images.shape[1] < 128 else images  # easier to see
-            name = mode.replace("+", "p")
+            name = mode.replace("+", "p").replace(" ", "_")
             write_png(os.path.join(stage, f"{name}.png"), image_grid(images, ncols=args.per_class * 3))
-            rows.append({"mode": mode, "steps_per_image": s["steps_per_image"],
+            rows.append({"mode": mode, "tree": s["tree"], "tree_batch1": single_trees[mode],
+                         "steps_per_image": s["steps_per_image"],
                          "mean_accepted_length": s["mean_accepted_length"], "batch_seconds": s["seconds"],
                          "speedup_batch": ar_batch["seconds"] / s["seconds"],
                          # what one step costs against an AR step (the accepted length that breaks even),
@@ -147,7 +165,7 @@ def run(args):
                           image_grid(images, ncols=args.per_class * 3))
         summary = {"engine": out, "settings": {**vars_of(args), "classes": len(class_names), "images": len(classes)},
                    "tree": {"name": tree.name, "nodes": tree.num_nodes, "depth": tree.depth},
-                   "check": {"ok": report["ok"], "worst_abs_error": worst}, "results": rows,
+                   "check": {"ok": report["ok"], "worst_abs_error": worst}, "results": rows, "tuned": tuned,
                    "quantized": quantized, "seconds_total": time.perf_counter() - start}
         summary["reading"] = reading(summary)
         with open(os.path.join(stage, "report.json"), "w") as f:
@@ -158,8 +176,49 @@ def run(args):
     if quantized is not None:
         _print_quantized(quantized)
     print(summary["reading"])
+    if tuned is not None:
+        print(_tuned_line(tuned))
     print(f"report: {os.path.join(report_dir, 'report.md')}  ({summary['seconds_total']:.0f} s in all)")
     return 0
+
+
+def _tune(engine, out, args, steps):
+    """`lantern-run tune` for the demo's lantern++ settings, small (TUNE), installed into the
+    engine directory. Returns a summary for the report."""
+    from lantern.tools import tune
+
+    settings = dict(mode="lantern++", lam=args.lam, k=args.k, cfg_scale=args.cfg,
+                    temperature=DEFAULTS["temperature"], top_k=DEFAULTS["top_k"])
+    kwargs, _, key = tune.generation_settings(engine, **settings)
+    conds, note = tune.conditions(engine, TUNE["images"])
+    print(f"[3/{steps}] tuning the draft tree for this machine ({key}: {TUNE['images']} calibration images, "
+          f"budget {TUNE['budget']}, depth {TUNE['depth']}, batches {', '.join(map(str, TUNE['batches']))})")
+    t = time.perf_counter()
+    report, chosen = tune.tune(engine, kwargs, conds, budget=TUNE["budget"], depth=TUNE["depth"],
+                               batches=TUNE["batches"], repeats=TUNE["repeats"], loop_runs=TUNE["loop_runs"],
+                               seed=args.seed, note=note, threads=args.threads,
+                               clock=tune.default_clock(args.threads, "cpu"), log=lambda *a: None)
+    entry = tune.install(out, chosen, report)
+    batches = {}
+    for images, r in report["batches"].items():
+        preset = next((row for row in r["presets"] if row["name"] == args.tree and "skipped" not in row), None)
+        batches[images] = {"tree": r["chosen"]["name"], "nodes": r["chosen"]["nodes"], "depth": r["chosen"]["depth"],
+                           "predicted_speedup": r["chosen"]["speedup_vs_ar"],
+                           "predicted_tokens_per_step": r["chosen"]["tokens_per_step"],
+                           "preset": args.tree, "preset_predicted_speedup": preset and preset["speedup_vs_ar"]}
+    return {"key": key, "seconds": time.perf_counter() - t, "report": os.path.join(out, entry.report),
+            "batches": batches, "cut": TUNE}
+
+
+def _tuned_line(tuned):
+    parts = []
+    for images, b in tuned["batches"].items():
+        what = "AR (no drafting)" if b["nodes"] == 1 else f"{b['nodes']} nodes, depth {b['depth']}"
+        preset = (f"; {b['preset']} predicted {b['preset_predicted_speedup']:.2f}x"
+                  if b["preset_predicted_speedup"] is not None else "")
+        parts.append(f"{images} image(s) per call: {what}, predicted {b['predicted_speedup']:.2f}x over AR{preset}")
+    return (f"tuned for this machine ({tuned['seconds']:.0f} s): " + "; ".join(parts)
+            + f"\ntune report: {tuned['report']}")
 
 
 def quantized_beside(out, scheme, engine, common, runs, results, threads):
@@ -265,12 +324,13 @@ def reading(summary):
 
 
 def _print_table(rows):
-    head = (f"{'mode':10s} {'steps/img':>9s} {'accepted':>9s} | batch: {'step cost':>9s} {'s':>7s} {'speedup':>8s} "
-            f"| 1 image: {'step cost':>9s} {'s':>7s} {'speedup':>8s}")
+    head = (f"{'mode':15s} {'tree':13s} {'steps/img':>9s} {'accepted':>9s} | batch: {'step cost':>9s} {'s':>7s} "
+            f"{'speedup':>8s} | 1 image: {'step cost':>9s} {'s':>7s} {'speedup':>8s}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['mode']:10s} {r['steps_per_image']:9.1f} {r['mean_accepted_length']:9.2f} | "
+        tree = r["tree"] if r["tree"] == r["tree_batch1"] else f"{r['tree']}/{r['tree_batch1']}"
+        print(f"{r['mode']:15s} {tree[:13]:13s} {r['steps_per_image']:9.1f} {r['mean_accepted_length']:9.2f} | "
               f"{r['step_cost_vs_ar']:14.1f}x {r['batch_seconds']:7.2f} {r['speedup_batch']:7.2f}x | "
               f"{r['step_cost_vs_ar_batch1']:16.1f}x {r['latency_batch1_seconds']:7.3f} {r['speedup_batch1']:7.2f}x")
 
@@ -283,7 +343,7 @@ def _plots(report_dir, rows):
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     modes = [r["mode"] for r in rows]
-    axes[0].bar(modes, [r["mean_accepted_length"] for r in rows], color=["#888", "#4a7", "#c63"][: len(rows)])
+    axes[0].bar(modes, [r["mean_accepted_length"] for r in rows], color=["#888", "#4a7", "#c63", "#36c"][: len(rows)])
     axes[0].set_ylabel("tokens per target step")
     axes[0].set_title("mean accepted length")
     for r in rows:
@@ -316,16 +376,25 @@ def _markdown(report_dir, summary, class_names):
              f"{summary['check']['worst_abs_error']:.2e}).", "",
              "Step cost: the seconds of one step of the mode over those of one `ar` step (the accepted length at "
              "which the mode breaks even), at the batch and at one image per call.", "",
-             "| mode | steps/image | mean accepted length | batch: step cost vs ar | batch s | speedup | "
-             "1 image: step cost vs ar | 1-image s | speedup |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| mode | tree (batch / 1 image) | steps/image | mean accepted length | batch: step cost vs ar | "
+             "batch s | speedup | 1 image: step cost vs ar | 1-image s | speedup |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['mode']} | {r['steps_per_image']:.1f} | {r['mean_accepted_length']:.2f} | "
+        lines.append(f"| {r['mode']} | {r['tree']} / {r['tree_batch1']} | {r['steps_per_image']:.1f} | "
+                     f"{r['mean_accepted_length']:.2f} | "
                      f"{r['step_cost_vs_ar']:.1f}x | {r['batch_seconds']:.2f} | {r['speedup_batch']:.2f}x | "
                      f"{r['step_cost_vs_ar_batch1']:.1f}x | {r['latency_batch1_seconds']:.3f} | "
                      f"{r['speedup_batch1']:.2f}x |")
-    lines += ["", summary["reading"], "",
-              "![acceptance](acceptance.png)", "",
+    lines += ["", summary["reading"], ""]
+    tuned = summary.get("tuned")
+    if tuned:
+        cut = ", ".join(f"{k} {v}" for k, v in tuned["cut"].items())
+        lines += [f"Tuned draft tree (`lantern-run tune`, settings `{tuned['key']}`), "
+                  + _tuned_line(tuned).split("\n")[0] + ". The `lantern++ tuned` row runs it: generate picks it "
+                  f"for these settings by itself. Full tune report: "
+                  f"`{os.path.relpath(tuned['report'], os.path.join(summary['engine'], 'report'))}`; "
+                  f"the demo's tune run is cut short to save time ({cut}).", ""]
+    lines += ["![acceptance](acceptance.png)", "",
               "Left: tokens per target step. Middle: how many draft tokens a step accepted (share of steps). "
               "Right: of the steps that accepted the draft at depth d-1, the share that accepted one at depth d.",
               "", f"Grids: {summary['settings']['per_class']} images per class, in class order "

@@ -153,12 +153,12 @@ def resolve_compute_capabilities(flavor, requested):
     return sorted(set(names), key=names.index)
 
 
-def _trees(manifest, specs):
+def _trees(manifest, specs, directory):
     if manifest.tree is None:
         if specs:
             raise LanternError("--tree needs an engine with a drafter; this one serves 'ar' only")
         return []
-    trees = [build_tree(spec) for spec in specs] if specs else [build_tree(manifest.tree)]
+    trees = [build_tree(spec) for spec in specs] if specs else [build_tree(manifest.tree)] + _tuned(manifest, directory)
     for tree in trees:
         if tree.max_width > manifest.candidates:
             raise LanternError(f"tree {tree.name!r} needs {tree.max_width} children per node but the drafter returns "
@@ -167,6 +167,21 @@ def _trees(manifest, specs):
     if len(set(names)) != len(names):
         raise LanternError(f"trees repeat: {', '.join(names)}")
     return trees
+
+
+def _tuned(manifest, directory):
+    """The trees `lantern-run tune` chose on the tensorrt backend (generate uses them there), so a
+    rebuild of the plans keeps covering them; other backends' tuned trees are never run on plans."""
+    out, seen = [], {build_tree(manifest.tree).paths}
+    for entry in manifest.tuned_trees.values():
+        for t in entry.trees:
+            if entry.backend == "tensorrt" and t.file is not None:
+                # named after its file (tuned/KEY.bN.json), which is unique
+                tree = build_tree(os.path.join(directory, t.file), name=os.path.basename(t.file)[:-len(".json")])
+                if tree.paths not in seen:
+                    seen.add(tree.paths)
+                    out.append(tree)
+    return out
 
 
 def _cfgs(manifest, cfg):
@@ -199,7 +214,7 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
                            "calls are no-ops: it compiles kernels at run time)")
     ccs = resolve_compute_capabilities(flavor, compute_capabilities)
     key = plans_key(flavor, ccs)
-    tree_list = _trees(manifest, trees)
+    tree_list = _trees(manifest, trees, directory)
     cfgs = _cfgs(manifest, cfg)
     if key in (manifest.tensorrt or {}) and not force:
         raise LanternError(f"{directory} already has plans/{key}; pass --force to rebuild them")
@@ -316,7 +331,8 @@ def add_parser(sub):
                         "(tensorrt-rtx only)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="images per call to build for (default 1)")
     p.add_argument("--tree", nargs="+", default=[], help="draft trees to build for, presets or JSON files "
-                                                         "(default: the engine's tree); AR is always included")
+                                                         "(default: the engine's tree and the trees tuned on the "
+                                                         "tensorrt backend); AR is always included")
     cfg = p.add_mutually_exclusive_group()
     cfg.add_argument("--cfg", dest="cfg", action="store_true", default=None,
                      help="only with classifier-free guidance (default: with and without, where the engine can)")

@@ -25,7 +25,7 @@ def _grid(text):
     return h, w
 
 
-def add_generation_options(p, backends=("onnxruntime",)):
+def add_generation_options(p, backends=("onnxruntime",), tree=True):
     p.add_argument("--mode", default="lantern++", choices=("ar", "exact", "lantern", "lantern++"))
     p.add_argument("--lam", type=float, default=2.0, help="LANTERN++ bound: p~(x) <= lam * p(x) (lam >= 1)")
     p.add_argument("--delta", type=float, default=0.1, help="LANTERN bound on the moved mass (0..1)")
@@ -38,7 +38,9 @@ def add_generation_options(p, backends=("onnxruntime",)):
     p.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (> 1 enables CFG)")
     p.add_argument("--cfg-interval", type=int, default=-1, help="use CFG for the first N tokens only (-1: all)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tree", help="draft tree for this run (preset or JSON file; default: the engine's)")
+    if tree:
+        p.add_argument("--tree", help="draft tree for this run (preset or JSON file; default: the engine's tuned "
+                                      "tree for these settings, else its exported one)")
     p.add_argument("--backend", default="onnxruntime", choices=backends)
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda for tensorrt, else cpu)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",

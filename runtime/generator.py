@@ -26,7 +26,7 @@ from lantern.runtime import accept as acceptance
 from lantern.runtime.backends import open_backend
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import read_manifest
+from lantern.runtime.manifest import read_manifest, settings_key, tuning_settings
 from lantern.runtime.plan import Call, StepPlan, estimate_bytes
 from lantern.runtime.sampling import sampler_for
 from lantern.runtime.tree import build_tree, root_only
@@ -101,8 +101,10 @@ class Engine:
         text, or the tokenizer's ids without special tokens; grid = (rows, columns) of codes for
         Lumina-mGPT). Returns a Generation.
         tree: another draft tree for this call (preset name, JSON file or paths); its widest node
-        must fit the drafter graph's candidates. Default: the tree the engine was exported with.
+        must fit the drafter graph's candidates. Default: the tree `lantern-run tune` chose for
+        these settings on this backend (manifest tuned_trees), else the one exported with.
         observer: called with a StepRecord after every step's acceptance."""
+        given = tree
         rule, tree = self._rule_and_tree(mode, lam, delta, k, tree)
         sampler = sampler_for(greedy, temperature, top_k, top_p)
         if not greedy and not tree.contiguous:
@@ -117,6 +119,10 @@ class Engine:
             raise LanternError(f"seed must be an integer >= 0, got {seed!r}")
         prefix = self.condition.prefix(cfg_scale > 1.0, classes=classes, caption=caption, caption_mask=caption_mask,
                                        prompt=prompt, prompt_ids=prompt_ids, grid=grid)
+        if given is None and mode != "ar":
+            tuned = tuning_settings(mode, rule.k, lam, delta, greedy, temperature, top_k, top_p, cfg_scale,
+                                    cfg_interval)
+            tree = self._tuned_tree(tuned, prefix.images) or tree
         settings = dict(cfg_scale=cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
                         top_k=sampler.top_k, top_p=sampler.top_p)
         plan = self._plan_for(tree, prefix, settings)
@@ -147,6 +153,21 @@ class Engine:
                                f"drafter returns {self.manifest.candidates} candidates; re-export with --candidates "
                                f"{tree.max_width} or pick a narrower tree")
         return rule, tree
+
+    def _tuned_tree(self, settings, images):
+        """The tree tuned for these settings on this backend, for the tuned batch nearest `images`;
+        root_only() where the tuner found AR fastest; None if untuned."""
+        entry = self.manifest.tuned_trees.get(settings_key(settings))
+        if entry is None or entry.backend != self.backend.name:
+            return None
+        chosen = entry.tree_for(images)
+        if chosen.file is None:
+            return root_only()
+        tree = build_tree(os.path.join(self.directory, chosen.file))
+        if tree.max_width > self.manifest.candidates or not tree.contiguous:
+            raise LanternError(f"{self.directory}: tuned tree {chosen.file} does not fit the drafter's "
+                               f"{self.manifest.candidates} candidates in rank order; run `lantern-run tune` again")
+        return tree
 
     def _plan_for(self, tree, prefix, settings):
         """The step plan for this tree and batch: the last one when it fits (its bound buffers are

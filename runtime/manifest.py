@@ -18,6 +18,16 @@ a line that says to re-export. Nothing else in the code base reads manifest keys
 
 Every file is listed in `files` with its size and sha256: sizes are checked on every open,
 hashes when asked (`read_manifest(..., verify=True)`, `lantern-export check`).
+
+`tuned_trees` (optional) records the draft trees `lantern-run tune` chose on this engine:
+{settings key: TunedSettings}. The key (`settings_key`) names the generation settings that
+change acceptance: the mode and its relaxation (lam or delta, k), greedy or sampling with its
+temperature/top-k/top-p, and the CFG scale and interval (CFG on or off also changes the rows
+every call carries). Each entry holds one TunedTree per batch size tuned for (latency depends
+on the batch, acceptance does not) and names the backend the latency was measured on:
+`Engine.generate` uses an entry only on that backend, with the tree of the tuned batch nearest
+the request's image count, unless a tree is given. A TunedTree with no file means "no drafting"
+(AR was predicted fastest for those settings on that machine).
 """
 import dataclasses
 import hashlib
@@ -304,6 +314,85 @@ PLAN_FLAVORS = ("tensorrt", "tensorrt-rtx")
 
 
 @dataclass(frozen=True)
+class TunedTree:
+    """The tree `lantern-run tune` chose for one batch size (images per generate call)."""
+
+    images: int
+    file: Optional[str]  # choices JSON (listed in `files`), or None: AR, no drafting
+    name: str
+    nodes: int  # root included (the verification's T)
+    depth: int
+    predicted: dict  # model predictions: tokens_per_step, step_ms, tokens_per_s (of a call), speedup_vs_ar
+
+
+@dataclass(frozen=True)
+class TunedSettings:
+    """Trees tuned for one set of generation settings (`settings` is `tuning_settings`'s dict)."""
+
+    settings: dict
+    backend: str  # the backend whose latency was measured; the trees are used on it only
+    trees: tuple  # TunedTree per tuned batch size, ascending
+    report: Optional[str] = None  # the tuner's report.json (listed in `files`)
+    measured: dict = field(default_factory=dict)  # where and how: threads, device, machine, date
+
+    def tree_for(self, images):
+        """The TunedTree of the tuned batch nearest `images` on a log scale (ties: the smaller)."""
+        return min(self.trees, key=lambda t: (abs(math.log(t.images / images)), t.images))
+
+
+def _number(x):
+    """A setting's number as a key fragment: 5.0 -> '5', 0.95 -> '0.95' (repr: no rounding)."""
+    x = float(x)
+    return str(int(x)) if x.is_integer() else repr(x)
+
+
+def tuning_settings(mode, k=None, lam=None, delta=None, greedy=False, temperature=1.0, top_k=0, top_p=1.0,
+                    cfg_scale=1.0, cfg_interval=-1):
+    """The generation settings a tuned tree is chosen for, canonical: only what changes the
+    acceptance statistics or the calls' shapes (k resolved, parameters of other modes and of
+    greedy's unused filters dropped, CFG off as scale 1). Numbers as JSON keeps them."""
+    s = {"mode": mode}
+    if mode == "lantern++":
+        s["lam"] = float(lam)
+    if mode == "lantern":
+        s["delta"] = float(delta)
+    if mode in ("lantern", "lantern++"):
+        s["k"] = int(k)
+    if greedy:
+        s["sampling"] = "greedy"
+    else:
+        s.update(sampling="sample", temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    cfg = cfg_scale > 1.0
+    s["cfg_scale"] = float(cfg_scale) if cfg else 1.0
+    s["cfg_interval"] = int(cfg_interval) if cfg else -1
+    return s
+
+
+_SETTINGS_FIELDS = {"mode", "lam", "delta", "k", "sampling", "temperature", "top_k", "top_p", "cfg_scale",
+                    "cfg_interval"}
+
+
+def settings_key(s):
+    """A file-name-safe key for tuning_settings' dict, e.g. 'lantern++_lam5_k20_t1-topk0-topp1_cfg3'."""
+    parts = [s["mode"]]
+    if "lam" in s:
+        parts.append(f"lam{_number(s['lam'])}")
+    if "delta" in s:
+        parts.append(f"delta{_number(s['delta'])}")
+    if "k" in s:
+        parts.append(f"k{s['k']}")
+    if s["sampling"] == "greedy":
+        parts.append("greedy")
+    else:
+        parts.append(f"t{_number(s['temperature'])}-topk{s['top_k']}-topp{_number(s['top_p'])}")
+    if s["cfg_scale"] > 1.0:
+        parts.append(f"cfg{_number(s['cfg_scale'])}" + (f"-first{s['cfg_interval']}" if s["cfg_interval"] >= 0 else ""))
+    else:
+        parts.append("nocfg")
+    return "_".join(parts)
+
+
+@dataclass(frozen=True)
 class Manifest:
     family: str
     model: dict  # the family's own config and parameter count, for people and for re-export
@@ -327,6 +416,7 @@ class Manifest:
     tools: dict = field(default_factory=dict)
     build: dict = field(default_factory=dict)
     tensorrt: Optional[dict] = None  # plans directory key ("tensorrt-rtx-SM89") -> TensorRTPlans
+    tuned_trees: dict = field(default_factory=dict)  # settings key -> TunedSettings (lantern-run tune)
     schema: int = SCHEMA_VERSION
 
     def to_json(self):
@@ -336,16 +426,24 @@ class Manifest:
         """manifest.json in `directory`, atomically (written last by export)."""
         path = os.path.join(directory, "manifest.json")
         tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.to_json(), f, indent=2)
+                f.write("\n")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
 
 def _to_json(value):
+    if isinstance(value, TunedSettings):  # its trees are keyed by batch size in the file
+        data = {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        data["trees"] = {str(t.images): {k: v for k, v in _to_json(t).items() if k != "images"} for t in value.trees}
+        return data
     if dataclasses.is_dataclass(value):
         return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
@@ -449,6 +547,12 @@ def _graph(r, name):
     expected = graph_io(contract, max(g.layers, 1))
     if set(g.inputs) != set(expected["inputs"]) or set(g.outputs) != set(expected["outputs"]):
         r.fail("inputs", f"do not follow the {contract!r} contract of this lantern version")
+    for side in ("inputs", "outputs"):  # buffers are sized from these shapes: a wrong rank fails in the backend
+        for k, spec in getattr(g, side).items():
+            want = expected[side][k][1]
+            if len(spec.shape) != len(want):
+                r.fail(f"{side}.{k}.shape", f"is {list(spec.shape)}, of rank {len(spec.shape)}; the {contract!r} "
+                                            f"contract has {list(want)}")
     # in the contract's order, whatever order the file kept
     return dataclasses.replace(g, inputs={k: g.inputs[k] for k in expected["inputs"]},
                                outputs={k: g.outputs[k] for k in expected["outputs"]})
@@ -541,7 +645,8 @@ def _parse(data, where):
         drafter_config=r.get("drafter_config", dict, optional=True),
         tree=r.get("tree", dict, optional=True), candidates=r.positive("candidates", optional=True), neighbors=neighbors,
         vq=r.get("vq", dict, optional=True), sources=r.get("sources", dict), tools=r.get("tools", dict),
-        build=r.get("build", dict), schema=SCHEMA_VERSION)
+        build=r.get("build", dict), tuned_trees=_tuned_trees(r.get("tuned_trees", dict, optional=True), where),
+        schema=SCHEMA_VERSION)
     r.done(_fields(Manifest))
     _check_consistency(m, r)
     plans = r.get("tensorrt", dict, optional=True)
@@ -604,6 +709,54 @@ def _profile(r, graph):
     return PlanProfile(serves=tuple(serves), shapes=shapes)
 
 
+def _tuned_settings(r):
+    """tuning_settings' dict, typed and canonical (what tune wrote), or one LanternError line."""
+    mode = r.get("mode", str, check=lambda v: v in MODES[1:], why=f"one of {', '.join(MODES[1:])}")
+    sampling = r.get("sampling", str, check=lambda v: v in ("greedy", "sample"), why="'greedy' or 'sample'")
+    sample = sampling == "sample"
+    relaxed = mode in ("lantern", "lantern++")
+    settings = tuning_settings(
+        mode, k=r.get("k", int, not relaxed, lambda v: v >= 0, "an integer >= 0"),
+        lam=r.get("lam", float, mode != "lantern++"), delta=r.get("delta", float, mode != "lantern"),
+        greedy=not sample, temperature=r.get("temperature", float, not sample),
+        top_k=r.get("top_k", int, not sample, lambda v: v >= 0, "an integer >= 0"),
+        top_p=r.get("top_p", float, not sample), cfg_scale=r.get("cfg_scale", float, check=lambda v: v >= 0),
+        cfg_interval=r.get("cfg_interval", int, check=lambda v: v >= -1, why="an integer >= -1"))
+    if settings != r.data:
+        r.fail("", f"is {r.data!r}, not in the canonical form lantern-run tune writes ({settings!r})")
+    return settings
+
+
+def _tuned_trees(data, where):
+    if data is None:
+        return {}
+    r = _Reader(data, f"{where}: tuned_trees", "run `lantern-run tune` again (or delete the entry)")
+    out = {}
+    for key in r.data:
+        e = r.obj(key)
+        settings = _tuned_settings(e.obj("settings"))
+        expected = settings_key(settings)
+        if expected != key:
+            e.fail("", f"is keyed {key!r} but its settings make the key {expected!r}")
+        trees = []
+        for images, entry in e.get("trees", dict, check=bool, why="a non-empty {batch: tree} object").items():
+            t = _Reader(entry, f"{e.where}.trees.{images}", e.fix)
+            if not images.isdigit() or int(images) < 1:
+                t.fail("", "is keyed by a batch size, which must be a positive integer")
+            trees.append(TunedTree(images=int(images), file=t.get("file", str, optional=True), name=t.get("name", str),
+                                   nodes=t.positive("nodes"), depth=t.get("depth", int, check=lambda v: v >= 0,
+                                                                           why="an integer >= 0"),
+                                   predicted=t.get("predicted", dict)))
+            t.done([f for f in _fields(TunedTree) if f != "images"])
+            if (trees[-1].file is None) != (trees[-1].nodes == 1):
+                t.fail("file", "must be given for a tree with drafts and null for AR (nodes 1)")
+        out[key] = TunedSettings(settings=settings, backend=e.get("backend", str),
+                                 trees=tuple(sorted(trees, key=lambda t: t.images)),
+                                 report=e.get("report", str, optional=True), measured=e.get("measured", dict))
+        e.done(_fields(TunedSettings))
+    return out
+
+
 def _check_consistency(m, r):
     """What the modes promise must be there: a drafter, a tree and candidates for speculative
     modes, a neighbour table for relaxed ones; every graph's file listed."""
@@ -647,6 +800,14 @@ def _check_consistency(m, r):
             r.fail("neighbors.file", f"names {m.neighbors.file}, which `files` does not list")
     if m.condition.kind == "class" and "condition" not in m.graphs:
         r.fail("graphs", "has no condition graph for a class-conditional engine")
+    tuned = _Reader({}, f"{r.where}: tuned_trees", "run `lantern-run tune` again (or delete the entry)")
+    for key, entry in m.tuned_trees.items():
+        if entry.settings["mode"] not in m.modes:
+            tuned.fail(key, f"is for mode {entry.settings['mode']!r}, which the engine does not serve")
+        files = [t.file for t in entry.trees if t.file is not None] + ([entry.report] if entry.report else [])
+        for name in files:
+            if name not in m.files:
+                tuned.fail(key, f"names {name}, which `files` does not list")
 
 
 def read_manifest(directory, verify=True):

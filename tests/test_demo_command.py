@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from lantern.runtime.manifest import read_manifest
 from lantern.tools import run_cli
 
 
@@ -15,7 +16,7 @@ def test_demo_exports_checks_generates_and_reports(demo):
     report = json.loads((demo / "report" / "report.json").read_text())
     assert report["check"]["ok"]
     rows = {r["mode"]: r for r in report["results"]}
-    assert set(rows) == {"ar", "exact", "lantern++"}
+    assert set(rows) == {"ar", "exact", "lantern++", "lantern++ tuned"}
     assert rows["ar"]["steps_per_image"] == 63  # 64 tokens: one from prefill, 63 AR steps
     assert rows["exact"]["steps_per_image"] < 45  # the trained drafter compresses steps
     for name in ("report.md", "acceptance.png", "ar.png", "lanternpp.png"):
@@ -28,6 +29,15 @@ def test_demo_exports_checks_generates_and_reports(demo):
     assert report["reading"] in (demo / "report" / "report.md").read_text()
     rates = rows["exact"]["acceptance_per_depth"]
     assert len(rates) == report["tree"]["depth"] and all(0 <= r <= 1 for r in rates)
+    # the demo tuned the tree for this machine, and generate picked it up for the tuned row
+    assert rows["lantern++"]["tree"] == "mc_sim_7b_63"  # the preset row keeps the preset
+    assert (demo / "report" / "lanternpp_tuned.png").stat().st_size > 0
+    entry = read_manifest(demo).tuned_trees[report["tuned"]["key"]]
+    assert [t.images for t in entry.trees] == [1, 8]
+    batch1 = entry.tree_for(1)
+    assert rows["lantern++ tuned"]["tree_batch1"] == (batch1.name if batch1.file else "ar")
+    assert rows["lantern++ tuned"]["tree"] == (entry.tree_for(15).name if entry.tree_for(15).file else "ar")
+    assert "Tuned draft tree" in (demo / "report" / "report.md").read_text()
 
 
 def test_demo_reports_the_int8_engine_beside_fp32(demo):

@@ -137,6 +137,8 @@ def _edit_manifest(src, tmp_path, name, change):
     ("shape", lambda m: m["target"].update(layers="two"), "target.layers is 'two'"),
     ("graphfile", lambda m: m["graphs"]["target"].update(file="nowhere.onnx"), "names nowhere.onnx"),
     ("escape", lambda m: m["files"].update({"../x": m["files"]["target.onnx"]}), "outside the engine directory"),
+    ("rank", lambda m: m["graphs"]["drafter"]["outputs"]["new_values"].update(shape=["B", 2, "T", 8]),
+     "new_values.shape is ['B', 2, 'T', 8], of rank 4"),  # found by the manifest fuzz
 ])
 def test_bad_manifests_are_refused_in_one_line(c2i_engine, tmp_path, name, change, words):
     d = _edit_manifest(c2i_engine, tmp_path, name, change)

@@ -8,7 +8,7 @@ import pytest
 
 from lantern.runtime.errors import LanternError
 from lantern.runtime.tree import build_tree
-from lantern.tools import tree_report
+from lantern.tools import tree_report, tree_search
 from lantern.tools.tree_search import (AcceptanceCounts, Curve, LatencyModel, TreeTable, acceptance_vectors,
                                        calibration_tree, count_accepted_paths, expected_accept_length, search,
                                        tree_json)
@@ -169,7 +169,7 @@ def records_from_paths(tree, paths, rows, rng):
             accept_length[row] = len(path) - 1
         # inactive rows hold garbage the counts must ignore
         decisions[~active] = rng.integers(-1, 2, size=(int((~active).sum()), tree.num_nodes))
-        records.append({"tree": tree, "decisions": decisions, "accept_length": accept_length, "active": active})
+        records.append({"tree": tree, "decisions": decisions, "accepted": accept_length, "active": active})
     return records, used
 
 
@@ -178,9 +178,9 @@ def test_counts_by_hand():
     [0] then [0, 0]; row 1 accepts [1]; row 2 inactive. Step 2: row 0 accepts nothing."""
     tree = build_tree([[0], [1], [0, 0]])
     counts = AcceptanceCounts()
-    counts.add({"tree": tree, "active": [True, True, False], "accept_length": [2, 1, 0],
+    counts.add({"tree": tree, "active": [True, True, False], "accepted": [2, 1, 0],
                 "decisions": np.array([[1, 1, -1, 1], [1, 0, 1, -1], [1, 1, 1, 1]], dtype=np.int8)})
-    counts.add({"tree": tree, "active": [True, False, False], "accept_length": [0, 0, 0],
+    counts.add({"tree": tree, "active": [True, False, False], "accepted": [0, 0, 0],
                 "decisions": np.array([[1, 0, 0, -1], [1, 1, -1, -1], [1, -1, -1, -1]], dtype=np.int8)})
     assert counts.trials[:2, :2].tolist() == [[3, 3], [1, 0]]
     assert counts.accepted[:2, :2].tolist() == [[1, 1], [1, 0]]
@@ -217,7 +217,7 @@ def test_counts_from_records_match_direct_count(spec):
 
 def test_chain_records():
     counts = AcceptanceCounts()
-    counts.add({"tree": build_tree([[0]]), "active": [True, True], "accept_length": [0, 1],
+    counts.add({"tree": build_tree([[0]]), "active": [True, True], "accepted": [0, 1],
                 "decisions": np.array([[1, 0], [1, 1]], dtype=np.int8)})
     assert counts.steps == 2 and counts.trials[0, 0] == 2 and counts.accepted[0, 0] == 1
     assert counts.trials.sum() == 2
@@ -228,7 +228,7 @@ def test_non_contiguous_ranks_are_not_counted():
     for rank 2 and neither count uses it."""
     tree = build_tree([[0], [2]])
     counts = AcceptanceCounts()
-    counts.add({"tree": tree, "active": [True], "accept_length": [1],
+    counts.add({"tree": tree, "active": [True], "accepted": [1],
                 "decisions": np.array([[1, 0, 1]], dtype=np.int8)})
     assert counts.trials[0, :3].tolist() == [1, 0, 0] and counts.accepted[0, :3].tolist() == [0, 0, 0]
     direct = count_accepted_paths(tree, [[0, 2]])
@@ -269,13 +269,13 @@ def test_counts_json_round_trip():
     ([[1, 1, 0]], [1], "shape"),
     ([[1, 0, -1, 1]], [1], "parent"),
     ([[1, 1, 1, -1]], [2], "two nodes"),
-    ([[1, 1, -1, 1]], [1], "accept_length"),
+    ([[1, 1, -1, 1]], [1], "accepted differs"),
     ([[1, 2, -1, -1]], [0], "-1, 0 or 1"),
 ])
 def test_bad_records(decisions, accept_length, message):
     tree = build_tree([[0], [1], [0, 0]])
     with pytest.raises(LanternError, match=message):
-        AcceptanceCounts().add({"tree": tree, "active": [True], "accept_length": accept_length,
+        AcceptanceCounts().add({"tree": tree, "active": [True], "accepted": accept_length,
                                 "decisions": np.array(decisions)})
 
 
@@ -462,3 +462,38 @@ def test_report_checks_the_model_on_the_calibration_tree():
     check = report["calibration_check"]
     assert check["predicted_accepted"] == pytest.approx(check["measured_accepted"], rel=0.05)
     assert "predicted" in tree_report.format_report(report)
+
+
+# ---------------------------------------------------------------------------------------------
+# A batched call ends with its slowest image
+
+
+def test_step_moments_and_batch_steps_match_monte_carlo():
+    rng = np.random.default_rng(8)
+    tree = build_tree("mc_sim_7b_63")
+    p = np.array(P_IMAGE + [[0.3, 0.1, 0.05, 0.03, 0.02]])
+    lengths = np.array([len(path) for path in simulate_paths(tree, p, rng, 40000)])  # tokens per step, bonus incl.
+    mean, var = tree_search.tokens_per_step_moments(tree, p)
+    assert mean == pytest.approx(1 + expected_accept_length(tree, p))
+    assert lengths.mean() == pytest.approx(mean, abs=4 * lengths.std() / 200)
+    assert lengths.var() == pytest.approx(var, rel=0.03)
+    # calls of 8 images of 63 tokens: steps until the slowest image has its 63 tokens
+    tokens, images, calls = 63, 8, 1500
+    draws = iter(rng.choice(lengths, size=200000))  # steps drawn from the simulated ones
+
+    def image_steps():
+        done, steps = 0, 0
+        while done < tokens:
+            done, steps = done + next(draws), steps + 1
+        return steps
+
+    per_call = [max(image_steps() for _ in range(images)) for _ in range(calls // 8)]
+    single = [image_steps() for _ in range(calls)]
+    assert np.mean(per_call) == pytest.approx(tree_search.generation_steps(tree, p, tokens, images), rel=0.02)
+    assert np.mean(single) == pytest.approx(tree_search.generation_steps(tree, p, tokens, 1), rel=0.02)
+    assert tree_search.generation_steps("chain-1", [[0.0]], tokens, images) == tokens  # nothing accepted: AR
+    lat = LatencyModel({1: 10, 64: 10}, draft_fraction=0.1)
+    one = tree_search.price(tree, p, lat)
+    batch = tree_search.price(tree, p, lat, generation=(tokens, images))
+    assert batch.effective_tokens_per_step < one.tokens_per_step == batch.tokens_per_step
+    assert batch.tokens_per_s == pytest.approx(1000 * images * batch.effective_tokens_per_step / batch.step_ms)

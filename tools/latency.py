@@ -3,7 +3,10 @@ for T tokens and the drafter's cost per call width, at a given cache fill, on th
 backend. The runtime benchmark plots them; the tree tuner models a step with them.
 
 A call is timed as the loop pays for it: feeds written in place, the plan's bound buffers,
-backend.run + synchronize; the median of `repeats` runs after one warm-up."""
+backend.run + synchronize; the median of `repeats` runs after one warm-up (or their minimum,
+`stat="min"`: what the machine can do when nothing else runs, steadier on a shared machine).
+clock="cpu" times with this process's CPU time instead of the wall clock: other processes on
+the cores then cost nothing, but it equals wall time only for a single-threaded CPU backend."""
 import time
 
 import numpy as np
@@ -47,7 +50,11 @@ def default_condition(engine, images):
     return {"prompt_ids": np.full((images, 5), 100, dtype=np.int64)}
 
 
-def time_call(engine, plan, regime, repeats, rng):
+STATS = {"median": np.median, "min": np.min}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def time_call(engine, plan, regime, repeats, rng, stat="median", clock="wall"):
     call = plan.calls[regime]
     cache = plan.target_cache if call.graph == "target" else plan.drafter_cache
     V = engine.manifest.vocabulary
@@ -56,31 +63,42 @@ def time_call(engine, plan, regime, repeats, rng):
                                                engine.manifest.max_positions - 1)
     cache.mask_into(call.feeds["attention_mask"])
     be = engine.backend
+    now = CLOCKS[clock]
     times = []
     for i in range(repeats + 1):
-        t = time.perf_counter()
+        t = now()
         be.run(call)
         be.synchronize()
         if i:
-            times.append(time.perf_counter() - t)
-    return float(np.median(times))
+            times.append(now() - t)
+    return float(STATS[stat](times))
 
 
-def verify_latency(engine, tokens, images=1, cfg_scale=1.0, context=256, repeats=7, seed=0):
+def release(engine, plan):
+    """Let the backend drop a plan's bound buffers (one plan per size would pile up otherwise)."""
+    if hasattr(engine.backend, "release"):
+        engine.backend.release(plan)
+
+
+def verify_latency(engine, tokens, images=1, cfg_scale=1.0, context=256, repeats=7, seed=0, stat="median",
+                   clock="wall"):
     """{T: seconds} of the target call over T new tokens."""
     rng = np.random.default_rng(seed)
     out = {}
     for T in tokens:
         plan = plan_for(engine, verify_tree(T), images, cfg_scale, context)
-        out[T] = time_call(engine, plan, "verify", repeats, rng)
+        out[T] = time_call(engine, plan, "verify", repeats, rng, stat, clock)
+        release(engine, plan)
     return out
 
 
-def draft_latency(engine, widths, images=1, cfg_scale=1.0, context=256, repeats=7, seed=0):
+def draft_latency(engine, widths, images=1, cfg_scale=1.0, context=256, repeats=7, seed=0, stat="median",
+                  clock="wall"):
     """{width: seconds} of one drafter call over `width` tokens."""
     rng = np.random.default_rng(seed)
     out = {}
     for W in widths:
         plan = plan_for(engine, draft_tree(W), images, cfg_scale, context)
-        out[W] = time_call(engine, plan, "draft1", repeats, rng)
+        out[W] = time_call(engine, plan, "draft1", repeats, rng, stat, clock)
+        release(engine, plan)
     return out

@@ -1,10 +1,12 @@
 """`lantern-run`: `generate` (the runtime's, torch-free on ONNX Runtime; `--backend torch` runs the
-graphs' PyTorch modules, rebuilt through lantern.export) and `quality` (the harness)."""
+graphs' PyTorch modules, rebuilt through lantern.export), `quality` (the harness), `tune` (the
+fastest draft tree for this machine) and `whatif` (the same search on a latency model from a
+file: a planning aid)."""
 import argparse
 import sys
 
 from lantern.runtime import cli as runtime_cli
-from lantern.tools import quality
+from lantern.tools import quality, tree_report, tune
 
 
 def _torch_backend(engine_dir, threads, device):
@@ -18,6 +20,8 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", required=True)
     runtime_cli.add_parser(sub, backend_loaders={"torch": _torch_backend})
     quality.add_parser(sub)
+    tune.add_parser(sub, backend_loaders={"torch": _torch_backend})
+    tree_report.add_parser(sub, "whatif")
     return parser
 
 

@@ -16,7 +16,7 @@ Latency file (milliseconds; sizes are tokens per call):
   work per drafter call), "ar_ms", "note".
 Acceptance file: AcceptanceCounts.to_json() ({"accepted": [[..]], "trials": [[..]]}, one row per
 depth, one column per rank), or {"p": [[..], ..]} (per-depth vectors) or {"p": [..]} (one vector
-for every depth).
+for every depth), or a `lantern-run tune` report.json (its calibration counts).
 """
 import argparse
 import json
@@ -37,7 +37,7 @@ PLANNING_LABEL = ("PLANNING AID: predictions of the given latency model and acce
                   "nothing here was measured.")
 
 
-def compare_presets(p, latency, candidates, presets=PRESETS):
+def compare_presets(p, latency, candidates, presets=PRESETS, generation=None):
     """Each preset priced under the same model, or the reason it cannot run: a node with more
     children than the drafter's candidates, or a call size outside the latency model."""
     rows = []
@@ -50,11 +50,13 @@ def compare_presets(p, latency, candidates, presets=PRESETS):
             rows.append({"name": name, "nodes": tree.num_nodes, "depth": tree.depth,
                          "skipped": "call sizes outside the latency model"})
         else:
-            rows.append({k: v for k, v in price(tree, p, latency).to_json().items() if k != "paths"})
+            rows.append({k: v for k, v in price(tree, p, latency, generation=generation).to_json().items()
+                         if k != "paths"})
     return rows
 
 
-def build_report(result, p, latency, candidates, counts=None, presets=PRESETS, planning=False, calibration=None):
+def build_report(result, p, latency, candidates, counts=None, presets=PRESETS, planning=False, calibration=None,
+                 generation=None):
     """A JSON-ready report: the chosen tree (with its paths), AR, the presets under the same model,
     the acceptance vectors (and counts when measured), the latency points and the search curve.
     With `calibration` (the tree all the counts were recorded on), also the model's in-sample
@@ -63,8 +65,8 @@ def build_report(result, p, latency, candidates, counts=None, presets=PRESETS, p
         "planning_aid": bool(planning),
         "chosen": result.best.to_json(),
         "chosen_tree": tree_json(result.best),
-        "ar": ar_candidate(latency).to_json(),
-        "presets": compare_presets(p, latency, candidates, presets),
+        "ar": ar_candidate(latency, generation).to_json(),
+        "presets": compare_presets(p, latency, candidates, presets, generation),
         "acceptance_vectors": np.round(p, 6).tolist(),
         "latency_model": latency.to_json(),
         "search": result.to_json(),
@@ -120,6 +122,9 @@ def format_report(report):
     verb = "would pick" if report["planning_aid"] else "picked"
     lines.append(f"the search {verb}: {c['name']} ({c['nodes']} nodes incl. root, depth {c['depth']})")
     lines.append(f"  predicted step compression (tokens per step): {c['tokens_per_step']:.3f}")
+    if c.get("images", 1) > 1:
+        lines.append(f"  over a call of {c['images']} images, which ends with its slowest: "
+                     f"{c['generation_tokens_per_step']:.3f} tokens per step each")
     lines.append(f"  predicted step time: {c['step_ms']:.3f} ms (AR step {report['ar']['step_ms']:.3f} ms)")
     lines.append(f"  predicted speedup over AR: {c['speedup_vs_ar']:.3f}x")
     if "calibration_check" in report:
@@ -218,6 +223,8 @@ def load_acceptance(data, depth, prior_strength=DEFAULT_PRIOR_STRENGTH):
             raise LanternError(f"cannot read acceptance file {os.fspath(data)}: {e}") from None
     if not isinstance(data, dict):
         raise LanternError("acceptance: expected a JSON object with 'accepted' and 'trials', or 'p'")
+    if isinstance(data.get("calibration"), dict) and "counts" in data["calibration"]:
+        data = data["calibration"]["counts"]  # a `lantern-run tune` report: its measured counts
     if "p" in data:
         p = check_vectors(data["p"])
         if np.ndim(data["p"]) == 1:

@@ -1,0 +1,679 @@
+"""`lantern-run tune`: the static draft tree that is fastest on this machine, for given generation
+settings, measured on the engine itself (issue 10). `lantern-run whatif` runs the same search on a
+latency model from a file (a planning aid; see lantern.tools.tree_report).
+
+  lantern-run tune ENGINE [--mode --lam --delta --k --greedy --temperature --top-k --top-p --cfg
+                           --cfg-interval --seed --backend --threads] [--classes 3,7 | --caption F.npy]
+                          [--budget 64] [--depth 6] [--images 16] [--batch 8] [--out DIR] [--dry-run]
+
+1. Calibration. `--images` generations (calls of `--batch` images) with a wide, deep calibration
+   tree (tree_search.calibration_tree: every rank the search may use, down to `--depth`), the
+   given settings, on the given classes or captions (default: classes spread over the model's
+   range; a caption engine without --caption gets blank, all-zero caption features, and the
+   report says so). The loop's StepRecords go to AcceptanceCounts; the report lists how many
+   observations back each cell of the acceptance table.
+2. Latency model, per batch size (1 and --batch), on the engine's backend:
+   - verification of T tokens and drafter calls of width w, timed through real step plans at a
+     mid-generation cache length (lantern.tools.latency), on a grid of sizes up to the largest
+     the search may pick (every size up to 8, then steps of about 25 %), interpolated between;
+     the fastest of --repeats runs per size (other processes only ever slow a call down);
+   - the loop's own time, measured as it pays: whole generations of a few small trees (and of
+     AR) with the same settings; per loop step, the time of the draft/verify/accept/commit
+     phases over the steps run, the fastest of a few generations. What the engine-call curves
+     do not explain (host work, and calls slower in the loop than alone: the graphs evict each
+     other's weights from the caches) is fitted, by non-negative least squares, as a + b * nodes
+     per step plus c per drafter call (phase 1 found the pre-issue-8 loop spending most of a
+     small tree's step there). The AR step is the AR generation's measured step. The report
+     lists each tree's measured and modelled step.
+3. Search (tree_search.search: Sequoia's DP per depth limit, priced with the model, AR as a
+   candidate) per batch size, ranked by a whole call's tokens per second (a batched call ends
+   with its slowest image). The chosen tree is then run too and the fit redone with it, until
+   the choice is a tree whose step was measured (or AR). The report compares the chosen tree
+   with AR and the presets under the same model.
+4. Output, unless --dry-run: the chosen trees as choices JSON (`--tree` reads them) and the
+   report (report.json, report.md, plots) under ENGINE/tuned/, then the manifest's
+   `tuned_trees` entry for these settings, written last (see `install`). `generate` then uses
+   the tuned tree for these settings on this backend unless a tree is given. --out DIR writes
+   a copy of the report and trees there as well.
+
+"The settings it was tuned for" (runtime.manifest.tuning_settings): mode; lam (lantern++) or delta
+(lantern) and k; greedy, or sampling with its temperature, top-k and top-p; the CFG scale (off
+below 1) and interval. These change the acceptance table or the rows each call carries. The batch
+changes only latency: one tree per batch size tuned, and generate takes the tuned batch nearest
+its image count. The backend is recorded and must match; the thread count and the machine are
+recorded in the entry, not matched (re-run tune after moving an engine to other hardware).
+
+Compiled plans (issue 10 item 7): where the engine records TensorRT plans (`Manifest.tensorrt`),
+`plans_coverage` checks whether a tree's calls (StepPlan.shapes()) each get a profile of the
+plans, as the tensorrt backend assigns them. Tuning on the tensorrt backend keeps the search
+within its plans (AR and the trees they were built for); tuning on another backend reports a
+chosen tree the plans do not cover as needing `lantern-export trt` again. The runtime uses an
+entry only on the backend it was measured on, so a tree tuned elsewhere never runs on plans
+built for another tree, and `lantern-export trt` builds profiles for the trees tuned on the
+tensorrt backend besides the engine's own, so a rebuild keeps covering them.
+"""
+import datetime
+import json
+import os
+import platform
+import time
+
+import numpy as np
+
+from lantern.runtime.errors import LanternError
+from lantern.runtime.manifest import (TunedSettings, TunedTree, describe_files, read_manifest, settings_key,
+                                      tuning_settings)
+from lantern.runtime.plan import StepPlan
+from lantern.runtime.tree import MAX_WIDTH, build_tree, root_only
+from lantern.tools import tree_report
+from lantern.tools.latency import CLOCKS, default_condition, draft_latency, verify_latency
+from lantern.tools.tree_search import (AcceptanceCounts, LatencyModel, acceptance_vectors, calibration_tree,
+                                       search)
+
+DEFAULT_BUDGET = 64
+DEFAULT_DEPTH = 6
+DEFAULT_IMAGES = 16
+CALIBRATION_WIDTH = 8  # ranks observed per opened node; the DP rarely goes past rank 4 on image tokens
+GUESS = [[0.45, 0.15, 0.08, 0.05, 0.03, 0.02, 0.015, 0.01]]  # shapes the calibration tree only
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def generation_settings(engine, mode="lantern++", lam=2.0, delta=0.1, k=None, greedy=False, temperature=1.0, top_k=0,
+                        top_p=1.0, cfg_scale=1.0, cfg_interval=-1):
+    """(generate's keyword arguments, the canonical settings dict, its key). k is resolved as
+    generate resolves it, so the key is the one generate looks up."""
+    from lantern.runtime.generator import DEFAULT_K
+
+    if mode == "ar":
+        raise LanternError("mode 'ar' drafts nothing, so there is no tree to tune; pick exact, lantern or lantern++")
+    if mode not in engine.manifest.modes:
+        raise LanternError(f"{engine.directory} serves modes {', '.join(engine.manifest.modes)}, not {mode!r}")
+    if mode in ("lantern", "lantern++") and k is None:
+        k = min(DEFAULT_K, engine.neighbors.shape[1])
+    kwargs = dict(mode=mode, lam=lam, delta=delta, k=k, greedy=greedy, temperature=temperature, top_k=top_k,
+                  top_p=top_p, cfg_scale=cfg_scale, cfg_interval=cfg_interval)
+    settings = tuning_settings(mode, k, lam, delta, greedy, temperature, top_k, top_p, cfg_scale, cfg_interval)
+    return kwargs, settings, settings_key(settings)
+
+
+DEFAULT_PROMPTS = ("a photo of a cat", "a red car on a city street", "a bowl of fruit on a wooden table",
+                   "a mountain lake at sunset", "a portrait of an old man", "a lighthouse on a cliff by the sea",
+                   "a bicycle leaning against a brick wall", "a plate of pasta with basil")
+
+
+def conditions(engine, images, classes=None, caption=None, caption_mask=None, prompt=None, prompt_ids=None):
+    """(one generate() condition dict per image, a note on what was used). Given classes,
+    caption rows or prompts are cycled to `images`. Defaults: classes spread over the model's
+    range; blank (zero) caption features for a caption engine; a few everyday prompts for a
+    prompt engine with a text tokenizer (one without needs --prompt-ids)."""
+    c = engine.manifest.condition
+    given = {"--classes": classes, "--caption": caption, "--prompt": prompt, "--prompt-ids": prompt_ids}
+    takes = {"class": ("--classes",), "caption": ("--caption",), "prompt": ("--prompt", "--prompt-ids")}[c.kind]
+    wrong = [name for name, value in given.items() if value is not None and name not in takes]
+    if wrong:
+        raise LanternError(f"this is a {c.kind}-conditional engine: give {' or '.join(takes)}, not {wrong[0]}")
+    if c.kind == "class":
+        if classes is None:
+            classes = [(i * c.num_classes) // min(images, c.num_classes) % c.num_classes for i in range(images)]
+        picked = [int(classes[i % len(classes)]) for i in range(images)]
+        note = f"classes {sorted(set(picked))}" + ("" if given["--classes"] else " (default: spread over the classes)")
+        return [{"classes": [cl]} for cl in picked], note
+    if c.kind == "prompt":
+        if prompt_ids is not None:
+            rows = np.asarray(prompt_ids)
+            rows = rows[None] if rows.ndim == 1 else rows
+            return ([{"prompt_ids": rows[i % len(rows)]} for i in range(images)],
+                    f"{len(rows)} prompt(s) as ids, cycled to {images} images")
+        if prompt is None and c.tokenizer is None:
+            raise LanternError("this engine has no text tokenizer: give calibration prompts as --prompt-ids")
+        texts = list(prompt) if prompt is not None else list(DEFAULT_PROMPTS)
+        note = f"{len(texts)} prompt(s)" + (" (default: everyday scenes)" if prompt is None else "")
+        return [{"prompt": texts[i % len(texts)]} for i in range(images)], note + f", cycled to {images} images"
+    if caption is None:
+        blank = default_condition(engine, 1)["caption"][0]
+        note = ("blank (all-zero) caption features: no --caption was given, so acceptance is measured on an "
+                "empty prompt; pass real T5 caption features for statistics that match real prompts")
+        return [{"caption": blank} for _ in range(images)], note
+    caption = np.asarray(caption, dtype=np.float32)
+    if caption.ndim == 2:
+        caption = caption[None]
+    mask = None if caption_mask is None else np.asarray(caption_mask).reshape(len(caption), -1)
+    out = [{"caption": caption[i % len(caption)], **({} if mask is None else {"caption_mask": mask[i % len(mask)]})}
+           for i in range(images)]
+    return out, f"{len(caption)} caption row(s) from --caption, cycled to {images} images"
+
+
+def batched(conds, size):
+    """generate() condition arguments for consecutive calls of `size` images."""
+    out = []
+    for start in range(0, len(conds), size):
+        chunk = conds[start: start + size]
+        if "classes" in chunk[0]:
+            out.append({"classes": [c["classes"][0] for c in chunk]})
+        elif "prompt" in chunk[0]:
+            out.append({"prompt": [c["prompt"] for c in chunk]})
+        elif "prompt_ids" in chunk[0]:
+            out.append({"prompt_ids": np.stack([c["prompt_ids"] for c in chunk])})
+        else:
+            call = {"caption": np.stack([c["caption"] for c in chunk])}
+            if "caption_mask" in chunk[0]:
+                call["caption_mask"] = np.stack([c["caption_mask"] for c in chunk])
+            out.append(call)
+    return out
+
+
+def repeat_to(conds, images):
+    return [conds[i % len(conds)] for i in range(images)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+class StepTimer:
+    """An observer timing the loop's steps on a clock (latency.CLOCKS): the time between
+    consecutive records is one whole step as the loop pays it (the loop builds each record in
+    microseconds; an inner observer's own time is left out)."""
+
+    def __init__(self, clock="wall", inner=None):
+        self.now, self.inner = CLOCKS[clock], inner
+        self.times, self.last = [], None
+
+    def __call__(self, record):
+        t = self.now()
+        if self.last is not None:
+            self.times.append(t - self.last)
+        if self.inner is not None:
+            self.inner(record)
+        self.last = self.now()
+
+    @property
+    def step_ms(self):
+        """Mean milliseconds per step, the first step (which follows the prefill) left out."""
+        return 1000.0 * float(np.mean(self.times)) if self.times else float("nan")
+
+
+def calibrate(engine, kwargs, tree, conds, batch, seed=0, clock="wall"):
+    """AcceptanceCounts from generations of `conds` in calls of `batch` images with `tree`, and
+    per call (images, ms per loop step, steps)."""
+    counts, runs = AcceptanceCounts(), []
+    for i, call in enumerate(batched(conds, batch)):
+        timer = StepTimer(clock, counts)
+        g = engine.generate(**call, **kwargs, seed=seed + i, tree=tree, observer=timer)
+        runs.append({"images": g.stats["images"], "step_ms": timer.step_ms, "steps": len(timer.times) + 1})
+    return counts, runs
+
+
+def latency_sizes(largest):
+    """Every size up to 8, then steps of about 25 %, and `largest` itself."""
+    sizes, x = list(range(1, min(largest, 8) + 1)), 8
+    while x < largest:
+        x = min(largest, max(x + 1, int(round(x * 1.25))))
+        sizes.append(x)
+    return sizes
+
+
+def fit_trees(candidates, budget, depth, calibration):
+    """Trees whose whole generations fix the host terms: different node counts and depths, the
+    calibration tree the largest (every one within the budget, depth and candidates)."""
+    flat = min(8, candidates, budget - 1)
+    specs = [("chain-1", None), (f"chain-{min(4, depth)}", None), ([[r] for r in range(flat)], f"flat-{flat + 1}"),
+             (f"kary-2-{min(3, depth)}", None), (calibration, None)]
+    out, seen = [], set()
+    for spec, name in specs:
+        tree = build_tree(spec, name=name)
+        if tree.num_nodes <= budget and tree.depth <= depth and tree.max_width <= candidates and tree.paths not in seen:
+            seen.add(tree.paths)
+            out.append(tree)
+    return out
+
+
+def nnls(X, y):
+    """Non-negative least squares for a few columns: the best of the unconstrained fits over
+    every subset of columns whose coefficients are all >= 0."""
+    X, y = np.asarray(X, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    best, best_err = np.zeros(X.shape[1]), float(np.sum(y ** 2))
+    for mask in range(1, 2 ** X.shape[1]):
+        cols = [j for j in range(X.shape[1]) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
+        if (coef >= 0).all():
+            err = float(np.sum((X[:, cols] @ coef - y) ** 2))
+            if err < best_err:
+                best, best_err = np.zeros(X.shape[1]), err
+                best[cols] = coef
+    return best
+
+
+def call_latency(engine, kwargs, images, budget, depth, repeats=5, seed=0, clock="wall"):
+    """(verify_ms, draft_ms): engine calls alone for `images` images, timed through real step
+    plans at a mid-generation cache length, the fastest of `repeats` runs per size."""
+    cfg = kwargs["cfg_scale"]
+    prefix = engine.condition.prefix(cfg > 1, **default_condition(engine, 1))
+    context = prefix.tokens + engine.manifest.image.tokens // 2  # mid-generation
+    verify = verify_latency(engine, latency_sizes(budget), images, cfg, context, repeats, seed, "min", clock)
+    draft = draft_latency(engine, latency_sizes(max(budget - 1, depth + 1)), images, cfg, context, repeats, seed,
+                          "min", clock)
+    return {T: 1000 * s for T, s in verify.items()}, {w: 1000 * s for w, s in draft.items()}
+
+
+def loop_step_ms(engine, call, kwargs, trees, runs=3, seed=0, clock="wall"):
+    """{tree paths: the loop's milliseconds per step} for each tree (root_only(): AR), as it pays:
+    the mean over a whole generation of `call`'s images, the fastest of `runs` generations. The
+    trees take turns, so a change in what else runs on the machine touches them alike."""
+    best = {tree.paths: np.inf for tree in trees}
+    for r in range(runs):
+        for tree in trees:
+            mode = "ar" if tree.depth == 0 else kwargs["mode"]
+            timer = StepTimer(clock)
+            engine.generate(**call, **{**kwargs, "mode": mode}, seed=seed + r, tree=None if mode == "ar" else tree,
+                            observer=timer)
+            best[tree.paths] = min(best[tree.paths], timer.step_ms)
+    return best
+
+
+def fit_latency(verify_ms, draft_ms, ar_ms, measured):
+    """LatencyModel from the engine-call curves plus host terms fitted to whole-loop steps.
+    measured: [(Tree, loop ms per step, source)]. What the calls leave of each measured step is
+    host time a + b * nodes + c * drafter calls (non-negative least squares). Returns (model,
+    per-tree fit rows, {a, b, c})."""
+    engine_only = LatencyModel(verify_ms, draft_ms)
+    X = [[1.0, tree.num_nodes, tree.depth] for tree, _, _ in measured]
+    y = [ms - engine_only.step_ms(tree) for tree, ms, _ in measured]
+    a, b, c = nnls(X, y)
+    T = max(verify_ms)
+    latency = LatencyModel(verify_ms, draft_ms, host_ms={1: a + b, T: a + b * T}, ar_ms=ar_ms, draft_host_ms=c)
+    fit = [{"tree": tree.name, "nodes": tree.num_nodes, "depth": tree.depth, "source": source,
+            "measured_step_ms": ms, "engine_calls_ms": engine_only.step_ms(tree),
+            "model_step_ms": latency.step_ms(tree), "error": latency.step_ms(tree) / ms - 1.0}
+           for tree, ms, source in measured]
+    fit.append({"tree": "ar", "nodes": 1, "depth": 0, "source": "generation", "measured_step_ms": ar_ms,
+                "engine_calls_ms": verify_ms[1], "model_step_ms": ar_ms, "error": 0.0})
+    return latency, fit, {"per_step_ms": a, "per_node_ms": b, "per_drafter_call_ms": c}
+
+
+def default_clock(threads, device):
+    """"cpu" for a single-threaded run on the CPU (its CPU time is its wall time on an idle
+    machine, and stays put while other processes share the cores), else "wall"."""
+    return "cpu" if threads == 1 and device == "cpu" else "wall"
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled plans
+
+
+class _ShapesOnly:
+    """A stand-in backend for StepPlan when only its shapes are wanted: nothing is allocated."""
+
+    name = "shapes"
+    float_dtype = np.float32
+
+    def zeros(self, shape):
+        return np.broadcast_to(np.float32(0), shape)
+
+
+def call_shapes(manifest, condition, tree, images, cfg):
+    """StepPlan.shapes() of a generation of `images` images with `tree`, allocating nothing
+    (prompt engines: a five-token prompt, as lantern.tools.latency times them)."""
+    c = manifest.condition
+    if c.kind == "class":
+        inputs = {"classes": [0] * images}
+    elif c.kind == "caption":
+        inputs = {"caption": np.zeros((images, c.tokens, c.caption_dim), dtype=np.float32)}
+    else:
+        inputs = {"prompt_ids": np.full((images, 5), 100, dtype=np.int64)}
+    prefix = condition.prefix(cfg, **inputs)
+    settings = dict(cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0)
+    return StepPlan(manifest, _ShapesOnly(), build_tree(tree), prefix, settings).shapes()
+
+
+def plans_coverage(manifest, condition, tree, images, cfg):
+    """None when the engine records no TensorRT plans (`Manifest.tensorrt`); else per plans
+    build {key: the call regimes of the tree's generation (for `images` images, CFG on or off)
+    that no profile of their graph's plan covers}, [] where every call fits. As the tensorrt
+    backend assigns them, every call of one step plan needs a profile of its own."""
+    if not manifest.tensorrt:
+        return None
+    shapes = call_shapes(manifest, condition, tree, images, cfg)
+    out = {}
+    for key, entry in manifest.tensorrt.items():
+        taken, missing = {}, []
+        for regime, (graph, call) in shapes.items():
+            plan, used = entry.plans.get(graph), taken.setdefault(graph, set())
+            index = None if plan is None else next(
+                (i for i, p in enumerate(plan.profiles) if i not in used and p.covers(call)), None)
+            if index is None:
+                missing.append(regime)
+            else:
+                used.add(index)
+        out[key] = missing
+    return out
+
+
+def coverage_note(coverage):
+    if coverage is None:
+        return "no TensorRT plans recorded"
+    notes = []
+    for key, missing in coverage.items():
+        notes.append(f"within plans/{key}" if not missing else
+                     f"plans/{key} do not cover {', '.join(missing)}: needs `lantern-export trt` again to run it there")
+    return "; ".join(notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole run
+
+
+def machine():
+    info = {"platform": platform.platform(), "cpus": os.cpu_count(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return info
+
+
+def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, batches=(1,), calibration_batch=None,
+         width=None, repeats=5, loop_runs=3, rounds=3, seed=0, note="", threads=None, clock="wall", log=print):
+    """Calibrate, measure and search for generate() settings `kwargs` (generation_settings) on
+    the conditions `conds`. Returns (report dict, {batch: chosen Tree}; root_only() for AR).
+    clock: "wall", or "cpu" (this process's CPU time: steady on a shared machine, and equal to
+    wall time only for a single-threaded CPU backend; see `default_clock`)."""
+    m = engine.manifest
+    K = m.candidates
+    _, settings, key = generation_settings(engine, **kwargs)
+    for name, value, low, high in (("budget", budget, 2, 4096), ("depth", depth, 1, 16)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise LanternError(f"--{name} must be an integer in {low}..{high}, got {value!r}")
+    width = min(CALIBRATION_WIDTH, K) if width is None else width
+    if not 1 <= width <= K:
+        raise LanternError(f"calibration width must be 1..{K} (the drafter's candidates), got {width}")
+    nodes = max(budget, 1 + depth * width)
+    calib = build_tree(calibration_tree(GUESS, nodes, depth, width), name=f"calibration-{nodes}-d{depth}-w{width}")
+    calibration_batch = calibration_batch or max(batches)
+    t0 = time.perf_counter()
+    counts, calib_runs = calibrate(engine, kwargs, calib, conds, calibration_batch, seed, clock)
+    p = acceptance_vectors(counts, depth=depth, width=min(K, max(width, counts.extent()[1])))
+    log(f"[1/3] calibration: {len(conds)} images in calls of {calibration_batch}, tree {calib.name} "
+        f"({calib.num_nodes} nodes, depth {calib.depth}, {width} ranks per opened node): {counts.steps} image-steps, "
+        f"{time.perf_counter() - t0:.1f} s")
+    log("acceptance p[depth, rank] (observations):")
+    log(tree_report.acceptance_table(p, counts))
+
+    cfg = kwargs["cfg_scale"] > 1
+    per_batch, chosen = {}, {}
+    on_plans = engine.backend.name == "tensorrt"  # its calls must fall in the plans' profiles
+    for images in batches:
+        t0 = time.perf_counter()
+        generation = (m.image.tokens - 1, images)  # the first token comes from the prefill
+        verify_ms, draft_ms = call_latency(engine, kwargs, images, budget, depth, repeats, seed, clock)
+        call = batched(repeat_to(conds, images), images)[0]
+        engine.generate(**call, **kwargs, seed=seed, tree="chain-1")  # warm the sessions on loop-sized calls
+        trees = fit_trees(K, budget, depth, calib)
+        full = [r["step_ms"] for r in calib_runs if r["images"] == images]  # the calibration's own steps
+        run = [t for t in trees if not (full and t == calib)]
+        ms = loop_step_ms(engine, call, kwargs, [root_only()] + run, loop_runs, seed, clock)
+        ar_ms = ms[root_only().paths]
+        measured = [(t, float(min(full)), "calibration") if full and t == calib else (t, ms[t.paths], "generation")
+                    for t in trees]
+
+        def allowed(tree):  # tuning on TensorRT plans: only trees the backend's plans cover
+            coverage = plans_coverage(m, engine.condition, tree, images, cfg)
+            missing = coverage.get(engine.backend.key, ["every call"])
+            return coverage_note({engine.backend.key: missing}) if missing else None
+
+        # The chosen tree is measured too and the host terms refitted with it, until the search
+        # settles on a tree whose step was measured (or AR): the choice rests on a measurement.
+        for _ in range(rounds):
+            latency, fit, host = fit_latency(verify_ms, draft_ms, ar_ms, measured)
+            # ranks past the calibration's width have p = 0 and are never picked; a tree has <= MAX_WIDTH
+            result = search(p, latency, budget, depth, min(K, MAX_WIDTH), allowed=allowed if on_plans else None,
+                            generation=generation)
+            best = result.best
+            tree = root_only() if best.nodes == 1 else build_tree(best.paths, name=best.name)
+            if tree.depth == 0 or any(t.paths == tree.paths for t, _, _ in measured):
+                break
+            # measured in turns with AR again: AR's step is the fastest of all its runs
+            ms = loop_step_ms(engine, call, kwargs, [root_only(), tree], loop_runs, seed, clock)
+            ar_ms = min(ar_ms, ms[root_only().paths])
+            measured.append((tree, ms[tree.paths], "chosen"))
+        report = tree_report.build_report(result, p, latency, min(K, MAX_WIDTH), counts, calibration=calib,
+                                          generation=generation)
+        coverage = plans_coverage(m, engine.condition, tree, images, cfg)
+        report.update(images=images, host_fit=host, fit=fit, plans=coverage_note(coverage),
+                      plans_cover=None if coverage is None else {k: not v for k, v in coverage.items()})
+        per_batch[images], chosen[images] = report, tree
+        log(f"[2/3] latency for {images} image(s) per call: verification T 1..{latency.verify.max_x}, drafter widths "
+            f"1..{latency.draft.max_x}, {len(fit)} loop measurements; {time.perf_counter() - t0:.1f} s")
+        log(fit_table(fit, host))
+        log(f"[3/3] search for {images} image(s) per call (budget {budget}, depth {depth}, {K} candidates):")
+        log(tree_report.format_report(report))
+        log(f"  compiled plans: {report['plans']}")
+    report = {"key": key, "settings": settings, "engine": os.path.abspath(engine.directory),
+              "backend": engine.backend.name, "threads": threads, "clock": clock, "machine": machine(),
+              "conditions": note,
+              "calibration": {"tree": calib.to_json(), "nodes": calib.num_nodes, "depth": calib.depth, "width": width,
+                              "images": len(conds), "batch": calibration_batch, "runs": calib_runs,
+                              "counts": counts.to_json()},
+              "acceptance_vectors": np.round(p, 6).tolist(), "budget": budget, "depth": depth, "candidates": K,
+              "batches": {str(n): r for n, r in per_batch.items()}}
+    return report, chosen
+
+
+def fit_table(fit, host):
+    lines = ["  host fit: %.3f ms per step + %.4f ms per node + %.3f ms per drafter call"
+             % (host["per_step_ms"], host["per_node_ms"], host["per_drafter_call_ms"]),
+             "  tree                       nodes depth  measured ms  engine calls ms  model ms  error"]
+    for r in fit:
+        lines.append(f"  {r['tree'][:26]:<26} {r['nodes']:>5} {r['depth']:>5} {r['measured_step_ms']:>12.3f} "
+                     f"{r['engine_calls_ms']:>16.3f} {r['model_step_ms']:>9.3f} {100 * r['error']:>5.1f}%")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _write_json(path, data):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_report(directory, report, chosen=None):
+    """report.json, report.md and the plots into `directory` (made if needed), and with `chosen`
+    ({batch: Tree}) each drafting tree as tree-b{batch}.json. Returns the names written."""
+    os.makedirs(directory, exist_ok=True)
+    _write_json(os.path.join(directory, "report.json"), report)
+    names = ["report.json", "report.md", "acceptance.png"]
+    tree_report.plot_acceptance(np.array(report["acceptance_vectors"]), os.path.join(directory, "acceptance.png"),
+                                _counts(report["calibration"]["counts"]),
+                                title=f"positional acceptance, {report['key']}")
+    for images, r in report["batches"].items():
+        tree_report.plot_latency(LatencyModel.from_json(r["latency_model"]), _result_of(r),
+                                 os.path.join(directory, f"latency-b{images}.png"),
+                                 title=f"latency model ({images} image(s) per call) and predicted speedup")
+        names.append(f"latency-b{images}.png")
+    with open(os.path.join(directory, "report.md.tmp"), "w", encoding="utf-8") as f:
+        f.write(markdown(report))
+    os.replace(os.path.join(directory, "report.md.tmp"), os.path.join(directory, "report.md"))
+    return names
+
+
+def _result_of(r):
+    """A SearchResult-like view of a batch report for plot_latency (best and best per budget)."""
+    from lantern.tools.tree_search import Candidate, SearchResult
+
+    def cand(d):
+        return Candidate(name=d["name"], paths=d.get("paths", []), nodes=d["nodes"], depth=d["depth"],
+                         tokens_per_step=d["tokens_per_step"], step_ms=d["step_ms"], ar_ms=r["ar"]["step_ms"],
+                         images=d["images"], generation_tokens_per_step=d["generation_tokens_per_step"])
+
+    return SearchResult(best=cand(r["chosen"]), candidates=[cand(d) for d in r["search"]["best_per_budget"].values()],
+                        skipped=[])
+
+
+def markdown(report):
+    lines = [f"# Tuned draft tree: `{report['key']}`", "",
+             f"Engine `{report['engine']}`, backend {report['backend']} ({report['threads']} thread(s), timed on the "
+             f"{report['clock']} clock), "
+             f"{report['machine'].get('cpu') or report['machine']['platform']}; load average "
+             f"{report['machine'].get('load_average')} (a shared machine makes timings noisy).", "",
+             "Settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()) + ".",
+             f"Conditions: {report['conditions']}.", "",
+             f"Calibration tree: {report['calibration']['nodes']} nodes, depth {report['calibration']['depth']}, "
+             f"{report['calibration']['width']} ranks per opened node; {report['calibration']['images']} images.", "",
+             "## Acceptance (p, observations)", "", "```",
+             tree_report.acceptance_table(np.array(report["acceptance_vectors"]),
+                                          _counts(report["calibration"]["counts"])), "```", "",
+             "![acceptance](acceptance.png)", ""]
+    for images, r in report["batches"].items():
+        latency = LatencyModel.from_json(r["latency_model"])
+        lines += [f"## {images} image(s) per call", "", "```", tree_report.format_report(r), "",
+                  fit_table(r["fit"], r["host_fit"]), "", tree_report.latency_table(latency), "```", "",
+                  f"Compiled plans: {r['plans']}.", "", f"![latency](latency-b{images}.png)", ""]
+    lines += ["Predictions come from the positional acceptance model and the measured latency model "
+              "(lantern.tools.tree_search's docstring lists what is modelled and assumed).", ""]
+    return "\n".join(lines)
+
+
+def _counts(data):
+    return AcceptanceCounts.from_json(data)
+
+
+def install(directory, chosen, report):
+    """Record the trees tuned for report["settings"] in the engine directory, never leaving it
+    half written: (1) if an entry for these settings exists, the manifest is rewritten without it
+    and its files (the engine falls back to its exported tree meanwhile); (2) the trees and the
+    report are written, each file atomically; (3) the manifest is rewritten with the new entry
+    and the new files' sizes and sha256, last. An interruption leaves a manifest that matches
+    its files. Returns the entry."""
+    key = report["key"]
+    m = read_manifest(directory)
+    old = m.tuned_trees.get(key)
+    old_files = set()
+    if old is not None:
+        old_files = {t.file for t in old.trees if t.file} | _report_files(m, old)
+        m = m.replace(tuned_trees={k: v for k, v in m.tuned_trees.items() if k != key},
+                      files={k: v for k, v in m.files.items() if k not in old_files})
+        m.write(directory)
+    os.makedirs(os.path.join(directory, "tuned"), exist_ok=True)
+    trees, names = [], []
+    for images, tree in sorted(chosen.items()):
+        predicted = {k: report["batches"][str(images)]["chosen"][k]
+                     for k in ("tokens_per_step", "step_ms", "tokens_per_s", "speedup_vs_ar")}
+        file = None
+        if tree.depth:
+            file = f"tuned/{key}.b{images}.json"
+            _write_json(os.path.join(directory, file), tree.to_json())
+            names.append(file)
+        trees.append(TunedTree(images=images, file=file, name=tree.name if tree.depth else "ar", nodes=tree.num_nodes,
+                               depth=tree.depth, predicted=predicted))
+    report_dir = f"tuned/{key}"
+    names += [f"{report_dir}/{n}" for n in write_report(os.path.join(directory, report_dir), report)]
+    measured = {"threads": report["threads"], "clock": report["clock"], "machine": report["machine"]}
+    entry = TunedSettings(settings=report["settings"], backend=report["backend"], trees=tuple(trees),
+                          report=f"{report_dir}/report.json", measured=measured)
+    files = {k: v for k, v in m.files.items() if k not in names}
+    files.update(describe_files(directory, names))
+    m = m.replace(tuned_trees={**m.tuned_trees, key: entry}, files=dict(sorted(files.items())))
+    m.write(directory)
+    for name in old_files - set(names):
+        try:
+            os.remove(os.path.join(directory, name))
+        except OSError:
+            pass
+    return entry
+
+
+def _report_files(m, entry):
+    """The files of an entry's report directory that the manifest lists."""
+    if not entry.report:
+        return set()
+    folder = os.path.dirname(entry.report) + "/"
+    return {name for name in m.files if name.startswith(folder)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def add_parser(sub, backend_loaders=None):
+    """backend_loaders: as lantern.runtime.cli.add_parser's (lantern-run adds torch)."""
+    from lantern.runtime.cli import _classes, add_generation_options
+
+    loaders = dict(backend_loaders or {})
+
+    p = sub.add_parser("tune", help="measure acceptance and latency on this machine and pick the fastest draft tree "
+                                    "for the given settings (writes it into the engine directory)")
+    p.add_argument("engine", help="engine directory")
+    add_generation_options(p, backends=("onnxruntime", "tensorrt") + tuple(loaders), tree=False)
+    p.add_argument("--classes", type=_classes, help="calibration class labels (default: spread over the classes)")
+    p.add_argument("--caption", help="calibration T5 caption features .npy [N, tokens, dim] (default: blank captions)")
+    p.add_argument("--caption-mask", help=".npy [N, tokens] of 0/1 for --caption")
+    p.add_argument("--prompt", action="append", help="calibration prompt (Chameleon engines); repeat for several")
+    p.add_argument("--prompt-ids", help=".npy [L] or [N, L] of calibration prompts' token ids (Chameleon engines)")
+    p.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                   help=f"largest tree, root included (default {DEFAULT_BUDGET})")
+    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help=f"depth limit (default {DEFAULT_DEPTH})")
+    p.add_argument("--images", type=int, default=DEFAULT_IMAGES,
+                   help=f"calibration images (default {DEFAULT_IMAGES})")
+    p.add_argument("--batch", type=int, default=1,
+                   help="images per generate call to tune for, besides 1 (default 1); calibration runs at it")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per engine call size (default 5)")
+    p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
+                   help="time on the wall clock or this process's CPU time (auto: cpu for --threads 1 on the "
+                        "CPU, where it equals wall time and ignores other processes on the cores; else wall)")
+    p.add_argument("--out", help="also write the report and trees into this directory")
+    p.add_argument("--dry-run", action="store_true", help="report only: leave the engine directory untouched")
+    p.set_defaults(func=run, backend_loaders=loaders)
+
+
+def run(args):
+    from lantern.runtime.cli import _load_npy, open_engine
+
+    for name, value in (("--images", args.images), ("--batch", args.batch), ("--repeats", args.repeats)):
+        if value < 1:
+            raise LanternError(f"{name} must be >= 1, got {value}")
+    engine = open_engine(args)
+    kwargs, _, key = generation_settings(
+        engine, args.mode, args.lam, args.delta, args.k, args.greedy, args.temperature, args.top_k, args.top_p,
+        args.cfg, args.cfg_interval)
+    caption = _load_npy(args.caption, "caption features") if args.caption else None
+    mask = _load_npy(args.caption_mask, "caption mask") if args.caption_mask else None
+    prompt_ids = _load_npy(args.prompt_ids, "prompt ids") if args.prompt_ids else None
+    conds, note = conditions(engine, args.images, args.classes, caption, mask, args.prompt, prompt_ids)
+    batches = sorted({1, args.batch})
+    device = args.device or ("cuda" if args.backend == "tensorrt" else "cpu")  # as generate's
+    clock = default_clock(args.threads, device) if args.clock == "auto" else args.clock
+    print(f"tuning {key} on {args.engine} ({engine.backend.name}, {args.threads or os.cpu_count()} thread(s), "
+          f"{clock} clock)")
+    print(f"conditions: {note}")
+    report, chosen = tune(engine, kwargs, conds, budget=args.budget, depth=args.depth, batches=batches,
+                          calibration_batch=args.batch, repeats=args.repeats, seed=args.seed, note=note,
+                          threads=args.threads or os.cpu_count(), clock=clock)
+    if args.out:
+        write_report(args.out, report)
+        for images, tree in chosen.items():
+            if tree.depth:
+                _write_json(os.path.join(args.out, f"tree-b{images}.json"), tree.to_json())
+    if args.dry_run:
+        print("dry run: the engine directory was not changed")
+        return 0
+    entry = install(args.engine, chosen, report)
+    for t in entry.trees:
+        what = f"{t.name} ({t.nodes} nodes, depth {t.depth}) in {t.file}" if t.file else "AR (no drafting)"
+        print(f"{t.images} image(s) per call: {what}")
+    print(f"manifest: generate with these settings on {engine.backend.name} now uses the tuned tree "
+          f"(unless --tree is given); report: {os.path.join(args.engine, entry.report)}")
+    return 0
