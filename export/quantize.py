@@ -215,10 +215,11 @@ def quantize_graphs(directory, graphs, options):
 
 def quantize_engine(src, dst, options, *, force=False):
     """A new engine directory `dst`: the engine `src` with its target and drafter graphs
-    quantized (QuantizeOptions), every other file copied (not hard-linked: onnx refuses
-    external data files with several links, as a hardlink attack), the manifest updated. The
-    sources stay the fp32 checkpoints, so `check` compares against the fp32 PyTorch modules.
-    Placed atomically (lantern.export.placement). Returns the new Manifest."""
+    quantized (QuantizeOptions), the other files copied (not hard-linked: onnx refuses external
+    data files with several links, as a hardlink attack), the manifest updated; TensorRT plans
+    and tuned trees, measured on the float graphs, are left behind. The sources stay the fp32
+    checkpoints, so `check` compares against the fp32 PyTorch modules. Placed atomically
+    (lantern.export.placement). Returns the new Manifest."""
     from lantern.export import placement
     from lantern.runtime.manifest import describe_files, read_manifest
 
@@ -234,17 +235,25 @@ def quantize_engine(src, dst, options, *, force=False):
     if not any(name in manifest.graphs for name in QUANTIZABLE):
         raise LanternError(f"{src} has no {' or '.join(QUANTIZABLE)} graph to quantize")
     placement.check_engine_destination(dst, force)
+    # TensorRT plans were built from the float graphs and tuned trees were timed on them: neither
+    # describes the quantized engine, so neither is copied (rebuild / re-tune on the new one).
+    measured = {p.file for entry in (manifest.tensorrt or {}).values() for p in entry.plans.values()}
+    for entry in manifest.tuned_trees.values():
+        folder = os.path.dirname(entry.report) + "/" if entry.report else None
+        measured |= {t.file for t in entry.trees if t.file}
+        measured |= {name for name in manifest.files if folder and name.startswith(folder)}
+    files = sorted(set(manifest.files) - measured)  # the same names; quantized graphs get new sizes and hashes
     staging = placement.engine_directory(dst, force)
     tmp = staging.open()
     try:
-        for name in manifest.files:
+        for name in files:
             os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
             shutil.copy2(os.path.join(src, name), os.path.join(tmp, name))
         graphs = quantize_graphs(tmp, manifest.graphs, options)
-        files = set(manifest.files)  # the same names; the quantized graphs' sizes and hashes are new
         build = dict(manifest.build, quantized_from=src,
                      quantized=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        manifest = manifest.replace(graphs=graphs, files=describe_files(tmp, files), build=build)
+        manifest = manifest.replace(graphs=graphs, files=describe_files(tmp, files), build=build, tensorrt=None,
+                                    tuned_trees={})
         manifest.write(tmp)
         staging.place()
     except BaseException:

@@ -401,11 +401,14 @@ def test_greedy_exact_against_ar_on_the_demo_engine(demo_engine, tmp_path):
 
 def test_teacher_forced_agreement(demo_engine, tmp_path):
     """quantize.greedy_agreement: the reference agrees with itself exactly, int8 with fp32 on
-    most steps (measured 94.8%), int4 less (82.7%)."""
+    most steps (measured 94.8%), int4 less (82.7%). Tuned trees stay with the fp32 engine."""
     engines = {"fp32": Engine(demo_engine, threads=2)}
     for scheme in quantize.SCHEMES:
-        quantize_engine(demo_engine, tmp_path / scheme, QuantizeOptions(scheme))
+        m = quantize_engine(demo_engine, tmp_path / scheme, QuantizeOptions(scheme))
         engines[scheme] = Engine(tmp_path / scheme, threads=2)
+    # The demo tuned a tree on the fp32 engine's latency; the quantized copy does not inherit it.
+    assert engines["fp32"].manifest.tuned_trees and m.tuned_trees == {} and m.tensorrt is None
+    assert not os.path.exists(tmp_path / "int4" / "tuned") and not any(f.startswith("tuned/") for f in m.files)
     agreement, tokens = quantize.greedy_agreement(engines["fp32"], engines, list(range(15)), 3.0)
     assert tokens.shape == (15, 64)
     assert agreement["fp32"] == 1.0

@@ -5,7 +5,7 @@ For every scheme (the engine as given, plus the weight-only quantized copies --s
 int8 and int4 by default, made from the engine in a temporary directory in a second or two) and
 every method (ar, exact and lantern++ at the demo's k 20, λ 5 by default) it generates the same
 requested classes with the same seeds (sampling with CFG, as images are generated in practice),
-then reports
+then reports (speculative methods draft with the engine's exported tree in every scheme)
   accuracy   the classifier agrees with the requested class (class consistency),
   frechet    Fréchet distance between the row's samples and the engine's own `ar` samples (the
              reference: fp32 `ar`) in the classifier's feature space; the reference `ar` against
@@ -196,7 +196,10 @@ def _sweep(args, out_dir, work):
     batches = [slice(i, i + args.batch) for i in range(0, len(classes), args.batch)]
     greedy_classes = np.arange(n_classes)  # one greedy image per class and row
     torch.set_num_threads(args.threads)
-    plan = methods(args.lams, args.ks, args.deltas)
+    # Every scheme drafts with the engine's exported tree (not a tree `lantern-run tune` chose for
+    # one engine's latency), so rows differ only in the scheme and the method.
+    plan = [(name, kw if kw["mode"] == "ar" else dict(kw, tree=reference.tree))
+            for name, kw in methods(args.lams, args.ks, args.deltas)]
     common = dict(cfg_scale=args.cfg, temperature=args.temperature, top_k=args.top_k)
 
     def generate(engine, kw, role):
@@ -227,12 +230,13 @@ def _sweep(args, out_dir, work):
 
     # Size and expected time: one batch of ar and one of exact on the reference, scaled to the
     # sweep (a quantized engine costs about what the reference does on a CPU: 0.9-1.3x measured).
-    reference.generate(mode="exact", classes=classes[:2].tolist(), **common)  # warm up the sessions
+    reference.generate(mode="exact", classes=classes[:2].tolist(), tree=reference.tree, **common)  # warm up
     probe = classes[batches[0]].tolist()
     cost = {}
     for mode in ("ar", "exact"):
         t = time.perf_counter()
-        r = reference.generate(classes=probe, mode=mode, seed=args.seed, **common)
+        r = reference.generate(classes=probe, mode=mode, seed=args.seed, tree=None if mode == "ar" else reference.tree,
+                               **common)
         decoded = time.perf_counter()
         reference.decode(r.tokens)
         per_image = (decoded - t) / len(probe)
@@ -263,7 +267,8 @@ def _sweep(args, out_dir, work):
                 floor, _, _ = generate(engine, kw, 1)
                 feats = judge(floor)[2]  # the reference row: ar against ar with other seeds
             agreement = float((greedy(engine, kw) == greedy_ar).mean())
-            rows.append({"scheme": scheme, "method": name, **kw, "accuracy": float(accuracy),
+            rows.append({"scheme": scheme, "method": name, **{k: v for k, v in kw.items() if k != "tree"},
+                         "tree": None if kw["mode"] == "ar" else kw["tree"].name, "accuracy": float(accuracy),
                          "frechet_vs_ar": frechet_distance(project(reference_feats, reference_feats, args.feature_dims),
                                                            project(feats, reference_feats, args.feature_dims)),
                          "greedy_agreement": agreement, "teacher_forced_agreement": forced[scheme],
