@@ -223,6 +223,7 @@ class _Decoding:
         self.cand_ids = np.zeros((self.N, self.tree.num_nodes, K), dtype=np.int64)
         self.cand_probs = np.zeros((self.N, self.tree.num_nodes, K), dtype=np.float32)
         self.pending = np.ones(self.N, dtype=np.int64)  # draft0's real pairs per image
+        self.buffers = {}  # CFG-combined logits per shape, reused every step
         self.times = dict(prefill=0.0, draft=0.0, verify=0.0, accept=0.0, commit=0.0, engine=0.0)
         self.engine_calls = 0
         self.accepted = []
@@ -246,9 +247,14 @@ class _Decoding:
         logits = self.view.gather(self.be.numpy(logits)).astype(np.float32, copy=False)
         if not self.cfg:
             out = logits[: self.N] if self.view.plain else logits[: self.N].copy()
-        else:
+        else:  # uncond + s * (cond - uncond), computed into a buffer kept per shape
             cond, uncond = logits[: self.N], logits[self.N:]
-            out = uncond + self.cfg_scale * (cond - uncond)
+            out = self.buffers.get(cond.shape)
+            if out is None:
+                out = self.buffers[cond.shape] = np.empty(cond.shape, dtype=np.float32)
+            np.subtract(cond, uncond, out=out)
+            np.multiply(out, np.float32(self.cfg_scale), out=out)
+            np.add(out, uncond, out=out)
             if self.cfg_interval >= 0:
                 late = token_index >= self.cfg_interval
                 out[late] = cond[late]
