@@ -33,6 +33,17 @@ in fp32), and the images are quantized to 8 bits anyway.
 The drafter's top-k ids are compared only at ranks clear of a near-tie: the reference's gap in
 log-probability to the neighbouring ranks must exceed 4x the largest log-probability error
 between the two backends (ranks of zero probability are not comparable and are skipped).
+
+Quantized graphs (`lantern-export onnx --quantize`, the manifest's per-graph `quantization`
+record) are first checked against their record (scheme, bits, block, accuracy level, head, which
+MatMuls: lantern.export.quantize.verify_record; a mismatch is refused with a re-export line), then
+compared with the scheme's tolerance, stated in the report: the relative RMS error
+||a - b|| / ||b|| of each float output against the reference (the fp32 PyTorch modules),
+lantern.export.quantize.TOLERANCES: int8 0.05, int4 0.25 (the quantization error is spread over
+every element, so a norm bounds it where a max would be set by one unlucky element). A quantized
+drafter's top-k ids are compared at the ranks clear of a near-tie by 4x their own row's measured
+log-probability error (quantization errors are uneven: one global bound would leave no rank
+comparable). --quant-tolerance overrides the scheme's tolerance.
 """
 import json
 import os
@@ -214,6 +225,73 @@ def _compare_float(got, want, atol, rtol):
             "scale": scale, "bound": atol + rtol * scale}
 
 
+def _compare_rms(got, want, limit):
+    """Relative RMS error ||got - want|| / ||want|| <= limit (a quantized graph's outputs)."""
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    if got.shape != want.shape:
+        return {"ok": False, "max_abs": float("inf"), "max_rel": float("inf"), "rms_rel": float("inf"),
+                "note": f"shape {list(got.shape)} != {list(want.shape)}"}
+    scale = float(np.abs(want).max()) if want.size else 0.0
+    if not np.isfinite(got).all() and np.isfinite(want).all():
+        return {"ok": False, "max_abs": float("inf"), "max_rel": float("inf"), "rms_rel": float("inf"), "note": "non-finite"}
+    max_abs = float(np.abs(got - want).max()) if want.size else 0.0
+    rms_rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)) if want.size else 0.0
+    return {"ok": rms_rel <= limit, "max_abs": max_abs, "max_rel": max_abs / scale if scale else 0.0,
+            "scale": scale, "rms_rel": rms_rel, "bound": limit}
+
+
+def _compare_ids_per_row(got_ids, want_ids, got_probs, want_probs):
+    """Top-k ids of a quantized graph: its errors are far larger than float noise and uneven, so
+    a rank counts as clear of a near-tie against its own row's error, measured element by
+    element: the largest |log q - log p| over the ids both backends returned for that row. A
+    rank whose reference gap to both neighbours exceeds 4x that must hold the same id (ranks
+    whose id or a neighbour's has probability 0 on either side are not judged)."""
+    if got_ids.shape != want_ids.shape:
+        return {"ok": False, "note": f"shape {list(got_ids.shape)} != {list(want_ids.shape)}"}
+    rows = want_ids.reshape(-1, want_ids.shape[-1])
+    g_ids, g_p, w_p = got_ids.reshape(rows.shape), got_probs.reshape(rows.shape), want_probs.reshape(rows.shape)
+    bad = clear = 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for w, g, lg, lw in zip(rows, g_ids, np.log(g_p.astype(np.float64)), np.log(w_p.astype(np.float64))):
+            finite_w, finite_g = np.isfinite(lw), np.isfinite(lg)
+            common, wi, gi = np.intersect1d(w[finite_w], g[finite_g], return_indices=True)
+            if common.size == 0:
+                continue
+            error = np.abs(lw[finite_w][wi] - lg[finite_g][gi]).max()
+            gaps = lw[:-1] - lw[1:]
+            gap = np.minimum(np.concatenate([[np.inf], gaps]), np.concatenate([gaps, [np.inf]]))
+            # judged only where the rank and its neighbours have a measured error in both (a
+            # filter boundary that moved leaves an id with probability 0 on one side)
+            measured = np.isin(w, common)
+            around = measured & np.concatenate([[True], measured[:-1]]) & np.concatenate([measured[1:], [True]])
+            ok_rank = around & (gap > 4 * error + 1e-6)
+            clear += int(ok_rank.sum())
+            bad += int((ok_rank & (w != g)).sum())
+    total = want_ids.size
+    return {"ok": bad == 0, "mismatched": bad, "clear": clear, "skipped": total - clear,
+            "note": f"{bad} of {clear} ranks clear of their row's error differ, {total - clear} near-ties or zero "
+                    f"probabilities skipped"}
+
+
+def quantization_tolerances(directory, manifest, tolerance=None):
+    """{graph: (scheme, relative RMS limit)} of the quantized graphs, each verified against its
+    record first. tolerance: one limit for all (default: the scheme's, quantize.TOLERANCES)."""
+    from lantern.export import quantize
+
+    limits = {}
+    for name, g in manifest.graphs.items():
+        q = g.quantization
+        if q is None:
+            continue
+        try:
+            quantize.verify_record(os.path.join(directory, g.file), q)
+        except LanternError as e:
+            raise LanternError(f"{e}: the graph does not match the manifest's quantization record; re-export the "
+                               f"engine with `lantern-export onnx --quantize` or `lantern-export quantize`") from None
+        limits[name] = (q.scheme, quantize.TOLERANCES[q.scheme] if tolerance is None else tolerance)
+    return limits
+
+
 def _compare_ids(got_ids, want_ids, got_probs, want_probs):
     """Top-k ids at the ranks that are clear of a near-tie in the reference (see the docstring)."""
     if got_ids.shape != want_ids.shape:
@@ -313,15 +391,18 @@ def open_backends(directory, manifest, backend, against, modules=None, tmp=None)
 
 
 def check_engine(directory, *, backend="onnxruntime", against="torch", verify=True, atol=None, rtol=None, seed=0,
-                 modules=None):
+                 modules=None, quant_tolerance=None):
     """Compare every graph of an engine on two backends over the same cases.
 
     verify: check the sha256 of the engine files and the source checkpoints (sizes always).
     modules: {graph: (contract, module)} for the torch side instead of reloading the sources.
-    Returns {"engine", "dtype", "backend", "against", "atol", "rtol", "ok", "results": [per
-    graph/case/output dicts], "failures": [one line each]}."""
+    quant_tolerance: relative RMS limit for quantized graphs (default: their scheme's).
+    Returns {"engine", "dtype", "backend", "against", "atol", "rtol", "quantization": {graph:
+    {"scheme", "tolerance"}}, "ok", "results": [per graph/case/output dicts], "failures": [one
+    line each]}."""
     directory = os.fspath(directory)
     manifest = read_manifest(directory, verify=verify)
+    quantized = quantization_tolerances(directory, manifest, quant_tolerance)
     if verify and against == "torch" and modules is None:
         from lantern.export.onnx_export import verify_sources
 
@@ -344,16 +425,21 @@ def check_engine(directory, *, backend="onnxruntime", against="torch", verify=Tr
                 want = {k: reference.numpy(v) for k, v in reference.run(call).items()}
                 for name in manifest.graphs[graph].outputs:
                     if name == "topk_ids":
-                        result = _compare_ids(got[name], want[name], got["topk_probs"], want["topk_probs"])
+                        compare_ids = _compare_ids_per_row if graph in quantized else _compare_ids
+                        result = compare_ids(got[name], want[name], got["topk_probs"], want["topk_probs"])
+                    elif graph in quantized:
+                        result = _compare_rms(got[name], want[name], quantized[graph][1])
                     else:
                         result = _compare_float(got[name], want[name], max(atol, IMAGE_ATOL) if graph == "vq_decoder"
                                                 else atol, rtol)
                     results.append({"graph": graph, "case": case, "output": name, **result})
     failures = [f"{r['graph']}/{r['case']}/{r['output']}: " +
-                (r.get("note") or f"max abs error {r['max_abs']:.3g} > bound {r['bound']:.3g}")
+                (r.get("note") or (f"relative RMS error {r['rms_rel']:.3g} > tolerance {r['bound']:.3g}" if "rms_rel" in r
+                                   else f"max abs error {r['max_abs']:.3g} > bound {r['bound']:.3g}"))
                 for r in results if not r["ok"]]
     return {"engine": directory, "dtype": manifest.dtype, "backend": backend, "against": against, "atol": atol,
-            "rtol": rtol, "ok": not failures, "results": results, "failures": failures}
+            "rtol": rtol, "quantization": {g: {"scheme": s, "tolerance": t} for g, (s, t) in quantized.items()},
+            "ok": not failures, "results": results, "failures": failures}
 
 
 def format_report(report):
@@ -361,9 +447,15 @@ def format_report(report):
     lines = [f"engine {report['engine']} ({report['dtype']}): {report['backend']} against {report['against']}, pass iff "
              f"max|a - b| <= {report['atol']:g} + {report['rtol']:g} * max|{report['against']}| per output",
              f"{'graph':<11}{'case':<{width}}{'output':<15}{'max abs':>10}{'max rel':>10}  result"]
+    quantized = report.get("quantization", {})
+    if quantized:  # in the header's place for those graphs
+        lines[1:1] = [f"  except {g} ({q['scheme']} weight-only): pass iff ||a - b|| / ||{report['against']}|| <= "
+                      f"{q['tolerance']:g} per output (relative RMS; the scheme's tolerance)" for g, q in quantized.items()]
     for r in report["results"]:
         row = f"{r['max_abs']:>10.2e}{r['max_rel']:>10.2e}" if "max_abs" in r else f"{'':>10}{'':>10}"
         note = r.get("note", "") if r["output"] == "topk_ids" or not r["ok"] else ""
+        if "rms_rel" in r and "note" not in r:
+            note = f"relative RMS {r['rms_rel']:.2e} {'<=' if r['ok'] else '>'} {r['bound']:g}"
         lines.append(f"{r['graph']:<11}{r['case']:<{width}}{r['output']:<15}{row}  {'ok' if r['ok'] else 'FAIL'}"
                      + (f" ({note})" if note else ""))
     return "\n".join(lines)
@@ -385,6 +477,8 @@ def add_parser(sub):
                    ", ".join(f"{k} {v[0]:g}" for k, v in TOLERANCES.items()) + ")")
     p.add_argument("--rtol", type=float, help="tolerance relative to each output's max |value| (default per dtype: " +
                    ", ".join(f"{k} {v[1]:g}" for k, v in TOLERANCES.items()) + ")")
+    p.add_argument("--quant-tolerance", type=float,
+                   help="relative RMS tolerance of quantized graphs (default per scheme: int8 0.05, int4 0.25)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--json", help="also write the full report to this JSON file")
     p.set_defaults(func=run)
@@ -393,11 +487,11 @@ def add_parser(sub):
 def run(args):
     if args.backend == args.against:
         raise LanternError(f"--backend and --against are both {args.backend}; compare two different backends")
-    for name, value in (("--atol", args.atol), ("--rtol", args.rtol)):
+    for name, value in (("--atol", args.atol), ("--rtol", args.rtol), ("--quant-tolerance", args.quant_tolerance)):
         if value is not None and not (np.isfinite(value) and value >= 0):
             raise LanternError(f"{name} must be a finite number >= 0, got {value}")
     report = check_engine(args.engine, backend=args.backend, against=args.against, verify=args.verify,
-                          atol=args.atol, rtol=args.rtol, seed=args.seed)
+                          atol=args.atol, rtol=args.rtol, seed=args.seed, quant_tolerance=args.quant_tolerance)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

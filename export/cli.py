@@ -10,11 +10,12 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="lantern-export", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     # Each subcommand module adds its parser and sets `func`.
-    from lantern.export import check, demo, inspect_cmd, neighbors, onnx_export, trt_export
+    from lantern.export import check, demo, inspect_cmd, neighbors, onnx_export, quantize, trt_export
 
     inspect_cmd.add_parser(sub)
     neighbors.add_parser(sub)
     onnx_export.add_parser(sub)
+    quantize.add_parser(sub)
     trt_export.add_parser(sub)
     check.add_parser(sub)
     demo.add_parser(sub)

@@ -5,6 +5,16 @@ to engines/demo, checks every graph against PyTorch, generates the same grid of 
 `exact` and `lantern++` on ONNX Runtime CPU, tunes the draft tree for this machine (`lantern-run
 tune`, small: see TUNE) and runs lantern++ with the tuned tree beside the preset, prints a table
 and writes the images and a report (report.json, report.md with plots) to engines/demo/report/.
+
+Beside it, a quantized engine (--quantize, default int8) made from the exported one in a second or
+two (`lantern-export quantize`, to engines/demo-int8): checked against PyTorch at its scheme's
+tolerance, the same grid with `ar` and `lantern++` (the preset tree), its speed next to fp32's and
+its fidelity (teacher-forced greedy agreement with fp32, the check's worst relative error). int8
+because it is the scheme that keeps the fp32 model's choices (95% teacher-forced greedy agreement
+on this model, int4 83%) while halving the one-token step of a GPT-B-sized model on a CPU; on this
+tiny model a step is not bound by reading weights, so neither scheme is faster here
+(lantern.export.quantize). `lantern-run quality engines/demo` compares fp32, int8 and int4 in
+class accuracy and Fréchet distance as well.
 """
 import json
 import os
@@ -21,6 +31,7 @@ DEFAULTS = dict(tree="mc_sim_7b_63", lam=5.0, k=20, cfg=3.0, temperature=1.0, to
 # 16), budget 32 and depth 5 (64 and 6), 3 timed repeats per call size (5), one loop run per tree
 # (3), batch sizes 1 and 8 only (the grid's 30 images use the batch-8 tree, the nearest tuned batch).
 TUNE = dict(images=8, budget=32, depth=5, batches=(1, 8), repeats=3, loop_runs=1)
+QUANTIZED_RUNS = ("ar", "lantern++")  # the quantized engine's grid: the baseline and the demo's method
 
 
 def add_parser(sub):
@@ -36,6 +47,9 @@ def add_parser(sub):
     p.add_argument("--threads", type=int, default=1,
                    help="ONNX Runtime intra-op threads (default 1: the demo model is too small to gain from more)")
     p.add_argument("--no-tune", action="store_true", help="skip tuning the draft tree for this machine")
+    p.add_argument("--quantize", default="int8", choices=("none", "int8", "int4"),
+                   help="also quantize the engine (weight-only) into OUT-SCHEME and report it beside fp32 "
+                        "(default int8; none: skip)")
     p.set_defaults(func=run)
 
 
@@ -61,7 +75,8 @@ def run(args):
     src = demo_sources(args.model_dir)
     out = os.path.abspath(args.out)
     check_engine_destination(out, force=True)  # replaces an engine, never anything else
-    steps = 4 if args.no_tune else 5
+    steps = 4 + (not args.no_tune) + (args.quantize != "none")
+    generating = 3 + (not args.no_tune)  # the step number of the generation
     print(f"[1/{steps}] exporting the demo model to {out}")
     export_engine(out, src["target"], target_options={"config_file": src["target_config"]}, drafter=src["drafter"],
                   vq=src["vq"], tree=args.tree, force=True, progress=True)
@@ -86,7 +101,7 @@ def run(args):
     runs = [("ar", {}), ("exact", {"tree": args.tree}), ("lantern++", dict(lam=args.lam, k=args.k, tree=args.tree))]
     if tuned is not None:
         runs.append(("lantern++ tuned", dict(lam=args.lam, k=args.k)))  # generate picks the tuned tree
-    print(f"[{steps - 1}/{steps}] generating {len(classes)} images ({args.per_class} per class) with "
+    print(f"[{generating}/{steps}] generating {len(classes)} images ({args.per_class} per class) with "
           + ", ".join(m for m, _ in runs) + f" (sampling, CFG {args.cfg}, tree {args.tree}"
           + (", and the tuned tree" if tuned is not None else "") + ")")
     engine.generate(mode="exact", **{**common, "classes": classes[:2]})  # warm up the sessions
@@ -102,6 +117,13 @@ def run(args):
                         for key in ("seconds", "steps_per_image", "engine_calls", "verify")}
         single_trees[mode] = stats[0]["tree"]
 
+    quantized = None
+    if args.quantize != "none":
+        print(f"[{generating + 1}/{steps}] {args.quantize} engine: the demo engine's target and drafter quantized to "
+              f"{out}-{args.quantize}, checked at the {args.quantize} tolerance, the same grid with "
+              f"{' and '.join(QUANTIZED_RUNS)}")
+        quantized = quantized_beside(out, args.quantize, engine, common, runs, results, args.threads)
+        print(f"      {quantized['check_line']}")
     print(f"[{steps}/{steps}] writing images and the report")
     rows = []
     ar_batch, ar_single = results["ar"].stats, single["ar"]
@@ -135,16 +157,24 @@ def run(args):
                          "acceptance_per_depth": acceptance_per_depth(s.get("accepted_histogram", [])),
                          "image": f"{name}.png", "phase_seconds": s["phase_seconds"]})
         tree = engine.tree
+        if quantized is not None:
+            for mode, r in quantized.pop("generations").items():
+                images = engine.decode(r.tokens)
+                images = images.repeat(3, axis=1).repeat(3, axis=2) if images.shape[1] < 128 else images
+                write_png(os.path.join(stage, f"{args.quantize}_{mode.replace('+', 'p')}.png"),
+                          image_grid(images, ncols=args.per_class * 3))
         summary = {"engine": out, "settings": {**vars_of(args), "classes": len(class_names), "images": len(classes)},
                    "tree": {"name": tree.name, "nodes": tree.num_nodes, "depth": tree.depth},
                    "check": {"ok": report["ok"], "worst_abs_error": worst}, "results": rows, "tuned": tuned,
-                   "seconds_total": time.perf_counter() - start}
+                   "quantized": quantized, "seconds_total": time.perf_counter() - start}
         summary["reading"] = reading(summary)
         with open(os.path.join(stage, "report.json"), "w") as f:
             json.dump(summary, f, indent=2)
         _plots(stage, rows)
         _markdown(stage, summary, class_names)
     _print_table(rows)
+    if quantized is not None:
+        _print_quantized(quantized)
     print(summary["reading"])
     if tuned is not None:
         print(_tuned_line(tuned))
@@ -189,6 +219,64 @@ def _tuned_line(tuned):
         parts.append(f"{images} image(s) per call: {what}, predicted {b['predicted_speedup']:.2f}x over AR{preset}")
     return (f"tuned for this machine ({tuned['seconds']:.0f} s): " + "; ".join(parts)
             + f"\ntune report: {tuned['report']}")
+
+
+def quantized_beside(out, scheme, engine, common, runs, results, threads):
+    """The demo engine quantized to `scheme` in OUT-SCHEME (replacing an earlier one), checked,
+    and the fp32 grid's ar and lantern++ runs repeated on it: speed next to fp32's, acceptance,
+    teacher-forced greedy agreement with fp32 and the check's worst relative error."""
+    from lantern.export.check import check_engine
+    from lantern.export.quantize import QuantizeOptions, TOLERANCES, greedy_agreement, quantize_engine
+    from lantern.runtime.generator import Engine
+
+    path = f"{out}-{scheme}"
+    t = time.perf_counter()
+    quantize_engine(out, path, QuantizeOptions(scheme), force=True)
+    seconds = time.perf_counter() - t
+    report = check_engine(path)
+    if not report["ok"]:
+        raise LanternError(f"check of the {scheme} engine failed: {report['failures'][0]}")
+    worst = max(r["rms_rel"] for r in report["results"] if "rms_rel" in r)
+    q = Engine(path, threads=threads)
+    q.generate(mode="exact", **{**common, "classes": common["classes"][:2]})  # warm up the sessions
+    generations, rows = {}, []
+    for mode, extra in runs:
+        if mode in QUANTIZED_RUNS:
+            generations[mode] = r = q.generate(mode=mode, **common, **extra)
+            s, ref = r.stats, results[mode].stats
+            rows.append({"mode": mode, "steps_per_image": s["steps_per_image"],
+                         "mean_accepted_length": s["mean_accepted_length"],
+                         "mean_accepted_length_fp32": ref["mean_accepted_length"], "batch_seconds": s["seconds"],
+                         "batch_seconds_fp32": ref["seconds"], "speed_vs_fp32": ref["seconds"] / s["seconds"],
+                         "image": f"{scheme}_{mode.replace('+', 'p')}.png"})
+    classes = sorted(set(common["classes"]))
+    agreement, _ = greedy_agreement(engine, {scheme: q}, classes, common["cfg_scale"])
+    speed = float(np.median([r["speed_vs_fp32"] for r in rows]))
+    reading = (f"{scheme} runs at {speed:.2f}x fp32's speed here: " +
+               ("a step of a model this small is not bound by reading its weights, so weight-only quantization "
+                "does not make it faster (on a GPT-B-sized model it does: `python -m lantern.tools.bench_quant`)"
+                if speed < 1.1 else "the step reads fewer weight bytes"))
+    why = {"int8": "int8 keeps the fp32 model's greedy choices best (int4's teacher-forced agreement on this model is "
+                   "~83%, int8's ~95%) and halves the one-token step of a GPT-B-sized model on a CPU",
+           "int4": "int4 has the smallest weights and the fastest GPT-B step on a CPU, but is coarser than int8"}[scheme]
+    return {"scheme": scheme, "engine": path, "quantize_seconds": round(seconds, 2), "why": why,
+            "check": {"ok": report["ok"], "tolerance": TOLERANCES[scheme], "worst_relative_rms": worst},
+            "check_line": f"check passed at relative RMS <= {TOLERANCES[scheme]:g} per output (worst {worst:.3g}); "
+                          f"quantized in {seconds:.1f} s",
+            "teacher_forced_greedy_agreement": agreement[scheme], "greedy_images": len(classes), "results": rows,
+            "reading": reading, "generations": generations}
+
+
+def _print_quantized(quantized):
+    print(f"\n{quantized['scheme']} engine beside fp32 ({quantized['why']}):")
+    head = f"{'mode':10s} {'accepted':>9s} {'fp32':>6s} | {'batch s':>8s} {'fp32 s':>7s} {'speed vs fp32':>14s}"
+    print(head)
+    print("-" * len(head))
+    for r in quantized["results"]:
+        print(f"{r['mode']:10s} {r['mean_accepted_length']:9.2f} {r['mean_accepted_length_fp32']:6.2f} | "
+              f"{r['batch_seconds']:8.2f} {r['batch_seconds_fp32']:7.2f} {r['speed_vs_fp32']:13.2f}x")
+    print(f"teacher-forced greedy agreement with fp32: {quantized['teacher_forced_greedy_agreement']:.1%} of tokens "
+          f"({quantized['greedy_images']} greedy images); {quantized['check_line']}. {quantized['reading']}.")
 
 
 def vars_of(args):
@@ -313,5 +401,18 @@ def _markdown(report_dir, summary, class_names):
               f"({', '.join(class_names)}), three classes per row.", ""]
     for r in rows:
         lines += [f"## {r['mode']}", "", f"![{r['mode']}]({r['image']})", ""]
+    q = summary.get("quantized")
+    if q is not None:
+        lines += [f"## {q['scheme']} engine beside fp32", "", f"`{q['engine']}`: {q['why']}. {q['check_line']}. "
+                  f"Teacher-forced greedy agreement with fp32: {q['teacher_forced_greedy_agreement']:.1%} of the "
+                  f"tokens of {q['greedy_images']} greedy images. {q['reading']}. `lantern-run quality` compares the "
+                  f"schemes' class accuracy and Fréchet distance.", "",
+                  "| mode | mean accepted length | fp32 | batch s | fp32 s | speed vs fp32 |", "|---|---|---|---|---|---|"]
+        for r in q["results"]:
+            lines.append(f"| {r['mode']} | {r['mean_accepted_length']:.2f} | {r['mean_accepted_length_fp32']:.2f} | "
+                         f"{r['batch_seconds']:.2f} | {r['batch_seconds_fp32']:.2f} | {r['speed_vs_fp32']:.2f}x |")
+        for r in q["results"]:
+            lines += ["", f"![{q['scheme']} {r['mode']}]({r['image']})"]
+        lines.append("")
     with open(os.path.join(report_dir, "report.md"), "w") as f:
         f.write("\n".join(lines))

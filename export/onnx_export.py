@@ -235,8 +235,10 @@ def _tool_versions():
 
 def export_engine(out, target, *, target_format=None, target_options=None, drafter=None, vq=None, tree=None,
                   dtype="fp32", candidates=None, opset=DEFAULT_OPSET, neighbors_k=None, force=False,
-                  progress=False):
+                  progress=False, quantize=None):
     """Build the engine directory `out` from checkpoints and return its manifest.
+    quantize: a lantern.export.quantize.QuantizeOptions to quantize the target and drafter
+    graphs (weight-only int8 / int4) before the manifest is written; None keeps them float.
 
     Everything that can be checked is checked before anything is written; the directory appears
     at `out` only when complete."""
@@ -257,6 +259,10 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
         raise LanternError("--candidates needs --drafter (it is the drafter graph's top-k width)")
     if vq is None and neighbors_k is not None:
         raise LanternError("--neighbors-k needs --vq (the neighbours come from the VQ codebook)")
+    if quantize is not None:
+        quantize.check()
+        if dtype != "fp32":
+            raise LanternError(f"--quantize {quantize.scheme} starts from fp32 weights; drop --dtype {dtype}")
     placement.check_engine_destination(out, force)
     draft_tree = None
     if drafter is not None:
@@ -270,13 +276,13 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
     bar = _progress(stages, progress)
     try:
         return _build(placement.engine_directory(out, force), bar, target, target_format, target_options, drafter,
-                      vq, draft_tree, dtype, candidates, opset, neighbors_k)
+                      vq, draft_tree, dtype, candidates, opset, neighbors_k, quantize)
     finally:
         bar.close()
 
 
 def _build(staging, bar, target, target_format, target_options, drafter, vq, draft_tree, dtype, candidates, opset,
-           neighbors_k):
+           neighbors_k, quantize=None):
     bar.set_description("load")
     family = family_of(target, target_format)
     models = family.load(target, target_format, target_options, drafter, vq)
@@ -321,6 +327,11 @@ def _build(staging, bar, target, target_format, target_options, drafter, vq, dra
                 outputs={k: engine_format.TensorSpec(v["dtype"], tuple(v["shape"])) for k, v in io_spec["outputs"].items()},
                 external_data=written[1] if len(written) > 1 else None)
             bar.update()
+        if quantize is not None:  # in place, file names unchanged; records go into the graphs' entries
+            from lantern.export.quantize import quantize_graphs
+
+            bar.set_description(f"quantize {quantize.scheme}")
+            graph_entries = quantize_graphs(tmp, graph_entries, quantize)
         neighbors = None
         if vq is not None:
             bar.set_description("neighbors")
@@ -408,6 +419,9 @@ def add_parser(sub):
     p.add_argument("--candidates", type=int, help="top-k width K of the drafter graph (default min(2048, vocab))")
     p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
     p.add_argument("--neighbors-k", type=int, help=f"latent neighbours per code (default min({DEFAULT_NEIGHBORS_K}, codes - 1))")
+    from lantern.export.quantize import add_quantize_options
+
+    add_quantize_options(p)
     p.add_argument("--out", required=True, help="engine directory to create, e.g. engines/NAME")
     p.add_argument("--force", action="store_true", help="replace an existing engine directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -416,15 +430,18 @@ def add_parser(sub):
 
 def run(args):
     from lantern.export.inspect_cmd import target_options
+    from lantern.export.quantize import describe_quantization, quantize_options
 
     start = time.perf_counter()
     manifest = export_engine(args.out, args.target, target_format=args.format, target_options=target_options(args),
                              drafter=args.drafter, vq=args.vq, tree=args.tree, dtype=args.dtype,
                              candidates=args.candidates, opset=args.opset, neighbors_k=args.neighbors_k,
-                             force=args.force, progress=not args.no_progress)
+                             force=args.force, progress=not args.no_progress, quantize=quantize_options(args))
     size = sum(f.size for f in manifest.files.values())
     print(f"engine {args.out}: {', '.join(manifest.graphs)} ({manifest.dtype}, opset {manifest.opset}, "
           f"{size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f}s")
+    if describe_quantization(manifest):
+        print(describe_quantization(manifest))
     if manifest.tree is not None:
         from lantern.runtime.tree import build_tree
 
@@ -444,5 +461,8 @@ def open_torch_backend(directory, threads=None, device="cpu", manifest=None):
     from lantern.runtime.manifest import read_manifest
 
     manifest = manifest or read_manifest(directory)
+    if (scheme := engine_format.quantization_scheme(manifest)) != "none":  # it would serve fp32 numerics
+        raise LanternError(f"{directory} has {scheme}-quantized graphs, which the torch backend cannot run (it runs the "
+                           f"fp32 modules); use --backend onnxruntime, or the fp32 engine for the torch reference")
     modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
     return TorchBackend(modules, manifest, threads=threads, device=device)

@@ -50,7 +50,8 @@ import numpy as np
 from lantern.export import tensorrt_build as tb
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import PlanFile, PlanProfile, TensorRTPlans, describe_files, read_manifest
+from lantern.runtime.manifest import (PlanFile, PlanProfile, TensorRTPlans, describe_files, quantization_scheme,
+                                      read_manifest)
 from lantern.runtime.plan import StepPlan
 from lantern.runtime.tree import build_tree, root_only
 
@@ -200,6 +201,10 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
     Returns (key, TensorRTPlans, {graph: build record}). See the module docstring."""
     directory = os.path.abspath(os.fspath(directory))
     manifest = read_manifest(directory, verify=True)  # plans from exactly the graphs the manifest lists
+    if (scheme := quantization_scheme(manifest)) != "none":  # TensorRT parses MatMulNBits only with fp16 inputs
+        raise LanternError(f"{directory} has {scheme} weight-only graphs (ONNX Runtime's MatMulNBits on fp32), which "
+                           f"TensorRT's parser refuses; build plans from the fp32 engine (TensorRT's quantized forms: "
+                           f"lantern.export.quantize.quantize_qdq)")
     trt = tb.load_tensorrt(flavor)
     if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
         raise LanternError(f"--batch takes positive integers (images per call), got {list(batches)}")

@@ -164,6 +164,30 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class Quantization:
+    """Weight-only quantization of a graph (`lantern-export onnx --quantize`, lantern.export.quantize):
+    its MatMuls with constant weights became ONNX Runtime's MatMulNBits (com.microsoft), weights
+    in blocks of `block` along K with one scale per block, the output head at its own precision.
+    `check` verifies the graph against this record and applies the scheme's tolerance."""
+
+    scheme: str  # int8 / int4: the bits of the body's weights
+    bits: int
+    block: int
+    symmetric: bool  # no zero points
+    accuracy_level: int  # MatMulNBits' compute type: 4 = int8 activations per block, 0 = fp32
+    head: str  # float / int8 / int4: the output head's weights
+    head_nodes: tuple  # names of the head's MatMuls in the float graph
+    quantized: int  # MatMulNBits nodes in the graph
+    skipped: tuple  # weight MatMuls left in float (names)
+    tool: dict = field(default_factory=dict)  # quantizer and ONNX Runtime versions
+
+
+QUANT_SCHEMES = {"int8": 8, "int4": 4}  # scheme -> bits
+QUANT_HEADS = ("float", "int8", "int4")
+QUANTIZABLE = ("target", "drafter")  # the graphs with weight MatMuls worth quantizing
+
+
+@dataclass(frozen=True)
 class Graph:
     file: str
     contract: str  # a key of GRAPHS
@@ -171,6 +195,7 @@ class Graph:
     inputs: dict  # name -> TensorSpec, in the graph's order
     outputs: dict
     external_data: Optional[str] = None  # weights file beside it, if any
+    quantization: Optional[Quantization] = None  # weight-only quantized graphs only
 
     @property
     def layers(self):
@@ -515,6 +540,9 @@ def _graph(r, name):
               inputs={k: _tensor(_Reader(v, f"{r.where}.inputs.{k}"), k) for k, v in r.get("inputs", dict).items()},
               outputs={k: _tensor(_Reader(v, f"{r.where}.outputs.{k}"), k) for k, v in r.get("outputs", dict).items()},
               external_data=r.get("external_data", str, optional=True))
+    q = r.obj("quantization", optional=True)
+    if q is not None:
+        g = dataclasses.replace(g, quantization=_quantization(q, name, g))
     r.done(_fields(Graph))
     expected = graph_io(contract, max(g.layers, 1))
     if set(g.inputs) != set(expected["inputs"]) or set(g.outputs) != set(expected["outputs"]):
@@ -528,6 +556,36 @@ def _graph(r, name):
     # in the contract's order, whatever order the file kept
     return dataclasses.replace(g, inputs={k: g.inputs[k] for k in expected["inputs"]},
                                outputs={k: g.outputs[k] for k in expected["outputs"]})
+
+
+def _quantization(r, name, graph):
+    scheme = r.get("scheme", str, check=lambda v: v in QUANT_SCHEMES, why=f"one of {', '.join(QUANT_SCHEMES)}")
+    names = lambda v: all(isinstance(x, str) for x in v)  # noqa: E731
+    q = Quantization(
+        scheme=scheme, bits=r.get("bits", int, check=lambda v: v == QUANT_SCHEMES[scheme], why=f"{QUANT_SCHEMES[scheme]} "
+                                                                                              f"(scheme {scheme})"),
+        block=r.get("block", int, check=lambda v: v >= 16 and not v & (v - 1), why="a power of two >= 16"),
+        symmetric=r.get("symmetric", bool), accuracy_level=r.get("accuracy_level", int, check=lambda v: 0 <= v <= 4,
+                                                                 why="0..4"),
+        head=r.get("head", str, check=lambda v: v in QUANT_HEADS, why=f"one of {', '.join(QUANT_HEADS)}"),
+        head_nodes=tuple(r.get("head_nodes", list, check=names, why="a list of node names")),
+        quantized=r.positive("quantized"), skipped=tuple(r.get("skipped", list, check=names, why="a list of node names")),
+        tool=r.get("tool", dict))
+    r.done(_fields(Quantization))
+    if name not in QUANTIZABLE:
+        r.fail("", f"quantizes the {name} graph; only {' and '.join(QUANTIZABLE)} are quantized")
+    if graph.dtype != "fp32":
+        r.fail("", f"is on a {graph.dtype} graph; weight-only quantization starts from fp32")
+    if q.head == "float" and not set(q.head_nodes) <= set(q.skipped):
+        r.fail("skipped", f"lacks the float head {', '.join(q.head_nodes)}")
+    return q
+
+
+def quantization_scheme(manifest):
+    """'none' when no graph is quantized, else the scheme(s) of the quantized graphs ('int8',
+    or e.g. 'int4+int8' when they differ)."""
+    schemes = sorted({g.quantization.scheme for g in manifest.graphs.values() if g.quantization is not None})
+    return "+".join(schemes) or "none"
 
 
 def _parse(data, where):

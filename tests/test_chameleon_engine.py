@@ -125,3 +125,20 @@ def test_vq_decoder_on_onnx_runtime_matches_pytorch_decode(engines):
     want = np.clip((want.transpose(0, 2, 3, 1) + 1) * 127.5 + 0.5, 0, 255).astype(np.uint8)
     assert images.shape == want.shape == (2, 64, 64, 3)
     assert np.abs(images.astype(int) - want).max() <= 1
+
+
+@pytest.mark.parametrize("family", ["lumina_mgpt"])
+def test_quantized_engine_passes_check_and_generates(engines, family, tmp_path):
+    """Weight-only int4 on a Chameleon-family engine (q/k norms, forced row ends): the head is
+    found, `check` passes at the int4 tolerance against the fp32 modules, and the loop runs."""
+    from lantern.export.quantize import QuantizeOptions, quantize_engine
+
+    out = tmp_path / "int4"
+    m = quantize_engine(engines[family], out, QuantizeOptions("int4"))
+    assert all(len(m.graphs[g].quantization.head_nodes) == 1 for g in ("target", "drafter"))
+    report = check_engine(out)
+    assert report["ok"], report["failures"]
+    assert report["quantization"]["target"] == {"scheme": "int4", "tolerance": 0.25}
+    engine = Engine(out, threads=2)
+    tokens = engine.generate(mode="lantern++", k=8, lam=4.0, prompt=["a red cat"], grid=GRID, cfg_scale=3.0).tokens
+    assert tokens.shape == (1, GRID[0] * GRID[1]) and 0 <= tokens.min() and tokens.max() < CODES

@@ -40,6 +40,24 @@ def test_demo_exports_checks_generates_and_reports(demo):
     assert "Tuned draft tree" in (demo / "report" / "report.md").read_text()
 
 
+def test_demo_reports_the_int8_engine_beside_fp32(demo):
+    q = json.loads((demo / "report" / "report.json").read_text())["quantized"]
+    assert q["scheme"] == "int8" and q["engine"] == f"{demo}-int8" and "int8 keeps" in q["why"]
+    assert q["check"] == {"ok": True, "tolerance": 0.05, "worst_relative_rms": q["check"]["worst_relative_rms"]}
+    assert 1e-3 < q["check"]["worst_relative_rms"] <= 0.05  # quantized for real, within the tolerance
+    assert 0.85 < q["teacher_forced_greedy_agreement"] < 1.0  # measured 94.8% on 15 greedy images
+    rows = {r["mode"]: r for r in q["results"]}
+    assert set(rows) == {"ar", "lantern++"} and rows["ar"]["steps_per_image"] == 63
+    assert rows["lantern++"]["mean_accepted_length"] > 1.5 and all(r["speed_vs_fp32"] > 0 for r in rows.values())
+    for r in rows.values():
+        assert (demo / "report" / r["image"]).stat().st_size > 0
+    markdown = (demo / "report" / "report.md").read_text()
+    assert "## int8 engine beside fp32" in markdown and q["reading"] in markdown
+    from lantern.runtime.manifest import quantization_scheme, read_manifest
+
+    assert quantization_scheme(read_manifest(q["engine"])) == "int8"
+
+
 def test_acceptance_per_depth_from_the_histogram():
     from lantern.export.demo import acceptance_per_depth
 
@@ -53,10 +71,10 @@ def test_acceptance_per_depth_from_the_histogram():
 def test_quality_harness_small_sweep(demo, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     argv = ["quality", str(demo), "--per-class", "1", "--lams", "1,3", "--ks", "5", "--deltas", "",
-            "--threads", "1", "--no-progress"]
+            "--schemes", "none", "--threads", "1", "--no-progress"]
     assert run_cli.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "4 methods" in printed and "15 images" in printed and "expect about" in printed
+    assert "1 scheme (fp32) x 4 methods" in printed and "15 sampled images" in printed and "expect about" in printed
     out = tmp_path / f"quality-{demo.name}"  # its own directory, not inside the engine
     assert not (demo / "quality").exists()
     report = json.loads((out / "report.json").read_text())
@@ -73,9 +91,39 @@ def test_quality_harness_small_sweep(demo, tmp_path, monkeypatch, capsys):
     assert json.loads((out / "report.json").read_text()) == report
 
 
+def test_quality_compares_schemes(demo, tmp_path, capsys):
+    """fp32 (the reference) and int4 x ar, exact, lantern++ (int4 alone: the suite's time; the
+    default adds int8): fp32 exact is greedy-exact (agreement 1 with fp32 ar), int4 agrees less
+    (teacher forced: measured 82.7%)."""
+    out = tmp_path / "q"
+    argv = ["quality", str(demo), "--schemes", "int4", "--per-class", "1", "--threads", "1", "--no-progress",
+            "--out", str(out)]
+    assert run_cli.main(argv) == 0
+    assert "2 schemes (fp32, int4) x 3 methods" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    rows = {(r["scheme"], r["method"]): r for r in report["results"]}
+    assert len(rows) == 6 and report["reference"] == "fp32 ar"
+    assert report["schemes"]["int4"]["quantization"]["target"]["bits"] == 4
+    assert rows["fp32", "ar"]["greedy_agreement"] == rows["fp32", "exact"]["greedy_agreement"] == 1.0
+    assert rows["int4", "ar"]["greedy_agreement"] < 1.0
+    forced = {s: rows[s, "ar"]["teacher_forced_agreement"] for s in ("fp32", "int4")}
+    assert forced["fp32"] == 1.0 and 0.7 < forced["int4"] < 0.95, forced
+    for r in rows.values():
+        assert 0 <= r["accuracy"] <= 1 and r["frechet_vs_ar"] >= 0 and r["speedup"] > 0
+        assert (r["mean_accepted_length"] > 1.5) == (r["mode"] != "ar")
+    assert "| int4 | lantern++ k=20 lam=5 |" in (out / "report.md").read_text()
+
+
+def test_quality_refuses_schemes_on_a_quantized_engine(demo, capsys):
+    assert run_cli.main(["quality", f"{demo}-int8", "--no-progress", "--out", "unused"]) == 2
+    assert "is int8; the scheme comparison quantizes an fp32 engine" in capsys.readouterr().err
+
+
 def test_quality_defaults_are_the_short_sweep():
     from lantern.tools import quality
 
     args = run_cli.build_parser().parse_args(["quality", "engines/demo"])
     names = [name for name, _ in quality.methods(args.lams, args.ks, args.deltas)]
     assert names == ["ar", "exact", "lantern++ k=20 lam=5"]
+    assert args.schemes == ["int8", "int4"] and args.per_class == 6
+    assert run_cli.build_parser().parse_args(["quality", "e", "--schemes", "none"]).schemes == []

@@ -1,31 +1,68 @@
-"""Quantized graphs (lantern.export.quantize) on tiny real engines: they run on ONNX Runtime, stay
-within the stated tolerance of the fp32 graph on the inputs a real generation feeds them, their
-records are checked against the graphs, and the decoding loop generates with them.
+"""Quantized engines (lantern.export.quantize) on tiny real engines and the demo engine: the graphs
+run on ONNX Runtime and stay within the stated tolerance of the fp32 graph on the inputs a real
+generation feeds them; their records are typed manifest fields, checked against the graphs;
+`lantern-export onnx --quantize` and `lantern-export quantize` write them; `check` applies each
+scheme's tolerance against the fp32 PyTorch modules and catches a wrong tolerance or record; the
+decoding loop generates with them.
 
-Tolerances (relative RMS error of every float output against the fp32 graph, TOLERANCES):
-int8 0.03, int4 0.25. Measured here: int8 ~0.007, int4 ~0.09."""
+Tolerances (relative RMS error of every float output against fp32, quantize.TOLERANCES): int8
+0.05, int4 0.25. Measured here on generation inputs: int8 ~0.007, int4 ~0.09.
+Exactness is relative to the engine that verifies: greedy exact == ar token for token at accuracy
+level 0 (fp32 arithmetic). At level 4 (int8 activations, the fast default) it is not: measured on
+the demo engine at cfg 3, 15 images, int8: 86.7% of the tokens (8 of 15 images identical), int4:
+93.2% (see lantern.export.quantize, DECISIONS)."""
+import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
-from engines import build_engine
-from lantern.export import quantize
+from lantern.export import cli, quantize
+from lantern.export.check import check_engine
+from lantern.export.quantize import QuantizeOptions, quantize_engine
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
-from lantern.runtime.manifest import read_manifest
+from lantern.runtime.manifest import Quantization, quantization_scheme, read_manifest
+from lantern.tools import run_cli
 
 GRAPHS = ("target", "drafter")
 
 
 @pytest.fixture(scope="module")
-def c2i(tmp_path_factory):
+def c2i(c2i_engine):
     # Tiny dims: D = 32, FFN 96, drafter fc 64 -> every K is a multiple of 32 (and of 16).
-    return build_engine(tmp_path_factory.mktemp("c2i"), "c2i", with_vq=False)
+    return c2i_engine
+
+
+@pytest.fixture(scope="module")
+def quantized(c2i, tmp_path_factory):
+    """The tiny engine quantized per scheme (default options): {scheme: engine directory}."""
+    root = tmp_path_factory.mktemp("quantized")
+    made = {}
+    for scheme in quantize.SCHEMES:
+        quantize_engine(c2i, root / scheme, QuantizeOptions(scheme))
+        made[scheme] = str(root / scheme)
+    return made
+
+
+class Recording:
+    """A backend that keeps a copy of the target and drafter calls' inputs."""
+
+    def __init__(self, backend):
+        self.backend, self.calls = backend, {g: [] for g in GRAPHS}
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def run(self, call):
+        if call.graph in self.calls:
+            self.calls[call.graph].append({k: np.array(v, copy=True) for k, v in call.feeds.items()})
+        return self.backend.run(call)
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +70,9 @@ def feeds(c2i):
     """Inputs of real target and drafter calls: a greedy `exact` generation with CFG, recorded
     at the backend (prefill, verification, every drafter depth)."""
     engine = Engine(c2i, threads=2)
-    recorded = {g: [] for g in GRAPHS}
-    run = engine.backend.run
-
-    def recording(graph, f):
-        if graph in recorded:
-            recorded[graph].append({k: np.array(v, copy=True) for k, v in f.items()})
-        return run(graph, f)
-
-    engine.backend.run = recording
+    engine.backend = recorder = Recording(engine.backend)
     engine.generate(classes=[1, 2, 3], mode="exact", greedy=True, cfg_scale=3.0)
-    return {g: calls[:: max(1, len(calls) // 6)] for g, calls in recorded.items()}
+    return {g: calls[:: max(1, len(calls) // 6)] for g, calls in recorder.calls.items()}
 
 
 def session(path):
@@ -64,21 +93,35 @@ def worst_errors(reference, quantized):
     return {name: max(e[name] for e in errors) for name in errors[0]}
 
 
+def edit_manifest(directory, change):
+    """Rewrite manifest.json with change(data) applied (its file hashes stay valid)."""
+    path = os.path.join(directory, "manifest.json")
+    with open(path) as f:
+        data = json.load(f)
+    change(data)
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+# ---------------------------------------------------------------------------------------------
+# Graphs
+
+
 @pytest.mark.parametrize("scheme", quantize.SCHEMES)
 @pytest.mark.parametrize("graph", GRAPHS)
-def test_quantized_graph_matches_fp32_within_tolerance(c2i, feeds, tmp_path, scheme, graph):
-    src, dst = os.path.join(c2i, f"{graph}.onnx"), str(tmp_path / f"{graph}.onnx")
-    record = quantize.quantize_graph(src, dst, scheme)
+def test_quantized_graph_matches_fp32_within_tolerance(c2i, quantized, feeds, scheme, graph):
+    src, dst = os.path.join(c2i, f"{graph}.onnx"), os.path.join(quantized[scheme], f"{graph}.onnx")
+    record = read_manifest(quantized[scheme]).graphs[graph].quantization
     weights = quantize.weight_matmuls(onnx.load(src))
-    assert record["quantized"] == len(weights) > 0  # every weight MatMul, the head at int8
-    assert record["skipped"] == [] and record["head"]["precision"] == "int8"
-    assert record["bits"] == {"int8": 8, "int4": 4}[scheme] and record["block"] == 32
+    assert record.quantized == len(weights) > 0  # every weight MatMul, the head at int8
+    assert record.skipped == () and record.head == "int8" and len(record.head_nodes) == 1
+    assert record.bits == {"int8": 8, "int4": 4}[scheme] and record.block == 32 and record.accuracy_level == 4
     quantize.verify_record(dst, record)
 
-    reference, quantized = outputs(src, feeds[graph]), outputs(dst, feeds[graph])
-    for r, q in zip(reference, quantized):
+    reference, got = outputs(src, feeds[graph]), outputs(dst, feeds[graph])
+    for r, q in zip(reference, got):
         quantize.check_outputs(r, q, scheme, where=graph)
-    errors = worst_errors(reference, quantized)
+    errors = worst_errors(reference, got)
     floats = [n for n in errors if np.issubdtype(reference[0][n].dtype, np.floating)]
     # Quantized for real: the outputs moved, by about what the bit width predicts (the drafter's
     # top-k probabilities of near-uniform tiny logits hardly move, so the largest error counts).
@@ -86,46 +129,43 @@ def test_quantized_graph_matches_fp32_within_tolerance(c2i, feeds, tmp_path, sch
     assert low < max(errors[n] for n in floats) and all(errors[n] < high for n in floats), errors
 
 
-def test_int4_is_coarser_than_int8(c2i, feeds, tmp_path):
+def test_int4_is_coarser_than_int8(c2i, quantized, feeds):
     src = os.path.join(c2i, "target.onnx")
-    errors = {}
-    for scheme in quantize.SCHEMES:
-        quantize.quantize_graph(src, str(tmp_path / f"{scheme}.onnx"), scheme)
-        errors[scheme] = worst_errors(outputs(src, feeds["target"]), outputs(str(tmp_path / f"{scheme}.onnx"), feeds["target"]))
+    errors = {s: worst_errors(outputs(src, feeds["target"]), outputs(os.path.join(d, "target.onnx"), feeds["target"]))
+              for s, d in quantized.items()}
     assert errors["int4"]["logits"] > 4 * errors["int8"]["logits"]
 
 
-def test_too_tight_tolerance_is_caught(c2i, feeds, tmp_path):
-    src, dst = os.path.join(c2i, "target.onnx"), str(tmp_path / "t.onnx")
-    quantize.quantize_graph(src, dst, "int8")
-    reference, quantized = outputs(src, feeds["target"][-1:])[0], outputs(dst, feeds["target"][-1:])[0]
-    measured = quantize.relative_errors(reference, quantized)["logits"]
-    quantize.check_outputs(reference, quantized, 2 * measured)
+def test_too_tight_tolerance_is_caught(c2i, quantized, feeds):
+    src, dst = os.path.join(c2i, "target.onnx"), os.path.join(quantized["int8"], "target.onnx")
+    reference, got = outputs(src, feeds["target"][-1:])[0], outputs(dst, feeds["target"][-1:])[0]
+    measured = quantize.relative_errors(reference, got)["logits"]
+    quantize.check_outputs(reference, got, 2 * measured)
     with pytest.raises(LanternError, match="over the tolerance"):
-        quantize.check_outputs(reference, quantized, measured / 2)
+        quantize.check_outputs(reference, got, measured / 2)
     with pytest.raises(LanternError, match="output logits"):
-        quantize.check_outputs(reference, quantized, 1e-6)  # fp32-level tolerance on an int8 graph
+        quantize.check_outputs(reference, got, 1e-6)  # fp32-level tolerance on an int8 graph
 
 
 def test_wrong_record_is_caught(c2i, tmp_path):
     dst = str(tmp_path / "t.onnx")
-    record = quantize.quantize_graph(os.path.join(c2i, "target.onnx"), dst, "int4", head="float")
+    record = quantize.quantize_graph(os.path.join(c2i, "target.onnx"), dst, "int4", head="float")["record"]
     quantize.verify_record(dst, record)
     wrong = {
-        "scheme says int8": dict(record, scheme="int8", bits=8),
-        "bits disagree with scheme": dict(record, bits=8),
-        "unknown scheme": dict(record, scheme="int3"),
-        "block": dict(record, block=64),
-        "accuracy level": dict(record, accuracy_level=0),
-        "symmetry": dict(record, symmetric=False),
-        "count": dict(record, quantized=record["quantized"] + 1),
-        "head precision": dict(record, head=dict(record["head"], precision="int8")),
-        "head nodes": dict(record, head=dict(record["head"], nodes=["node_linear"])),
-        "skipped": dict(record, skipped=[]),
+        "scheme says int8": dict(scheme="int8", bits=8),
+        "bits disagree with scheme": dict(bits=8),
+        "unknown scheme": dict(scheme="int3"),
+        "block": dict(block=64),
+        "accuracy level": dict(accuracy_level=0),
+        "symmetry": dict(symmetric=False),
+        "count": dict(quantized=record.quantized + 1),
+        "head precision": dict(head="int8"),
+        "head nodes": dict(head_nodes=("node_linear",)),
+        "skipped": dict(skipped=()),
     }
-    for what, bad in wrong.items():
+    for what, change in wrong.items():
         with pytest.raises(LanternError):
-            quantize.verify_record(dst, bad)
+            quantize.verify_record(dst, dataclasses.replace(record, **change))
             pytest.fail(f"a wrong record ({what}) passed")
 
 
@@ -136,11 +176,11 @@ def test_head_precision(c2i, tmp_path):
     bits = {}
     for head in quantize.HEAD_PRECISIONS:
         dst = str(tmp_path / f"{head}.onnx")
-        record = quantize.quantize_graph(src, dst, "int4", head=head)
+        record = quantize.quantize_graph(src, dst, "int4", head=head)["record"]
         quantize.verify_record(dst, record)
         nodes = {quantize._source_name(n): n for n in onnx.load(dst).graph.node if n.op_type == "MatMulNBits"}
         bits[head] = {a.name: a.i for a in nodes[heads[0]].attribute}["bits"] if heads[0] in nodes else None
-        assert [s["node"] for s in record["skipped"]] == (heads if head == "float" else [])
+        assert list(record.skipped) == (heads if head == "float" else [])
     assert bits == {"float": None, "int8": 8, "int4": 4}
 
 
@@ -148,8 +188,8 @@ def test_block_larger_than_k_is_padded(c2i, feeds, tmp_path):
     """K = 32 and 96 with block 64: ONNX Runtime's quantizer pads K with zero weights to whole
     blocks, so these MatMuls are quantized too, and the graph still matches."""
     src, dst = os.path.join(c2i, "target.onnx"), str(tmp_path / "b64.onnx")
-    record = quantize.quantize_graph(src, dst, "int8", block=64)
-    assert record["skipped"] == [] and record["quantized"] == len(quantize.weight_matmuls(onnx.load(src)))
+    record = quantize.quantize_graph(src, dst, "int8", block=64)["record"]
+    assert record.skipped == () and record.quantized == len(quantize.weight_matmuls(onnx.load(src)))
     quantize.verify_record(dst, record)
     for r, q in zip(outputs(src, feeds["target"]), outputs(dst, feeds["target"])):
         quantize.check_outputs(r, q, "int8")
@@ -179,43 +219,161 @@ def test_external_data(c2i, feeds, tmp_path):
     onnx.save(onnx.load(os.path.join(c2i, "target.onnx")), src, save_as_external_data=True,
               all_tensors_to_one_file=True, location="target.onnx.data", size_threshold=1024)
     dst = str(tmp_path / "out" / "target.onnx")
-    record = quantize.quantize_graph(src, dst, "int4")
+    result = quantize.quantize_graph(src, dst, "int4")
     assert os.path.isfile(dst + ".data") and sorted(os.listdir(tmp_path / "out")) == ["target.onnx", "target.onnx.data"]
-    assert record["bytes"]["quantized"] < record["bytes"]["source"]  # tiny: the weights are a small part
-    quantize.verify_record(dst, record)
+    assert result["bytes"]["quantized"] < result["bytes"]["source"]  # tiny: the weights are a small part
+    quantize.verify_record(dst, result["record"])
     for r, q in zip(outputs(src, feeds["target"]), outputs(dst, feeds["target"])):
         quantize.check_outputs(r, q, "int4")
 
 
-@pytest.mark.parametrize("scheme", quantize.SCHEMES)
-def test_greedy_ar_on_quantized_engine(c2i, tmp_path, scheme):
-    out = str(tmp_path / scheme)
-    manifest = quantize.quantize_engine(c2i, out, scheme)
-    assert manifest["quantization"] == {"target": scheme, "drafter": scheme}
-    read_manifest(out, verify=True)  # sizes and hashes of the new files are recorded
-    # Copies, not hard links: onnx.load refuses external data with several links.
-    assert all(os.stat(os.path.join(d, f)).st_nlink == 1 for d in (c2i, out) for f in os.listdir(d))
+# ---------------------------------------------------------------------------------------------
+# Engines: export, manifest, check, generation
+
+
+def test_export_with_quantize_writes_records_and_passes_check(c2i, tmp_path, capsys):
+    """`lantern-export onnx --quantize` from the tiny engine's own checkpoints: the graphs are
+    quantized in the staging directory before the manifest is written, and the engine passes
+    `check` at its scheme's tolerance against the fp32 PyTorch modules."""
+    sources = read_manifest(c2i).sources
+    out = tmp_path / "int4"
+    argv = ["onnx", "--target", sources["target"]["path"], "--config", sources["target"]["options"]["config_file"],
+            "--drafter", sources["drafter"]["path"], "--candidates", "16", "--out", str(out), "--no-progress",
+            "--quantize", "int4", "--quant-block", "64", "--quant-accuracy-level", "0"]
+    assert cli.main(argv) == 0
+    assert "quantized weight-only: target int4 (block 64, accuracy level 0" in capsys.readouterr().out
+    m = read_manifest(out)
+    assert quantization_scheme(m) == "int4" and m.modes == ("ar", "exact")
     for graph in GRAPHS:
-        entry = manifest["graphs"][graph]
-        quantize.verify_record(os.path.join(out, entry["file"]), entry["quantization"])
-    with open(os.path.join(c2i, "manifest.json")) as f:
-        vocab = json.load(f)["model"]["config"]["vocab_size"]
-    engine = Engine(out, threads=2)
-    tokens = engine.generate(classes=[1, 2, 3], mode="ar", greedy=True, cfg_scale=3.0).tokens
-    assert tokens.shape == (3, engine.block_size) and tokens.dtype == np.int64
-    assert tokens.min() >= 0 and tokens.max() < vocab
-    np.testing.assert_array_equal(engine.generate(classes=[1, 2, 3], mode="ar", greedy=True, cfg_scale=3.0).tokens, tokens)
+        q = m.graphs[graph].quantization
+        assert (q.scheme, q.bits, q.block, q.accuracy_level, q.head) == ("int4", 4, 64, 0, "int8")
+        quantize.verify_record(out / m.graphs[graph].file, q)
+    assert m.graphs["condition"].quantization is None
+    assert sorted(os.listdir(out)) == sorted(list(m.files) + ["manifest.json"])  # nothing left of the staging
+    report = check_engine(out)
+    assert report["ok"], report["failures"]
+    assert report["quantization"] == {g: {"scheme": "int4", "tolerance": 0.25} for g in GRAPHS}
+    rms = [r["rms_rel"] for r in report["results"] if "rms_rel" in r]
+    assert len(rms) > 10 and 0.01 < max(rms) <= 0.25  # quantized for real, within the stated tolerance
+    tokens = Engine(out, threads=2).generate(classes=[1, 2], mode="exact", greedy=True, cfg_scale=3.0).tokens
+    assert tokens.shape == (2, m.image.tokens) and tokens.min() >= 0 and tokens.max() < m.vocabulary.codes
+    # bad options are refused before anything is loaded or written
+    for bad, message in ((["--quantize", "int8", "--dtype", "fp16"], "starts from fp32"),
+                         (["--quantize", "int8", "--quant-block", "48"], "power of two"),
+                         (["--quant-block", "64"], "needs --quantize")):
+        assert cli.main(argv[:11] + ["--out", str(tmp_path / "bad"), "--no-progress"] + bad) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_quantized_engine_passes_check_and_generates(c2i, quantized, capsys):
+    for scheme, directory in quantized.items():
+        m = read_manifest(directory, verify=True)  # sizes and hashes of the new files are recorded
+        assert quantization_scheme(m) == scheme and m.sources == read_manifest(c2i).sources
+        # Copies, not hard links: onnx.load refuses external data with several links.
+        assert all(os.stat(os.path.join(d, f)).st_nlink == 1 for d in (c2i, directory) for f in m.files)
+        assert cli.main(["check", directory]) == 0
+        printed = capsys.readouterr().out
+        tolerance = quantize.TOLERANCES[scheme]
+        assert f"except target ({scheme} weight-only): pass iff ||a - b|| / ||torch|| <= {tolerance:g}" in printed
+        assert f"<= {tolerance:g})" in printed and "check passed" in printed
+        engine = Engine(directory, threads=2)
+        for mode in ("ar", "lantern++"):
+            out = engine.generate(classes=[1, 2, 3], mode=mode, greedy=True, cfg_scale=3.0, k=8)
+            assert out.tokens.shape == (3, m.image.tokens) and out.tokens.max() < m.vocabulary.codes
+            again = engine.generate(classes=[1, 2, 3], mode=mode, greedy=True, cfg_scale=3.0, k=8)
+            np.testing.assert_array_equal(again.tokens, out.tokens)
+        assert engine.decode(out.tokens).shape[0] == 3
+
+
+def test_wrong_tolerance_is_caught_by_check(quantized):
+    """A tolerance below what quantization costs (here fp32's level, or half of what int8
+    measures) fails the check: it can fail, so its pass means something."""
+    from lantern.export.onnx_export import load_graph_modules
+
+    modules = load_graph_modules(read_manifest(quantized["int8"]))  # the fp32 reference, loaded once
+    report = check_engine(quantized["int8"], verify=False, modules=modules)
+    worst = max(r["rms_rel"] for r in report["results"] if "rms_rel" in r)
+    for tolerance in (1e-4, worst / 2):
+        bad = check_engine(quantized["int8"], verify=False, quant_tolerance=tolerance, modules=modules)
+        assert not bad["ok"] and all("relative RMS error" in f for f in bad["failures"] if "topk_ids" not in f)
+
+
+def test_wrong_scheme_record_is_caught(quantized, tmp_path, capsys):
+    """A manifest whose record does not match its graph (an int4 graph recorded as int8, a
+    different block) is refused by check with a re-export line; an impossible record (unknown
+    scheme, bits that contradict it, a quantized VQ decoder) already by the manifest reader."""
+    def copy(name):
+        directory = tmp_path / name
+        shutil.copytree(quantized["int4"], directory)
+        return directory
+
+    def record(key, value, graph="target"):
+        return lambda data: data["graphs"][graph]["quantization"].__setitem__(key, value)
+
+    d = copy("as_int8")
+    edit_manifest(d, lambda data: data["graphs"]["target"]["quantization"].update(scheme="int8", bits=8))
+    read_manifest(d)  # a consistent record ...
+    with pytest.raises(LanternError, match="re-export"):  # ... that the graph contradicts
+        check_engine(d)
+    assert cli.main(["check", str(d)]) == 2
+    assert "bits 4, the record says 8" in capsys.readouterr().err
+
+    d = copy("block")
+    edit_manifest(d, record("block", 64))
+    with pytest.raises(LanternError, match="block_size|block 32, the record says 64"):
+        check_engine(d)
+
+    for name, change, message in (
+            ("unknown", record("scheme", "int3"), "scheme is 'int3', expected one of int8, int4"),
+            ("bits", record("bits", 8), "bits is 8, expected 4"),
+            ("level", record("accuracy_level", 7), "accuracy_level is 7"),
+            ("vq", lambda data: data["graphs"]["vq_decoder"].__setitem__(
+                "quantization", data["graphs"]["target"]["quantization"]), "only target and drafter"),
+            ("extra", record("zero_points", True), "unknown field")):
+        d = copy(name)
+        edit_manifest(d, change)
+        with pytest.raises(LanternError, match=message) as e:
+            read_manifest(d)
+        assert "re-export the engine" in str(e.value)
+
+
+def test_torch_backend_refuses_a_quantized_engine(quantized, tmp_path, capsys):
+    argv = ["generate", quantized["int8"], "--backend", "torch", "--classes", "1", "--out", str(tmp_path / "o")]
+    assert run_cli.main(argv) == 2
+    assert "int8-quantized graphs, which the torch backend cannot run" in capsys.readouterr().err
+
+
+def test_tensorrt_plans_refused_for_a_quantized_engine(quantized, capsys):
+    """TensorRT's parser takes MatMulNBits only with fp16 inputs (measured: TensorRT for RTX 1.7
+    refuses an fp32 one), so `lantern-export trt` says so at once instead of failing mid-build."""
+    assert cli.main(["trt", quantized["int8"], "--flavor", "tensorrt-rtx", "--compute-capability", "89"]) == 2
+    assert "int8 weight-only graphs" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(quantized["int8"], "plans"))
+
+
+def test_quantize_command_refuses_bad_requests(c2i, quantized, tmp_path, capsys):
+    os.makedirs(tmp_path / "b")
+    (tmp_path / "b" / "notes.txt").write_text("mine")
+    for argv, message in ((["quantize", c2i, "--scheme", "int4", "--out", str(tmp_path / "b")], "already exists"),
+                          (["quantize", c2i, "--scheme", "int4", "--out", str(tmp_path / "b"), "--force"],
+                           "not an engine directory"),
+                          (["quantize", quantized["int8"], "--scheme", "int4", "--out", str(tmp_path / "c")],
+                           "already quantized"),
+                          (["quantize", c2i, "--scheme", "int4", "--out", c2i, "--force"], "must not replace its source")):
+        assert cli.main(argv) == 2
+        assert message in capsys.readouterr().err
+    assert os.listdir(tmp_path / "b") == ["notes.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["b"]
 
 
 @pytest.mark.parametrize("scheme", quantize.SCHEMES)
 def test_greedy_exact_equals_ar_at_accuracy_level_0(c2i, tmp_path, scheme):
     """Exactness is relative to the engine that verifies: with weight-only numerics (accuracy
     level 0: weights dequantized, fp32 arithmetic) a token's logits do not depend on how many
-    tokens share the call, so greedy exact == greedy ar token for token. At level 4 the
-    activations are rounded to int8 inside MatMulNBits, which turns the float noise between a
-    1-token and a 27-token call into whole rounding steps; see lantern.export.quantize."""
-    out = str(tmp_path / scheme)
-    quantize.quantize_engine(c2i, out, scheme, accuracy_level=0)
+    tokens share the call, so greedy exact == greedy ar token for token."""
+    out = tmp_path / scheme
+    quantize_engine(c2i, out, QuantizeOptions(scheme, accuracy_level=0))
     engine = Engine(out, threads=2)
     for cfg in (1.0, 3.0):
         ar = engine.generate(classes=[1, 2, 3], mode="ar", greedy=True, cfg_scale=cfg).tokens
@@ -223,17 +381,38 @@ def test_greedy_exact_equals_ar_at_accuracy_level_0(c2i, tmp_path, scheme):
         np.testing.assert_array_equal(exact, ar)
 
 
-def test_quantize_engine_refuses_bad_requests(c2i, tmp_path):
-    with pytest.raises(LanternError, match="no vq_decoder graph"):
-        quantize.quantize_engine(c2i, str(tmp_path / "a"), "int4", graphs=("vq_decoder",))
-    os.makedirs(tmp_path / "b")
-    (tmp_path / "b" / "notes.txt").write_text("mine")
-    with pytest.raises(LanternError, match="already exists"):
-        quantize.quantize_engine(c2i, str(tmp_path / "b"), "int4")
-    with pytest.raises(LanternError, match="not an engine directory"):
-        quantize.quantize_engine(c2i, str(tmp_path / "b"), "int4", force=True)
-    assert os.listdir(tmp_path / "b") == ["notes.txt"]
-    assert sorted(os.listdir(tmp_path)) == ["b"]
+def test_greedy_exact_against_ar_on_the_demo_engine(demo_engine, tmp_path):
+    """On the trained demo model (near-ties are common at cfg 3): int4 at level 0 keeps exact ==
+    ar token for token; int8 at level 4 (the default) agrees on most tokens but not all, as the
+    module docstring states (measured 86.7% of the tokens, 8 of 15 images identical): its int8
+    activations round a 26-token verification call differently from a 1-token AR call."""
+    classes = list(range(15))
+    agreement = {}
+    for scheme, level in (("int4", 0), ("int8", 4)):
+        out = tmp_path / f"{scheme}-{level}"
+        quantize_engine(demo_engine, out, QuantizeOptions(scheme, accuracy_level=level))
+        engine = Engine(out, threads=2)
+        ar = engine.generate(classes=classes, mode="ar", greedy=True, cfg_scale=3.0).tokens
+        exact = engine.generate(classes=classes, mode="exact", greedy=True, cfg_scale=3.0).tokens
+        agreement[scheme, level] = float((exact == ar).mean())
+    assert agreement["int4", 0] == 1.0
+    assert 0.75 < agreement["int8", 4] < 1.0, agreement
+
+
+def test_teacher_forced_agreement(demo_engine, tmp_path):
+    """quantize.greedy_agreement: the reference agrees with itself exactly, int8 with fp32 on
+    most steps (measured 94.8%), int4 less (82.7%). Tuned trees stay with the fp32 engine."""
+    engines = {"fp32": Engine(demo_engine, threads=2)}
+    for scheme in quantize.SCHEMES:
+        m = quantize_engine(demo_engine, tmp_path / scheme, QuantizeOptions(scheme))
+        engines[scheme] = Engine(tmp_path / scheme, threads=2)
+    # The demo tuned a tree on the fp32 engine's latency; the quantized copy does not inherit it.
+    assert engines["fp32"].manifest.tuned_trees and m.tuned_trees == {} and m.tensorrt is None
+    assert not os.path.exists(tmp_path / "int4" / "tuned") and not any(f.startswith("tuned/") for f in m.files)
+    agreement, tokens = quantize.greedy_agreement(engines["fp32"], engines, list(range(15)), 3.0)
+    assert tokens.shape == (15, 64)
+    assert agreement["fp32"] == 1.0
+    assert 0.9 < agreement["int8"] < 1.0 and 0.7 < agreement["int4"] < agreement["int8"], agreement
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +479,7 @@ def test_qdq_form_builds_with_tensorrt_rtx(c2i, qdq, scheme):
     from lantern.tools.bench_quant_trt import build, profile_sizes
 
     path = qdq[scheme][0]
-    sizes = profile_sizes(json.load(open(os.path.join(c2i, "manifest.json"))), "target")
+    sizes = profile_sizes(read_manifest(c2i), "target")
     for cc in ("SM89", "SM120"):
         result = build(trt, path, cc, sizes)
         assert result["ok"] and result["plan_bytes"] > 0, result

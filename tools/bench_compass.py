@@ -82,7 +82,7 @@ def main(argv=None):
 
     from lantern.export import checkpoints, llamagen
     from lantern.export.onnx_export import export_engine
-    from lantern.export.quantize import quantize_engine
+    from lantern.export.quantize import QuantizeOptions, quantize_engine
 
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -95,7 +95,7 @@ def main(argv=None):
     for scheme in args.schemes.split(","):
         if scheme != "fp32":
             engines[scheme] = os.path.join(work, f"engine-{scheme}")
-            quantize_engine(engines["fp32"], engines[scheme], scheme, graphs=("target",), force=True)
+            quantize_engine(engines["fp32"], engines[scheme], QuantizeOptions(scheme), force=True)
 
     eager = llamagen_seconds(args.llamagen, target.state_dict(), args)
     del target
@@ -103,7 +103,7 @@ def main(argv=None):
     base = float(np.median(eager))
     report = {
         "benchmark": "one image: LlamaGen eager generate() vs lantern ar on ONNX Runtime CPU, same weights",
-        "note": "timings from a shared 2-core machine (other jobs running)",
+        "note": "timings from a shared 2-core machine (other jobs running)", "load_average": os.getloadavg(),
         "model": "GPT-B", "random_weights": True, "image_tokens": 256, "cfg_scale": args.cfg, "top_k": args.top_k,
         "threads": args.threads, "torch": torch.__version__, "llamagen_dtype": args.llamagen_dtype,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

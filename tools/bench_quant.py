@@ -7,7 +7,8 @@ Prints JSON.
 speed     (GPT-B-shaped target, random weights) the one-token step at batch 2 (CFG) with ~256
           cached tokens, and L(T) for T = 1, 2, 4, 8, 16, 26, 58 new tokens at the same context
           and batch, medians with every scheme timed in turn inside each repeat; one AR image
-          (cfg 4, top-k 2000) through the real decoding loop; quantization seconds and graph bytes.
+          (cfg 4, top-k 2000) through the real decoding loop (Engine.generate; a warm-up image,
+          then two timed); quantization seconds and graph bytes.
 fidelity  (the demo model: trained, so its logits mean something) the fp32 engine samples images
           (cfg 3); at every target call of that run the quantized targets see the same inputs,
           and we count how often their CFG-combined greedy token equals fp32's (teacher-forced
@@ -110,23 +111,16 @@ def fidelity(engine_dir, graphs, threads, classes, cfg_scale, top_k, seed=0):
     quantized graphs (`graphs`: {name: onnx path}) run on the same inputs; per scheme the
     fraction of calls' last positions whose CFG-combined greedy token equals fp32's, and the
     relative RMS error of the logits there."""
+    from lantern.export.quantize import RecordingBackend
     from lantern.runtime.generator import Engine
 
     engine = Engine(engine_dir, threads=threads)
-    others = {name: session(path, threads) for name, path in graphs.items()}
-    run = engine.backend.run
-    seen = {"fp32": []} | {name: [] for name in others}
-
-    def observed(graph, feeds):
-        out = run(graph, feeds)
-        if graph == "target":
-            seen["fp32"].append(np.asarray(out["logits"][:, -1], dtype=np.float32))
-            for name, s in others.items():
-                seen[name].append(s.run(["logits"], feeds)[0][:, -1])
-        return out
-
-    engine.backend.run = observed
+    engine.backend = recorder = RecordingBackend(engine.backend)
     engine.generate(classes=classes, mode="ar", cfg_scale=cfg_scale, top_k=top_k, seed=seed)
+    sessions = {"fp32": session(os.path.join(engine_dir, "target.onnx"), threads)}
+    sessions.update({name: session(path, threads) for name, path in graphs.items()})
+    seen = {name: [s.run(["logits"], feeds)[0][:, -1] for _, feeds in recorder.target_calls]
+            for name, s in sessions.items()}
     n = len(classes)
 
     def combined(logits):  # rows: [cond; uncond] with CFG, as the decoding loop combines them
@@ -135,7 +129,7 @@ def fidelity(engine_dir, graphs, threads, classes, cfg_scale, top_k, seed=0):
     reference = np.stack([combined(x) for x in seen["fp32"]])
     raw = np.stack(seen["fp32"])
     report = {}
-    for name in others:
+    for name in graphs:
         q = np.stack(seen[name])
         report[name] = {
             "greedy_agreement": round(float((np.stack([combined(x) for x in seen[name]]).argmax(-1)
@@ -162,8 +156,8 @@ def variants(target, out_dir, decisions):
     made = {}
     for name, options in plan.items():
         path = os.path.join(out_dir, name.replace(" ", "_") + ".onnx")
-        record = quantize_graph(target, path, **options)
-        made[name] = (path, record["seconds"], record)
+        result = quantize_graph(target, path, **options)
+        made[name] = (path, result["seconds"], result["record"])
     if decisions:
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -175,18 +169,21 @@ def variants(target, out_dir, decisions):
     return made
 
 
-def image_seconds(engine_dir, scheme, threads, work):
-    """One AR image (class 207, cfg 4, top-k 2000) through the decoding loop."""
-    from lantern.export.quantize import quantize_engine
+def image_seconds(engine_dir, scheme, threads, work, repeats=2):
+    """One AR image (class 207, cfg 4, top-k 2000) through the decoding loop (Engine.generate),
+    after one warm-up image: seconds of each timed run."""
+    from lantern.export.quantize import QuantizeOptions, quantize_engine
     from lantern.runtime.generator import Engine
 
     if scheme != "fp32":
         quantized = os.path.join(work, f"engine-{scheme}")
         if not os.path.isfile(os.path.join(quantized, "manifest.json")):
-            quantize_engine(engine_dir, quantized, scheme, graphs=("target",))
+            quantize_engine(engine_dir, quantized, QuantizeOptions(scheme))
         engine_dir = quantized
-    stats = Engine(engine_dir, threads=threads).generate(classes=[207], mode="ar", cfg_scale=4.0, top_k=2000).stats
-    return round(stats["seconds"], 3)
+    engine = Engine(engine_dir, threads=threads)
+    run = dict(classes=[207], mode="ar", cfg_scale=4.0, top_k=2000)
+    engine.generate(**run)
+    return [round(engine.generate(**run, seed=i).stats["seconds"], 3) for i in range(repeats)]
 
 
 def _bytes(path):
@@ -208,6 +205,9 @@ def main(argv=None):
 
     import onnxruntime
 
+    from lantern.runtime.manifest import read_manifest
+
+    load_at_start = os.getloadavg()
     work = args.workdir or tempfile.mkdtemp(prefix="lantern-bench-quant-")
     gpt_dir = os.path.join(work, args.model)
     start = time.perf_counter()
@@ -217,8 +217,8 @@ def main(argv=None):
     made = variants(target, gpt_dir, args.decisions)
     sessions = {"fp32": session(target, args.threads)} | {n: session(v[0], args.threads) for n, v in made.items()}
 
-    manifest = json.load(open(os.path.join(engine_dir, "manifest.json")))
-    capacity = manifest["model"]["config"]["cls_token_num"] + manifest["block_size"]
+    manifest = read_manifest(engine_dir)
+    capacity = manifest.condition.tokens + manifest.image.tokens
     context = min(args.context, capacity - 1)
     step = interleaved_medians(sessions, step_feeds(sessions["fp32"], 2, 1, context, capacity), args.repeats)
     slow = {n for n in sessions if "accuracy level 0" in n}  # hundreds of ms per step: one-token step only
@@ -240,8 +240,13 @@ def main(argv=None):
         "latency_ms": {n: {str(T): round(1000 * curve[T][n], 2) for T in TOKENS} for n in sessions if n not in slow},
         "latency_ratio_vs_T1": {n: {str(T): round(curve[T][n] / curve[1][n], 2) for T in TOKENS}
                                 for n in sessions if n not in slow},
-        "ar_image_seconds": {s: image_seconds(engine_dir, s, args.threads, gpt_dir) for s in ("fp32", "int8", "int4")},
     }
+    images = {s: image_seconds(engine_dir, s, args.threads, gpt_dir) for s in ("fp32", "int8", "int4")}
+    report["ar_image_seconds"] = {s: float(np.median(t)) for s, t in images.items()}
+    report["ar_image_seconds_runs"] = images
+    report["ar_image_speedup_vs_fp32"] = {s: round(report["ar_image_seconds"]["fp32"] / v, 2)
+                                          for s, v in report["ar_image_seconds"].items()}
+    report["load_average_1_5_15_min"] = {"start": load_at_start, "after_speed": os.getloadavg()}
     del sessions
     if not args.no_fidelity:
         graphs = {n: v[0] for n, v in made.items()}

@@ -26,34 +26,41 @@ class _Enough(Exception):
     """Raised from the recording backend once every graph has its calibration calls."""
 
 
+class _Recording:
+    """A backend that keeps copies of the inputs of the first `limit` calls per graph."""
+
+    def __init__(self, backend, graphs, limit):
+        self.backend, self.recorded, self.limit = backend, {g: [] for g in graphs}, limit
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def run(self, call):
+        if call.graph in self.recorded and len(self.recorded[call.graph]) < self.limit:
+            self.recorded[call.graph].append({k: np.array(v, copy=True) for k, v in call.feeds.items()})
+        if all(len(r) >= self.limit for r in self.recorded.values()):
+            raise _Enough
+        return self.backend.run(call)
+
+
 def record_feeds(engine_dir, graphs, calls, threads):
     """Copies of the inputs of `calls` target / drafter calls of a greedy `exact` generation with
     CFG (prefill, verification and every drafter depth), spread over the first 4 x calls."""
     from lantern.runtime.generator import Engine
 
     engine = Engine(engine_dir, threads=threads)
-    recorded = {g: [] for g in graphs}
-    run = engine.backend.run
-
-    def recording(graph, feeds):
-        if graph in recorded and len(recorded[graph]) < 4 * calls:
-            recorded[graph].append({k: np.array(v, copy=True) for k, v in feeds.items()})
-        if all(len(r) >= 4 * calls for r in recorded.values()):
-            raise _Enough
-        return run(graph, feeds)
-
-    engine.backend.run = recording
+    engine.backend = recorder = _Recording(engine.backend, graphs, 4 * calls)
     try:
-        engine.generate(classes=[207 % engine.config["num_classes"]], mode="exact", greedy=True, cfg_scale=4.0)
+        engine.generate(classes=[207 % engine.manifest.condition.num_classes], mode="exact", greedy=True, cfg_scale=4.0)
     except _Enough:
         pass
-    return {g: r[:: max(1, len(r) // calls)][:calls] for g, r in recorded.items()}
+    return {g: r[:: max(1, len(r) // calls)][:calls] for g, r in recorder.recorded.items()}
 
 
 def profile_sizes(manifest, graph):
-    """min / opt / max of the symbolic dims for one profile covering 1 image with CFG."""
-    config = manifest["model"]["config"]
-    capacity = config["cls_token_num"] + manifest["block_size"] + 64
+    """min / opt / max of the symbolic dims for one profile covering 1 image with CFG (a typed
+    Manifest): up to 64 new tokens over a cache of up to the condition + image tokens + 64."""
+    capacity = (manifest.condition.tokens or 0) + manifest.image.tokens + 64
     return {"B": (1, 2, 2), "N": (1, 1, 1), "T": (1, 1, 64), "P": (1, capacity - 64, capacity)}
 
 
@@ -154,10 +161,12 @@ def main(argv=None):
 
     import tensorrt_rtx as trt
 
+    from lantern.runtime.manifest import read_manifest
+
     work = args.workdir or tempfile.mkdtemp(prefix="lantern-quant-trt-")
     engine_dir = args.engine or _export(work, args.model, args.threads)
-    manifest = json.load(open(os.path.join(engine_dir, "manifest.json")))
-    graphs = [g for g in args.graphs.split(",") if g in manifest["graphs"]]
+    manifest = read_manifest(engine_dir)
+    graphs = [g for g in args.graphs.split(",") if g in manifest.graphs]
     feeds = record_feeds(engine_dir, graphs, args.calibration_calls, args.threads)
     ccs = args.cc.split(",")
     report = {"benchmark": "Q/DQ graphs for TensorRT (ModelOpt), built with TensorRT for RTX on the CPU",
@@ -165,7 +174,7 @@ def main(argv=None):
               "engine": engine_dir, "tensorrt_rtx": trt.__version__, "calibration_calls": args.calibration_calls,
               "graphs": {}}
     for graph in graphs:
-        src = os.path.join(engine_dir, manifest["graphs"][graph]["file"])
+        src = os.path.join(engine_dir, manifest.graphs[graph].file)
         sizes = profile_sizes(manifest, graph)
         rows = report["graphs"][graph] = {}
         for scheme in args.schemes.split(","):

@@ -1,25 +1,37 @@
-"""`lantern-run quality ENGINE`: what relaxation costs in image quality, next to what it gains.
+"""`lantern-run quality ENGINE`: what relaxation and quantization cost in image quality, next to
+what they gain, so a user picks a point on the speed/quality curve.
 
-For every method it generates the same requested classes with the same seeds, then reports
+For every scheme (the engine as given, plus the weight-only quantized copies --schemes names:
+int8 and int4 by default, made from the engine in a temporary directory in a second or two) and
+every method (ar, exact and lantern++ at the demo's k 20, λ 5 by default) it generates the same
+requested classes with the same seeds (sampling with CFG, as images are generated in practice),
+then reports (speculative methods draft with the engine's exported tree in every scheme)
   accuracy   the classifier agrees with the requested class (class consistency),
-  frechet    Fréchet distance between the method's and `ar`'s samples in the classifier's
-             feature space (`ar` against `ar` with other seeds is the noise floor),
-  speed      mean accepted length and wall time against `ar` in the same run,
+  frechet    Fréchet distance between the row's samples and the engine's own `ar` samples (the
+             reference: fp32 `ar`) in the classifier's feature space; the reference `ar` against
+             `ar` with other seeds is the noise floor,
+  greedy     greedy token agreement with the reference: one greedy image per class per row,
+             compared position by position with the reference's greedy `ar` tokens (free
+             running: after a first difference the rest of the image usually differs too), and
+             per scheme the teacher-forced agreement: on the reference's own greedy `ar` inputs,
+             how often the scheme's target picks the same greedy token,
+  speed      mean accepted length and wall time against the reference `ar` in the same run,
 in report.json and report.md with a speed-versus-quality plot, written to its own directory
-(--out, default ./quality-ENGINE_NAME) which appears when the sweep is complete. Sampling with
-CFG, as images are generated in practice. The classifier is the demo's
-(tools/train_classifier.py) unless --classifier.
+(--out, default ./quality-ENGINE_NAME) which appears when the sweep is complete. The classifier is
+the demo's (tools/train_classifier.py) unless --classifier.
 
-The methods are ar, exact and lantern++ at the demo's k 20, λ 5 by default (a few minutes at
---per-class 20 on two CPU cores); --lams, --ks and --deltas widen the sweep, each speculative
-method taking about as long as exact. Before the sweep it states its size and the time it
-expects, measured on one batch of ar and one of exact. Images go through the engine in batches
-of --batch (a 26-node tree over hundreds of CFG rows at once is several times slower per image
-on a CPU); batch i of every method uses the same seed.
+The default (3 schemes x 3 methods, 6 images per class) takes about 3 min on two CPU cores;
+--schemes none compares methods on the engine alone (a third of that, or --per-class 20 for
+tighter numbers); --lams, --ks and --deltas widen the sweep, each speculative method taking about
+as long as exact. Before the sweep it states its size and the time it expects, measured on one
+batch of ar and one of exact. Images go through the engine in batches of --batch (a 26-node tree
+over hundreds of CFG rows at once is several times slower per image on a CPU); batch i of every
+row uses the same seed.
 """
 import json
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -28,6 +40,7 @@ from lantern.runtime.errors import LanternError
 
 # What the report directory holds: --force replaces only a directory with nothing else in it.
 REPORT_FILES = ("report.json", "report.md", "*.png")
+QUANTIZED = ("int8", "int4")  # lantern.export.quantize.SCHEMES (not imported: the parser stays light)
 
 
 def _floats(text):
@@ -38,12 +51,26 @@ def _ints(text):
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _schemes(text):
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in ("none",) + QUANTIZED]
+    if bad:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"unknown scheme(s) {', '.join(bad)}; valid: none, {', '.join(QUANTIZED)}")
+    return [x for x in names if x != "none"]
+
+
 def add_parser(sub):
-    p = sub.add_parser("quality", help="speed vs quality sweep (class accuracy, Fréchet distance against ar)",
+    p = sub.add_parser("quality", help="speed vs quality sweep over quantization schemes and decoding methods "
+                                       "(class accuracy, Fréchet distance and greedy agreement against fp32 ar)",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("engine", help="engine directory with a drafter, neighbour table and VQ decoder")
     p.add_argument("--classifier", help="classifier .safetensors (default: the demo model's)")
-    p.add_argument("--per-class", type=int, default=20, help="images per class and method (default 20)")
+    p.add_argument("--schemes", type=_schemes, default=list(QUANTIZED),
+                   help="quantized copies of the engine to compare with it (default int8,int4; 'none': the engine "
+                        "alone)")
+    p.add_argument("--per-class", type=int, default=6, help="images per class and row (default 6)")
     p.add_argument("--lams", type=_floats, default=[5.0],
                    help="lantern++ λ values (default 5, the demo's; a wider sweep: 1,1.5,2,3,5)")
     p.add_argument("--ks", type=_ints, default=[20], help="lantern++ / lantern neighbour counts k (default 20)")
@@ -117,19 +144,49 @@ def run(args):
     return 0
 
 
-def sweep(args, out_dir):
-    """Run every method, judge the images, write the report files into out_dir; returns the summary."""
-    import torch
-
+def _engines(args, work):
+    """{scheme label: Engine}: the engine as given first (the reference), then its quantized copies."""
     from lantern.runtime.generator import Engine
-    from lantern.runtime.png import image_grid, write_png
-    from lantern.tools.train_classifier import load_classifier
+    from lantern.runtime.manifest import quantization_scheme
 
-    engine = Engine(args.engine, threads=args.threads)
-    m = engine.manifest
+    reference = Engine(args.engine, threads=args.threads)
+    m = reference.manifest
     if m.condition.kind != "class" or "vq_decoder" not in m.graphs or "lantern++" not in m.modes:
         raise LanternError(f"{args.engine}: the quality harness needs a class-conditional engine with a drafter "
                            f"and a VQ decoder")
+    label = quantization_scheme(m)
+    label = m.dtype if label == "none" else label
+    if args.schemes and label != "fp32":
+        raise LanternError(f"{args.engine} is {label}; the scheme comparison quantizes an fp32 engine (give the fp32 "
+                           f"engine, or --schemes none to judge this one alone)")
+    engines = {label: reference}
+    if args.schemes:
+        from lantern.export.quantize import QuantizeOptions, quantize_engine
+
+        for scheme in args.schemes:
+            out = os.path.join(work, scheme)
+            quantize_engine(args.engine, out, QuantizeOptions(scheme))
+            engines[scheme] = Engine(out, threads=args.threads)
+    return engines
+
+
+def sweep(args, out_dir):
+    """Run every scheme x method, judge the images, write the report files into out_dir; returns
+    the summary."""
+    with tempfile.TemporaryDirectory(prefix="lantern-quality-") as work:
+        return _sweep(args, out_dir, work)
+
+
+def _sweep(args, out_dir, work):
+    import torch
+
+    from lantern.export.quantize import greedy_agreement
+    from lantern.runtime.png import image_grid, write_png
+    from lantern.tools.train_classifier import load_classifier
+
+    engines = _engines(args, work)
+    reference_scheme, reference = next(iter(engines.items()))
+    m = reference.manifest
     from lantern.export import demo
 
     path = args.classifier or os.path.join(demo.DEMO_DIR, "classifier.safetensors")
@@ -137,12 +194,16 @@ def sweep(args, out_dir):
     n_classes = m.condition.num_classes
     classes = np.repeat(np.arange(n_classes), args.per_class)
     batches = [slice(i, i + args.batch) for i in range(0, len(classes), args.batch)]
+    greedy_classes = np.arange(n_classes)  # one greedy image per class and row
     torch.set_num_threads(args.threads)
-    plan = methods(args.lams, args.ks, args.deltas)
+    # Every scheme drafts with the engine's exported tree (not a tree `lantern-run tune` chose for
+    # one engine's latency), so rows differ only in the scheme and the method.
+    plan = [(name, kw if kw["mode"] == "ar" else dict(kw, tree=reference.tree))
+            for name, kw in methods(args.lams, args.ks, args.deltas)]
     common = dict(cfg_scale=args.cfg, temperature=args.temperature, top_k=args.top_k)
 
-    def generate(kw, role):
-        """All images of one method, batch by batch: tokens, engine seconds, per-image stats."""
+    def generate(engine, kw, role):
+        """All images of one row, batch by batch: tokens, engine seconds, per-image stats."""
         tokens, seconds, accepted, steps = [], 0.0, 0.0, 0.0
         for i, b in enumerate(batches):
             t = time.perf_counter()
@@ -155,65 +216,97 @@ def sweep(args, out_dir):
         n = len(classes)
         return np.concatenate(tokens), seconds, {"mean_accepted_length": accepted / n, "steps_per_image": steps / n}
 
+    def greedy(engine, kw):
+        r = engine.generate(classes=greedy_classes.tolist(), greedy=True, cfg_scale=args.cfg, **kw)
+        bar.update(len(greedy_classes))
+        return r.tokens
+
     def judge(tokens):
-        images = engine.decode(tokens)
+        images = reference.decode(tokens)
         x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
         with torch.no_grad():
             logits, feats = classifier(x), classifier.features(x)
         return images, (logits.argmax(-1).numpy() == classes).mean(), feats.numpy().astype(np.float64)
 
-    # Size and expected time: one batch of ar and one of exact, scaled to the sweep.
-    engine.generate(mode="exact", classes=classes[:2].tolist(), **common)  # warm up the sessions
+    # Size and expected time: one batch of ar and one of exact on the reference, scaled to the
+    # sweep (a quantized engine costs about what the reference does on a CPU: 0.9-1.3x measured).
+    reference.generate(mode="exact", classes=classes[:2].tolist(), tree=reference.tree, **common)  # warm up
     probe = classes[batches[0]].tolist()
     cost = {}
     for mode in ("ar", "exact"):
         t = time.perf_counter()
-        r = engine.generate(classes=probe, mode=mode, seed=args.seed, **common)
+        r = reference.generate(classes=probe, mode=mode, seed=args.seed, tree=None if mode == "ar" else reference.tree,
+                               **common)
         decoded = time.perf_counter()
-        engine.decode(r.tokens)
-        scale = len(classes) / len(probe)
-        cost[mode] = {"generate": (decoded - t) * scale, "decode": (time.perf_counter() - decoded) * scale}
-    expected = sum(cost["ar" if kw["mode"] == "ar" else "exact"]["generate"] + cost["ar"]["decode"]
-                   for _, kw in plan) + cost["ar"]["generate"] + cost["ar"]["decode"]
-    total_images = len(classes) * (len(plan) + 1)
-    print(f"quality: {len(plan)} methods ({', '.join(name for name, _ in plan)}) x {len(classes)} images "
-          f"({args.per_class} per class x {n_classes} classes) + ar's noise floor = {total_images} images in "
+        reference.decode(r.tokens)
+        per_image = (decoded - t) / len(probe)
+        cost[mode] = {"generate": per_image, "decode": (time.perf_counter() - decoded) / len(probe)}
+    per_row = sum(cost["ar" if kw["mode"] == "ar" else "exact"]["generate"] for _, kw in plan)
+    expected = len(engines) * (per_row * (len(classes) + len(greedy_classes)) + len(plan) * len(classes)
+                               * cost["ar"]["decode"]) + len(classes) * sum(cost["ar"].values())
+    total_images = (len(classes) + len(greedy_classes)) * len(plan) * len(engines) + len(classes) + len(greedy_classes)
+    print(f"quality: {len(engines)} scheme{'s' if len(engines) > 1 else ''} ({', '.join(engines)}) x {len(plan)} methods "
+          f"({', '.join(name for name, _ in plan)}) x {len(classes)} sampled images ({args.per_class} per class x "
+          f"{n_classes} classes) + {len(greedy_classes)} greedy ones + ar's noise floor = {total_images} images in "
           f"batches of {args.batch}; expect about {_duration(expected)} (measured on one batch of ar and of exact)",
           flush=True)
 
     bar = _progress(total_images, not args.no_progress)
     start = time.perf_counter()
-    rows, reference = [], None
-    for name, kw in plan:
-        bar.set_description(name)
-        tokens, seconds, stats = generate(kw, 0)
-        images, accuracy, feats = judge(tokens)
-        if name == "ar":
-            reference = (feats, seconds)
-            floor, _, _ = generate(kw, 1)
-            feats = judge(floor)[2]  # the ar row: ar against ar with other seeds
-        rows.append({"method": name, **kw, "accuracy": float(accuracy),
-                     "frechet_vs_ar": frechet_distance(project(reference[0], reference[0], args.feature_dims),
-                                                       project(feats, reference[0], args.feature_dims)),
-                     "mean_accepted_length": stats["mean_accepted_length"],
-                     "steps_per_image": stats["steps_per_image"], "seconds": seconds,
-                     "speedup": reference[1] / seconds})
-        write_png(os.path.join(out_dir, _file(name) + ".png"),
-                  image_grid(images[:: args.per_class // 2 or 1], ncols=n_classes))
-        r = rows[-1]
-        bar.write(f"{name:28s} accuracy {r['accuracy']:.3f}  frechet {r['frechet_vs_ar']:8.3f}  "
-                  f"accepted {r['mean_accepted_length']:.2f}  speedup {r['speedup']:.2f}x")
+    rows, reference_feats, reference_seconds = [], None, None
+    bar.set_description(f"{reference_scheme} greedy ar")
+    forced, greedy_ar = greedy_agreement(reference, engines, greedy_classes.tolist(), args.cfg)
+    bar.update(len(greedy_classes))
+    for scheme, engine in engines.items():
+        for name, kw in plan:
+            bar.set_description(f"{scheme} {name}")
+            tokens, seconds, stats = generate(engine, kw, 0)
+            images, accuracy, feats = judge(tokens)
+            if reference_feats is None:  # the reference ar: its own features, its noise floor
+                reference_feats, reference_seconds = feats, seconds
+                floor, _, _ = generate(engine, kw, 1)
+                feats = judge(floor)[2]  # the reference row: ar against ar with other seeds
+            agreement = float((greedy(engine, kw) == greedy_ar).mean())
+            rows.append({"scheme": scheme, "method": name, **{k: v for k, v in kw.items() if k != "tree"},
+                         "tree": None if kw["mode"] == "ar" else kw["tree"].name, "accuracy": float(accuracy),
+                         "frechet_vs_ar": frechet_distance(project(reference_feats, reference_feats, args.feature_dims),
+                                                           project(feats, reference_feats, args.feature_dims)),
+                         "greedy_agreement": agreement, "teacher_forced_agreement": forced[scheme],
+                         "mean_accepted_length": stats["mean_accepted_length"],
+                         "steps_per_image": stats["steps_per_image"], "seconds": seconds,
+                         "speedup": reference_seconds / seconds})
+            write_png(os.path.join(out_dir, _file(f"{scheme} {name}") + ".png"),
+                      image_grid(images[:: args.per_class // 2 or 1], ncols=n_classes))
+            r = rows[-1]
+            bar.write(f"{scheme:5s} {name:24s} accuracy {r['accuracy']:.3f}  frechet {r['frechet_vs_ar']:8.3f}  "
+                      f"greedy agreement {r['greedy_agreement']:.3f}  accepted {r['mean_accepted_length']:.2f}  "
+                      f"speedup {r['speedup']:.2f}x")
     bar.close()
-    summary = {"engine": os.path.abspath(args.engine), "classifier": path, "images_per_method": len(classes),
+    summary = {"engine": os.path.abspath(args.engine), "classifier": path, "images_per_row": len(classes),
+               "greedy_images_per_row": len(greedy_classes), "reference": f"{reference_scheme} ar",
+               "schemes": {scheme: _scheme_record(e) for scheme, e in engines.items()},
                "settings": {k: v for k, v in vars(args).items() if k != "func"},
-               "frechet_noise_floor": "the 'ar' row: ar (seed) against ar (other seeds)",
-               "frechet_space": f"classifier features on the top {args.feature_dims} principal directions of ar's",
+               "frechet_noise_floor": f"the {reference_scheme} ar row: ar (seed) against ar (other seeds)",
+               "frechet_space": f"classifier features on the top {args.feature_dims} principal directions of the "
+                                f"reference ar's",
+               "greedy_agreement": f"free-running greedy tokens equal to {reference_scheme} greedy ar's, position by "
+                                   f"position; teacher-forced: the scheme's greedy target token on the reference's "
+                                   f"own greedy ar inputs",
                "expected_seconds": expected, "seconds": time.perf_counter() - start, "results": rows}
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(summary, f, indent=2)
     _plot(out_dir, rows)
     _markdown(out_dir, summary)
     return summary
+
+
+def _scheme_record(engine):
+    """How a row's engine was made: its dtype and its graphs' quantization records."""
+    import dataclasses
+
+    m = engine.manifest
+    return {"dtype": m.dtype, "quantization": {name: dataclasses.asdict(g.quantization) for name, g in m.graphs.items()
+                                               if g.quantization is not None}}
 
 
 def _duration(seconds):
@@ -252,30 +345,43 @@ def _plot(out_dir, rows):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, label in ((axes[0], "accuracy", "class accuracy"), (axes[1], "frechet_vs_ar", "Fréchet distance to ar")):
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    markers = {}
+    for ax, key, label in ((axes[0], "accuracy", "class accuracy"),
+                           (axes[1], "frechet_vs_ar", "Fréchet distance to the reference ar"),
+                           (axes[2], "greedy_agreement", "greedy token agreement with the reference ar")):
         for r in rows:
             family = r["method"].split(" ")[0]
             color = {"ar": "black", "exact": "tab:green", "lantern++": "tab:orange", "lantern": "tab:blue"}[family]
-            ax.scatter(r["mean_accepted_length"], r[key], color=color)
-            ax.annotate(r["method"].replace("lantern++ ", "").replace("lantern ", ""), (r["mean_accepted_length"], r[key]),
-                        fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("mean accepted length (tokens per target step)")
+            marker = markers.setdefault(r["scheme"], "os^Dv"[len(markers) % 5])
+            ax.scatter(r["speedup"], r[key], color=color, marker=marker)
+            short = r["method"].replace("lantern++ ", "").replace("lantern ", "")
+            ax.annotate(f"{r['scheme']} {short}", (r["speedup"], r[key]), fontsize=7, xytext=(3, 3),
+                        textcoords="offset points")
+        ax.set_xlabel("speedup over the reference ar (wall time, this machine)")
         ax.set_ylabel(label)
     axes[0].set_title("speed vs class consistency")
     axes[1].set_title("speed vs distribution shift (lower is better)")
+    axes[2].set_title("speed vs greedy fidelity")
+    handles = [plt.Line2D([], [], color="gray", marker=m, linestyle="", label=s) for s, m in markers.items()]
+    axes[0].legend(handles=handles, fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "speed_vs_quality.png"), dpi=100)
     plt.close(fig)
 
 
 def _markdown(out_dir, summary):
-    lines = ["# lantern quality report", "", f"Engine `{summary['engine']}`, {summary['images_per_method']} images per "
-             f"method; Fréchet distance in the classifier's feature space against `ar` (the `ar` row: `ar` against "
-             f"`ar` with another seed, the noise floor).", "",
-             "| method | accuracy | Fréchet vs ar | mean accepted length | steps/image | speedup |", "|---|---|---|---|---|---|"]
+    lines = ["# lantern quality report", "",
+             f"Engine `{summary['engine']}`, schemes {', '.join(summary['schemes'])}; {summary['images_per_row']} "
+             f"sampled images per row. Reference: `{summary['reference']}`. Fréchet distance in the classifier's "
+             f"feature space against the reference's samples (the reference row: `ar` against `ar` with another "
+             f"seed, the noise floor). Greedy agreement: {summary['greedy_images_per_row']} greedy images per row, "
+             f"{summary['greedy_agreement']}.", "",
+             "| scheme | method | accuracy | Fréchet vs ref ar | greedy agreement | teacher-forced | mean accepted "
+             "length | steps/image | speedup |", "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["results"]:
-        lines.append(f"| {r['method']} | {r['accuracy']:.3f} | {r['frechet_vs_ar']:.3f} | "
+        lines.append(f"| {r['scheme']} | {r['method']} | {r['accuracy']:.3f} | {r['frechet_vs_ar']:.3f} | "
+                     f"{r['greedy_agreement']:.3f} | {r['teacher_forced_agreement']:.3f} | "
                      f"{r['mean_accepted_length']:.2f} | {r['steps_per_image']:.1f} | {r['speedup']:.2f}x |")
     lines += ["", "![speed vs quality](speed_vs_quality.png)", ""]
     with open(os.path.join(out_dir, "report.md"), "w") as f:
