@@ -525,13 +525,13 @@ def _check_consistency(m, r):
     modes, a neighbour table for relaxed ones; every graph's file listed."""
     if "target" not in m.graphs:
         r.fail("graphs", "has no target graph")
+    _check_static_cache(m, r)
     wants = "target_ids" if m.condition.kind == "prompt" else "target"
     if m.static_cache is not None:
         wants = IN_PLACE_CONTRACTS[wants]
     if m.graphs["target"].contract != wants:
         r.fail("graphs.target.contract", f"is {m.graphs['target'].contract!r}; a {m.condition.kind} engine "
                                          f"{'with' if m.static_cache else 'without'} a static cache has {wants!r}")
-    _check_static_cache(m, r)
     if m.condition.tokenizer is not None and m.condition.tokenizer not in m.files:
         r.fail("condition.tokenizer", f"names {m.condition.tokenizer}, which `files` does not list")
     if m.vocabulary.size != m.graphs["target"].outputs["logits"].shape[-1]:
@@ -595,6 +595,8 @@ def _check_static_cache(m, r):
                                                             f"cache gives it {want}")
     if "drafter" in m.graphs and "commit" not in m.graphs:
         r.fail("graphs", "has no commit graph (an in-place engine with a drafter commits accepted paths with it)")
+    if "commit" in m.graphs and m.graphs["commit"].layers != m.target.layers:
+        r.fail("graphs.commit", f"moves {m.graphs['commit'].layers} layers' caches; the target has {m.target.layers}")
     if m.tree is not None:
         from lantern.runtime.tree import build_tree
 
