@@ -106,9 +106,7 @@ class AttentionStep(nn.Module):
     slots this step writes). Outputs: out [B, H, T, hd], the updated cache_k, cache_v."""
 
     def forward(self, q, k, v, cache_k, cache_v, write_index, mask):
-        cache_k = cache_update(cache_k, k, write_index)
-        cache_v = cache_update(cache_v, v, write_index)
-        return attention(q, cache_k, cache_v, mask), cache_k, cache_v
+        return IN_PLACE.layer(q, k, v, cache_k, cache_v, mask, write_index)
 
 
 class PlainAttentionStep(nn.Module):

@@ -176,7 +176,6 @@ def test_fused_fp16_graphs_match_the_plain_form(fused_fp16):
     for graph in ("target", "drafter"):
         contract, module = plain[graph]
         io = graph_io(contract, m.graphs[graph].layers)
-        slots = m.graphs[graph].inputs["past_keys_0"].shape[2]
         for case, static in check_cases(graph, m, np.random.default_rng(1)):  # in the static layout
             feeds, P, T = _plain_feeds(static)
             got = engine.backend.run(Call(graph, case, {k: v.copy() for k, v in static.items()}))
