@@ -231,30 +231,6 @@ class QKNorm(nn.Module):
         return F.layer_norm(x, x.shape[-1:], eps=QK_NORM_EPS) * self.weight + self.bias
 
 
-class Attention(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
-        self.q_norm = QKNorm(self.heads, self.head_dim)
-        self.k_norm = QKNorm(self.kv_heads, self.head_dim)
-
-    def forward(self, x, cos, sin, mask, past_k, past_v, write_index, kv):
-        """x [B, T, D]; past_k/v [B, Hkv, P, hd]; mask bool (True = attend) as the cache form kv
-        wants it. Returns the output and the form's K/V (new entries or updated caches)."""
-        B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin).transpose(1, 2)
-        k = apply_rope(k, cos, sin).transpose(1, 2)
-        out, k, v = kv.layer(q, k, v, past_k, past_v, mask, write_index)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
-
-
 def _attend(q, past_k, past_v, k, v, mask):
     """Softmax attention over [cache, new] without concatenating them (a concatenation copies the
     whole cache every step in the exported graph): scores per part, joined ([T, P + T] only).
@@ -271,7 +247,32 @@ def _attend(q, past_k, past_v, k, v, mask):
     return out.reshape(B, H, T, hd)
 
 
+# The plain cache form (lantern.export.fused_forms): the default of every layer and model here.
 PLAIN = fused_forms.PlainCache(_attend)
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
+        self.q_norm = QKNorm(self.heads, self.head_dim)
+        self.k_norm = QKNorm(self.kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, mask, past_k, past_v, write_index=None, kv=PLAIN):
+        """x [B, T, D]; past_k/v [B, Hkv, P, hd]; mask bool (True = attend) as the cache form kv
+        wants it. Returns the output and the form's K/V (new entries or updated caches)."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin).transpose(1, 2)
+        k = apply_rope(k, cos, sin).transpose(1, 2)
+        out, k, v = kv.layer(q, k, v, past_k, past_v, mask, write_index)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
 
 class MLP(nn.Module):
@@ -295,7 +296,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, past_k, past_v, write_index, kv):
+    def forward(self, x, cos, sin, mask, past_k, past_v, write_index=None, kv=PLAIN):
         attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v, write_index, kv)
         h = x + attn
         return h + self.mlp(self.post_attention_layernorm(h)), k, v
@@ -305,7 +306,7 @@ class SwinDecoderLayer(DecoderLayer):
     """swin_norm (Chameleon-30B/34B): the norms move to the sublayer outputs,
     h = x + norm(attn(x)); out = h + norm(mlp(h)) (ChameleonSwinDecoderLayer). Same parameters."""
 
-    def forward(self, x, cos, sin, mask, past_k, past_v, write_index, kv):
+    def forward(self, x, cos, sin, mask, past_k, past_v, write_index=None, kv=PLAIN):
         attn, k, v = self.self_attn(x, cos, sin, mask, past_k, past_v, write_index, kv)
         h = x + self.input_layernorm(attn)
         return h + self.post_attention_layernorm(self.mlp(h)), k, v

@@ -239,26 +239,6 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-class Attention(nn.Module):
-    def __init__(self, args):
-        super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.kv_heads, args.head_dim
-        self.wqkv = nn.Linear(args.dim, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.dim, args.dim, bias=False)
-
-    def forward(self, x, rope, mask, past_k, past_v, write_index, kv):
-        """x [B, T, D]; past_k/v [B, Hkv, P, hd]; mask bool (True = attend) as the cache form kv
-        wants it. Returns the output and the form's K/V (new entries or updated caches)."""
-        B, T, _ = x.shape
-        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
-        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        out, k, v = kv.layer(q, k, v, past_k, past_v, mask, write_index)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1)), k, v
-
-
 def _attend(q, past_k, past_v, k, v, mask):
     """Softmax attention over [cache, new] without concatenating them: concatenation would copy
     the whole cache every step in the exported graph. Scores are computed per part and joined
@@ -274,7 +254,28 @@ def _attend(q, past_k, past_v, k, v, mask):
     return out.reshape(B, H, T, hd)
 
 
+# The plain cache form (lantern.export.fused_forms): the default of every layer and model here.
 PLAIN = PlainCache(_attend)
+
+
+class Attention(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.kv_heads, args.head_dim
+        self.wqkv = nn.Linear(args.dim, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x, rope, mask, past_k, past_v, write_index=None, kv=PLAIN):
+        """x [B, T, D]; past_k/v [B, Hkv, P, hd]; mask bool (True = attend) as the cache form kv
+        wants it. Returns the output and the form's K/V (new entries or updated caches)."""
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        out, k, v = kv.layer(q, k, v, past_k, past_v, mask, write_index)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
 
 class FeedForward(nn.Module):
@@ -297,7 +298,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, rope, mask, past_k, past_v, write_index, kv):
+    def forward(self, x, rope, mask, past_k, past_v, write_index=None, kv=PLAIN):
         attn, k, v = self.attention(self.attention_norm(x), rope, mask, past_k, past_v, write_index, kv)
         h = x + attn
         return h + self.feed_forward(self.ffn_norm(h)), k, v

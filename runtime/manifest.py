@@ -447,6 +447,11 @@ def _graph(r, name):
     expected = graph_io(contract, max(g.layers, 1))
     if set(g.inputs) != set(expected["inputs"]) or set(g.outputs) != set(expected["outputs"]):
         r.fail("inputs", f"do not follow the {contract!r} contract of this lantern version")
+    for kind in ("inputs", "outputs"):  # buffers are sized from these shapes: ranks must be the contract's
+        for name, spec in getattr(g, kind).items():
+            if len(spec.shape) != len(expected[kind][name][1]):
+                r.fail(f"{kind}.{name}", f"has rank {len(spec.shape)}; the {contract!r} contract's is "
+                                         f"{len(expected[kind][name][1])}")
     # in the contract's order, whatever order the file kept
     return dataclasses.replace(g, inputs={k: g.inputs[k] for k in expected["inputs"]},
                                outputs={k: g.outputs[k] for k in expected["outputs"]})
