@@ -6,8 +6,10 @@ jadohu/LANTERN's copies (`models/kv_variants/modeling_anole_kv.py`, `modeling_lu
 `models/drafters/cnets_anole.py`, `cnets_lumina_mgpt.py`): parameter names are the Hugging Face
 ones without the `model.` prefix, so a checkpoint's keys map one to one. Like export/llamagen.py,
 nothing here keeps state: every call takes explicit position ids, an explicit boolean attention
-mask [B, 1, T, P + T] (any tree mask), one cache input per layer, and returns the new tokens' K/V
-only. Unlike LlamaGen, the target embeds its own token ids (Chameleon prompts are token ids).
+mask (any tree mask) and one cache input per layer, and the cache form it is handed decides how a
+layer meets its cache (lantern.export.fused_forms: plain, mask [B, 1, T, P + T] and the new
+tokens' K/V returned; or in place, a static cache written at write_index, mask [B, 1, T, S]).
+Unlike LlamaGen, the target embeds its own token ids (Chameleon prompts are token ids).
 
 What must be exactly right (REFERENCE.md §5.1):
   - pre-norm LLaMA block (or the `swin_norm` order), RMSNorm in fp32, SiLU-gated MLP, no biases;
@@ -28,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lantern.export import fused_forms
 from lantern.runtime.errors import LanternError
 
 # ---------------------------------------------------------------------------------------------
@@ -228,29 +231,6 @@ class QKNorm(nn.Module):
         return F.layer_norm(x, x.shape[-1:], eps=QK_NORM_EPS) * self.weight + self.bias
 
 
-class Attention(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
-        self.q_norm = QKNorm(self.heads, self.head_dim)
-        self.k_norm = QKNorm(self.kv_heads, self.head_dim)
-
-    def forward(self, x, cos, sin, mask, past_k, past_v):
-        """x [B, T, D]; past_k/v [B, Hkv, P, hd]; mask [B, 1, T, P + T] bool (True = attend)."""
-        B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin).transpose(1, 2)
-        k = apply_rope(k, cos, sin).transpose(1, 2)
-        out = _attend(q, past_k, past_v, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
-
-
 def _attend(q, past_k, past_v, k, v, mask):
     """Softmax attention over [cache, new] without concatenating them (a concatenation copies the
     whole cache every step in the exported graph): scores per part, joined ([T, P + T] only).
@@ -265,6 +245,34 @@ def _attend(q, past_k, past_v, k, v, mask):
     probs = torch.softmax(scores, dim=-1).to(q.dtype).reshape(B, Hkv, (H // Hkv) * T, P + T)
     out = probs[..., :P] @ past_v + probs[..., P:] @ v
     return out.reshape(B, H, T, hd)
+
+
+# The plain cache form (lantern.export.fused_forms): the default of every layer and model here.
+PLAIN = fused_forms.PlainCache(_attend)
+
+
+class Attention(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
+        self.q_norm = QKNorm(self.heads, self.head_dim)
+        self.k_norm = QKNorm(self.kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, mask, past_k, past_v, write_index=None, kv=PLAIN):
+        """x [B, T, D]; past_k/v [B, Hkv, P, hd]; mask bool (True = attend) as the cache form kv
+        wants it. Returns the output and the form's K/V (new entries or updated caches)."""
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin).transpose(1, 2)
+        k = apply_rope(k, cos, sin).transpose(1, 2)
+        out, k, v = kv.layer(q, k, v, past_k, past_v, mask, write_index)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
 
 class MLP(nn.Module):
@@ -288,8 +296,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, past_k, past_v):
-        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
+    def forward(self, x, cos, sin, mask, past_k, past_v, write_index=None, kv=PLAIN):
+        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v, write_index, kv)
         h = x + attn
         return h + self.mlp(self.post_attention_layernorm(h)), k, v
 
@@ -298,19 +306,20 @@ class SwinDecoderLayer(DecoderLayer):
     """swin_norm (Chameleon-30B/34B): the norms move to the sublayer outputs,
     h = x + norm(attn(x)); out = h + norm(mlp(h)) (ChameleonSwinDecoderLayer). Same parameters."""
 
-    def forward(self, x, cos, sin, mask, past_k, past_v):
-        attn, k, v = self.self_attn(x, cos, sin, mask, past_k, past_v)
+    def forward(self, x, cos, sin, mask, past_k, past_v, write_index=None, kv=PLAIN):
+        attn, k, v = self.self_attn(x, cos, sin, mask, past_k, past_v, write_index, kv)
         h = x + self.input_layernorm(attn)
         return h + self.post_attention_layernorm(self.mlp(h)), k, v
 
 
-def _run_layers(layers, x, cos, sin, mask, past_keys, past_values):
-    new_k, new_v = [], []
+def _run_layers(layers, x, cos, sin, mask, past_keys, past_values, write_index, kv):
+    """x through every layer; returns x and the cache form's outputs (kv.outputs)."""
+    keys, values = [], []
     for layer, past_k, past_v in zip(layers, past_keys, past_values):
-        x, k, v = layer(x, cos, sin, mask, past_k, past_v)
-        new_k.append(k)
-        new_v.append(v)
-    return x, torch.stack(new_k), torch.stack(new_v)
+        x, k, v = layer(x, cos, sin, mask, past_k, past_v, write_index, kv)
+        keys.append(k)
+        values.append(v)
+    return (x, *kv.outputs(keys, values))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,16 +340,18 @@ class ChameleonTarget(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
-    def forward(self, input_ids, position_ids, attention_mask, past_keys, past_values):
+    def forward(self, input_ids, position_ids, attention_mask, past_keys, past_values, write_index=None, kv=PLAIN):
         """input_ids, position_ids [B, T] int64; attention_mask [B, 1, T, P + T] bool;
         past_keys/values: one [B, Hkv, P, hd] tensor per layer.
         Returns logits [B, T, V] (fp32), hidden [B, T, D] after the final norm, and the new
-        tokens' keys and values [L, B, Hkv, T, hd] (RoPE applied, as cached)."""
+        tokens' keys and values [L, B, Hkv, T, hd] (RoPE applied, as cached). With
+        kv = fused_forms.IN_PLACE: mask [B, 1, T, S] over static caches [B, Hkv, S, hd],
+        write_index [B], and the updated caches come back instead (keys of every layer, then values)."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-        x, new_k, new_v = _run_layers(self.layers, x, cos, sin, attention_mask, past_keys, past_values)
+        x, *caches = _run_layers(self.layers, x, cos, sin, attention_mask, past_keys, past_values, write_index, kv)
         hidden = self.norm(x)
-        return self.lm_head(hidden).float(), hidden, new_k, new_v
+        return (self.lm_head(hidden).float(), hidden, *caches)
 
     def empty_cache(self, batch, capacity=0, dtype=None):
         """Per-layer lists of zero caches [B, Hkv, capacity, hd]."""
@@ -382,15 +393,16 @@ class ChameleonDrafter(nn.Module):
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=c.fc_bias)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
 
-    def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys, past_values):
+    def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys, past_values,
+                write_index=None, kv=PLAIN):
         """target_hidden [B, T, D]: the target's final-norm hidden state h_t; input_ids [B, T]:
         the next token x_{t+1} (embedding first in the concatenation, as LANTERN's Model.forward);
         position_ids: x_{t+1}'s positions; mask and caches as the target's with L = num_hidden_layers.
         Returns the drafter's hidden states [B, T, D] (for the next depth, and through the target's
-        lm_head for logits) and the new K/V [L, B, Hkv, T, hd]."""
+        lm_head for logits) and the new K/V [L, B, Hkv, T, hd] (in place: the updated caches)."""
         x = self.fc(torch.cat([self.embed_tokens(input_ids).to(target_hidden.dtype), target_hidden], dim=-1))
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-        return _run_layers(self.layers, x, cos, sin, attention_mask, past_keys, past_values)
+        return _run_layers(self.layers, x, cos, sin, attention_mask, past_keys, past_values, write_index, kv)
 
     def empty_cache(self, batch, capacity=0, dtype=None):
         c = self.config
@@ -414,15 +426,17 @@ def check_drafter_fits(drafter_config, target_config, source="drafter"):
 
 class TargetGraph(nn.Module):
     """input_ids, position_ids, attention_mask, past_keys_0.., past_values_0.. ->
-    logits, hidden, new_keys, new_values. No cond_embeds: Chameleon prompts are token ids."""
+    logits, hidden, new_keys, new_values (in place: ..., write_index -> logits, hidden,
+    present_keys_0.., present_values_0..). No cond_embeds: Chameleon prompts are token ids."""
 
-    def __init__(self, target):
+    def __init__(self, target, kv=PLAIN):
         super().__init__()
         self.target = target
+        self.kv = kv
 
-    def forward(self, input_ids, position_ids, attention_mask, *caches):
-        layers = len(caches) // 2
-        return self.target(input_ids, position_ids, attention_mask, caches[:layers], caches[layers:])
+    def forward(self, input_ids, position_ids, attention_mask, *cache_inputs):
+        write_index, keys, values = self.kv.split(cache_inputs)
+        return self.target(input_ids, position_ids, attention_mask, keys, values, write_index, self.kv)
 
 
 class DrafterGraph(nn.Module):
@@ -438,7 +452,7 @@ class DrafterGraph(nn.Module):
     keep the top_k best by rank (0 = off), keep the nucleus (a token stays while the mass before
     it is <= top_p), renormalise over the K candidates."""
 
-    def __init__(self, drafter, target, candidates):
+    def __init__(self, drafter, target, candidates, kv=PLAIN):
         super().__init__()
         c = target.config
         if drafter.config.num_hidden_layers != 1:
@@ -452,11 +466,13 @@ class DrafterGraph(nn.Module):
                                        requires_grad=False)
         self.first_image_id = c.image_token_start
         self.candidates = candidates
+        self.kv = kv
 
     def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys_0, past_values_0,
-                cfg_pair, cfg_scale, temperature, top_k, top_p):
+                cfg_pair, cfg_scale, temperature, top_k, top_p, write_index=None):
+        """write_index: the in-place form's last input (absent in the plain form)."""
         hidden, new_k, new_v = self.drafter(target_hidden, input_ids, position_ids, attention_mask,
-                                            [past_keys_0], [past_values_0])
+                                            [past_keys_0], [past_values_0], write_index, self.kv)
         logits = F.linear(hidden, self.image_head).float()
         partner = logits[cfg_pair]
         combined = partner + cfg_scale * (logits - partner)
@@ -477,11 +493,16 @@ def _filtered_probs(values, temperature, top_k, top_p):
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def graph_modules(target, drafter=None, vq=None, candidates=None):
-    """{graph name: (contract name, module)} of a Chameleon engine (no embed or condition graph)."""
-    graphs = {"target": ("target", TargetGraph(target))}
+def graph_modules(target, drafter=None, vq=None, candidates=None, attention="plain"):
+    """{graph name: (contract name, module)} of a Chameleon engine (no embed or condition graph);
+    attention: the cache form of the target and drafter graphs ('plain' or 'fused')."""
+    kv, suffix = (PLAIN, "") if attention == "plain" else (fused_forms.IN_PLACE, "_inplace")
+    graphs = {"target": ("target_ids" + suffix, TargetGraph(target, kv))}
     if drafter is not None:
-        graphs["drafter"] = ("drafter", DrafterGraph(drafter, target, candidates or min(2048, target.config.num_image_tokens)))
+        graphs["drafter"] = ("drafter" + suffix, DrafterGraph(drafter, target, candidates or
+                                                              min(2048, target.config.num_image_tokens), kv))
+        if attention == "fused":
+            graphs["commit"] = ("commit", fused_forms.CommitGraph())
     if vq is not None:
         from lantern.export.chameleon_vq import VQDecoderGraph
 

@@ -10,7 +10,10 @@ Cases per graph (seeded random inputs), in the shapes the decoding loop's step p
   tree     the manifest's draft tree (mc_sim_7b_63 for an `ar` engine) over a filled cache:
            mask = valid cache slots + tree mask, positions = past + depth
   draft0   the drafter's fixed-width first call: real pairs then padding that sees only itself
-plus two batch sizes for the condition graph and two code grids for the VQ decoder. With CFG
+plus two batch sizes for the condition graph and two code grids for the VQ decoder. In-place
+engines (--attention fused) get the same cases in their static layout: the caches' S slots, the
+new tokens written at write_index = the valid slots, the mask's block at those slots; their
+updated caches are outputs like any other, and the commit graph gets random moves. With CFG
 rows the drafter combines [cond; uncond] partners; its filters are exercised in one case.
 A backend that serves fixed shapes only (tensorrt: the optimization profiles its plans were
 built with) says which through `call_shapes(graph)`; the cases are then one per profile, in
@@ -53,7 +56,7 @@ import tempfile
 import numpy as np
 
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import cache_feeds, read_manifest
+from lantern.runtime.manifest import GRAPHS, cache_feeds, read_manifest
 from lantern.runtime.plan import Call
 from lantern.runtime.tree import build_tree
 
@@ -69,12 +72,15 @@ _NUMPY_FLOAT = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}  # b
 # Cases
 
 
-def _mask(batch, capacity, valid, block):
-    """[B, 1, T, capacity + T]: the first `valid` cache slots visible, then block [T, T] (or [B, T, T])."""
+def _mask(batch, capacity, valid, block, in_place=False):
+    """[B, 1, T, capacity + T]: the first `valid` cache slots visible, then block [T, T] (or
+    [B, T, T]). in_place: [B, 1, T, capacity], the block at the slots the new tokens are written
+    to (valid .. valid + T - 1)."""
     t = block.shape[-1]
-    mask = np.zeros((batch, 1, t, capacity + t), dtype=bool)
+    mask = np.zeros((batch, 1, t, capacity if in_place else capacity + t), dtype=bool)
     mask[:, 0, :, :valid] = True
-    mask[:, 0, :, capacity:] = block
+    start = valid if in_place else capacity
+    mask[:, 0, :, start:start + t] = block
     return mask
 
 
@@ -130,10 +136,15 @@ def check_cases(graph, manifest, rng, shapes=None):
                 ("2x2x3", {"codes": rng.integers(0, codes, (2, 2, 3))})]
 
     layers = entry.layers
-    _, heads, _, head_dim = entry.inputs["past_keys_0"].shape
+    _, heads, slots, head_dim = entry.inputs["past_keys_0"].shape
+    in_place = "aliases" in GRAPHS[entry.contract]
+    if graph == "commit":
+        return _commit_cases(manifest, layers, heads, slots, head_dim, fdt, rng)
     dim = manifest.target.dim
     cases = []
     for name, b, t, capacity, valid, pos, block in _attention_cases(manifest):
+        if in_place:
+            capacity = slots  # the static cache; the new tokens go to slots valid .. valid + t - 1
         if graph == "drafter" and name == "prefill":
             continue
         if graph == "target" and name == "draft0":
@@ -151,9 +162,11 @@ def check_cases(graph, manifest, rng, shapes=None):
             feeds["target_hidden"] = rng.standard_normal((b, t, dim)).astype(fdt)
             feeds["input_ids"] = rng.integers(0, V, (b, t))
         feeds["position_ids"] = np.ascontiguousarray(np.broadcast_to(pos, (b, t))).astype(np.int64)
-        feeds["attention_mask"] = _mask(b, capacity, valid, block)
+        feeds["attention_mask"] = _mask(b, capacity, valid, block, in_place)
         feeds.update(cache_feeds(_kv(rng, layers, b, heads, capacity, valid, head_dim, fdt),
                                  _kv(rng, layers, b, heads, capacity, valid, head_dim, fdt)))
+        if in_place:
+            feeds["write_index"] = np.full(b, valid, dtype=np.int64)
         if graph == "drafter":
             k = manifest.candidates
             # step: no CFG, every filter; tree and draft0: [cond; uncond] CFG pairs, plain
@@ -206,6 +219,19 @@ def _shaped_case(graph, manifest, rng, dims):
                      temperature=np.array([1.0], dtype=np.float32), top_k=np.array([0], dtype=np.int64),
                      top_p=np.array([1.0], dtype=np.float32))
     return {name: feeds[name] for name in entry.inputs}
+
+
+def _commit_cases(manifest, layers, heads, slots, head_dim, fdt, rng):
+    """The commit graph: each row moves depth + 1 entries from random slots to random
+    contiguous destinations (sources and destinations overlapping, as a tree's do)."""
+    tree = build_tree(manifest.tree) if manifest.tree else build_tree("mc_sim_7b_63")
+    width, b = tree.depth + 1, 3
+    write_index = rng.integers(0, slots - width - tree.num_nodes, b)
+    src = write_index[:, None] + rng.integers(0, tree.num_nodes, (b, width))
+    feeds = {"src_slots": src.astype(np.int64), "write_index": write_index.astype(np.int64)}
+    feeds.update(cache_feeds(_kv(rng, layers, b, heads, slots, slots, head_dim, fdt),
+                             _kv(rng, layers, b, heads, slots, slots, head_dim, fdt)))
+    return [("tree", feeds)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,9 +446,9 @@ def check_engine(directory, *, backend="onnxruntime", against="torch", verify=Tr
         for graph in manifest.graphs:
             shapes = fixed.call_shapes(graph) if fixed is not None else None
             for case, feeds in check_cases(graph, manifest, rng, shapes):
-                call = Call(graph, case, feeds)
-                got = {k: tested.numpy(v) for k, v in tested.run(call).items()}
-                want = {k: reference.numpy(v) for k, v in reference.run(call).items()}
+                # each backend its own copy: an in-place graph's run updates its cache inputs
+                got = {k: tested.numpy(v) for k, v in tested.run(Call(graph, case, _copies(feeds))).items()}
+                want = {k: reference.numpy(v) for k, v in reference.run(Call(graph, case, _copies(feeds))).items()}
                 for name in manifest.graphs[graph].outputs:
                     if name == "topk_ids":
                         compare_ids = _compare_ids_per_row if graph in quantized else _compare_ids
@@ -440,6 +466,10 @@ def check_engine(directory, *, backend="onnxruntime", against="torch", verify=Tr
     return {"engine": directory, "dtype": manifest.dtype, "backend": backend, "against": against, "atol": atol,
             "rtol": rtol, "quantization": {g: {"scheme": s, "tolerance": t} for g, (s, t) in quantized.items()},
             "ok": not failures, "results": results, "failures": failures}
+
+
+def _copies(feeds):
+    return {k: np.array(v, copy=True) for k, v in feeds.items()}
 
 
 def format_report(report):

@@ -62,23 +62,36 @@ class LlamaGen:
         if "vq" in models:
             models["vq"][0].float()
 
-    def graphs(self, models, candidates):
+    def graphs(self, models, candidates, attention="plain"):
         from lantern.export.graphs import graph_modules
 
-        return graph_modules(models["target"][0], _model(models, "drafter"), _model(models, "vq"), candidates)
+        return graph_modules(models["target"][0], _model(models, "drafter"), _model(models, "vq"), candidates,
+                             attention)
 
-    def dims(self, contract, models, candidates):
+    def dims(self, graph, models, candidates):
+        """The fixed dims of a graph's contract (graph: its name in the engine; the commit graph
+        moves the target's cache)."""
         a = models["target"][0].args
-        if contract == "target":
+        if graph in ("target", "commit"):
             return {"L": a.n_layer, "H": a.kv_heads, "hd": a.head_dim, "D": a.dim, "V": a.vocab_size,
                     "C": a.cls_token_num}
-        if contract == "drafter":
+        if graph == "drafter":
             d = models["drafter"][0].args
             return {"L": 1, "H": d.kv_heads, "hd": d.head_dim, "D": a.dim, "K": candidates}
         return {"C": a.cls_token_num, "E": a.caption_dim, "D": a.dim}
 
-    def layers(self, contract, models):
-        return models["target"][0].args.n_layer if contract == "target" else 1
+    def layers(self, graph, models):
+        return models["target"][0].args.n_layer if graph in ("target", "commit") else 1
+
+    def prefix_tokens(self, models, max_prompt_tokens=None):
+        """The prefix slots of a static cache: LlamaGen's condition tokens (fixed per model)."""
+        if max_prompt_tokens is not None:
+            raise LanternError("--max-prompt-tokens applies to prompt (Chameleon) engines; a LlamaGen engine's "
+                               "prefix is its condition tokens")
+        return models["target"][0].args.cls_token_num
+
+    def image_tokens(self, models):
+        return models["target"][0].args.block_size
 
     def record(self, models, t_info):
         """This family's fields of the Manifest."""
@@ -114,6 +127,9 @@ class LlamaGen:
 
     def extra_files(self, models, vq):
         return {}
+
+
+DEFAULT_MAX_PROMPT_TOKENS = 128  # prompt rows of a static cache; MS-COCO captions with Lumina's template fit
 
 
 class Chameleon:
@@ -156,24 +172,37 @@ class Chameleon:
         if "vq" in models:
             models["vq"][0].float()
 
-    def graphs(self, models, candidates):
+    def graphs(self, models, candidates, attention="plain"):
         from lantern.export import chameleon
 
-        graphs = chameleon.graph_modules(models["target"][0], _model(models, "drafter"), _model(models, "vq"),
-                                         candidates)
-        graphs["target"] = ("target_ids", graphs["target"][1])
-        return graphs
+        return chameleon.graph_modules(models["target"][0], _model(models, "drafter"), _model(models, "vq"),
+                                       candidates, attention)
 
-    def dims(self, contract, models, candidates):
+    def dims(self, graph, models, candidates):
         c = models["target"][0].config
-        if contract == "drafter":
+        if graph == "drafter":
             d = models["drafter"][0].config
             return {"L": 1, "H": d.num_key_value_heads, "hd": d.head_dim, "D": c.hidden_size, "K": candidates}
         return {"L": c.num_hidden_layers, "H": c.num_key_value_heads, "hd": c.head_dim, "D": c.hidden_size,
                 "V": c.vocab_size}
 
-    def layers(self, contract, models):
-        return models["target"][0].config.num_hidden_layers if contract == "target_ids" else 1
+    def layers(self, graph, models):
+        return models["target"][0].config.num_hidden_layers if graph in ("target", "commit") else 1
+
+    def prefix_tokens(self, models, max_prompt_tokens=None):
+        """The prefix slots of a static cache: the longest prompt row it takes (BOS, the text and
+        the model's closing tokens), chosen at export; shorter prompts are left-padded to it."""
+        max_prompt_tokens = DEFAULT_MAX_PROMPT_TOKENS if max_prompt_tokens is None else max_prompt_tokens
+        if isinstance(max_prompt_tokens, bool) or not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 4:
+            raise LanternError(f"--max-prompt-tokens must be an integer >= 4, got {max_prompt_tokens!r}")
+        return max_prompt_tokens
+
+    def image_tokens(self, models):
+        """Tokens generated per image at the engine's grid (a static cache holds no larger grid)."""
+        from lantern.runtime.chameleon_prompts import body_length
+
+        c = models["target"][0].config
+        return body_length(c.family, self.GRIDS[c.family])
 
     def record(self, models, t_info):
         c = models["target"][0].config

@@ -1,17 +1,26 @@
-"""Prototype: the attention and KV-cache graph forms TensorRT fuses, written as torch code that
-runs eagerly and exports (torch.onnx.export(dynamo=True), opset 24) to single ONNX ops.
+"""The two forms a graph's attention and KV cache can take, and the ops of the in-place one.
 
-  cache_update  -> ONNX TensorScatter (opset 24)  -> TensorRT IKVCacheUpdateLayer: the new
-                   tokens' K/V written into a static cache [B, Hkv, P, hd] at per-row slots
-                   write_index[b] .. write_index[b] + T - 1; the output aliases the cache input
-                   in TensorRT, and in ONNX Runtime when IOBinding binds one buffer to both.
-  attention     -> ONNX Attention (opset 23) with a boolean mask -> TensorRT IAttention.
-  AttentionStep -> both: the cache-update-then-attend step a decoder layer would make.
-  CommitGraph   -> the accepted tree nodes' K/V moved inside a device-resident cache
-                   (GatherElements + TensorScatter), so a step moves no cache across PCIe.
+Every attention layer of an engine graph is written once, against a *cache form* it is handed
+when the graph module is built (lantern.export.llamagen, lantern.export.chameleon): the form
+decides how a layer meets its cache and what the graph returns. No layer branches on the form.
 
-Not wired into the engine graphs (export/llamagen.py, export/graphs.py); see
-tests/test_fused_forms.py for what each form was checked against.
+  PlainCache    the engines' first form ("plain"; contracts target / target_ids / drafter):
+                attention over [past cache, new tokens] scored per part (the family's own
+                function), the new tokens' K/V returned stacked [L, B, H, T, hd]; the runtime
+                copies the entries it keeps into its cache.
+  InPlaceCache  the form TensorRT fuses ("fused"; contracts target_inplace / target_ids_inplace
+                / drafter_inplace): each layer writes its T new K/V entries into a static cache
+                [B, H, S, hd] at per-row slots write_index[b] .. + T - 1 (ONNX TensorScatter,
+                opset 24 -> TensorRT IKVCacheUpdateLayer; the output aliases the input, in
+                ONNX Runtime when IOBinding binds one buffer to both), then attends over the
+                whole cache with a boolean mask [B, 1, T, S] (ONNX Attention, opset 23 ->
+                TensorRT IAttention). Returns the updated caches, one output per layer.
+  CommitGraph   the in-place form's commit: the accepted tree nodes' K/V moved inside the
+                device-resident cache (GatherElements + TensorScatter), so a step moves no cache
+                across PCIe.
+
+tests/test_fused_forms.py checks each op against eager torch, a numpy reference and ONNX Runtime;
+tests/test_inplace_engines.py checks whole engines of both forms against each other.
 """
 import contextlib
 import io
@@ -44,6 +53,52 @@ def attention(q, k, v, mask):
     return torch.onnx.ops.attention(q, k, v, mask)[0]
 
 
+class PlainCache:
+    """Attention over [past, new] with the family's `attend(q, past_k, past_v, k, v, mask)`;
+    the layer returns the new tokens' K/V, the graph returns them stacked [L, B, H, T, hd]."""
+
+    name = "plain"
+
+    def __init__(self, attend):
+        self.attend = attend
+
+    def split(self, cache_inputs):
+        """A graph's trailing inputs -> (write_index, keys, values): here the per-layer caches."""
+        layers = len(cache_inputs) // 2
+        return None, cache_inputs[:layers], cache_inputs[layers:]
+
+    def layer(self, q, k, v, past_k, past_v, mask, write_index):
+        return self.attend(q, past_k, past_v, k, v, mask), k, v
+
+    def outputs(self, keys, values):
+        return torch.stack(keys), torch.stack(values)
+
+
+class InPlaceCache:
+    """Write the new K/V into the static caches at write_index, attend over the whole cache;
+    the layer returns the updated caches, the graph returns them one output per layer."""
+
+    name = "fused"
+
+    def split(self, cache_inputs):
+        """(the caches of every layer, then write_index) -> (write_index, keys, values)."""
+        caches, write_index = cache_inputs[:-1], cache_inputs[-1]
+        layers = len(caches) // 2
+        return write_index, caches[:layers], caches[layers:]
+
+    def layer(self, q, k, v, cache_k, cache_v, mask, write_index):
+        cache_k = cache_update(cache_k, k, write_index)
+        cache_v = cache_update(cache_v, v, write_index)
+        return attention(q, cache_k, cache_v, mask), cache_k, cache_v
+
+    def outputs(self, keys, values):
+        return (*keys, *values)
+
+
+IN_PLACE = InPlaceCache()
+ATTENTION_FORMS = ("plain", "fused")
+
+
 class AttentionStep(nn.Module):
     """Write this step's K/V into the static caches, then attend over the whole cache.
     Inputs q [B, H, T, hd]; k, v [B, Hkv, T, hd]; cache_k, cache_v [B, Hkv, P, hd];
@@ -51,9 +106,7 @@ class AttentionStep(nn.Module):
     slots this step writes). Outputs: out [B, H, T, hd], the updated cache_k, cache_v."""
 
     def forward(self, q, k, v, cache_k, cache_v, write_index, mask):
-        cache_k = cache_update(cache_k, k, write_index)
-        cache_v = cache_update(cache_v, v, write_index)
-        return attention(q, cache_k, cache_v, mask), cache_k, cache_v
+        return IN_PLACE.layer(q, k, v, cache_k, cache_v, mask, write_index)
 
 
 class PlainAttentionStep(nn.Module):

@@ -1,7 +1,14 @@
 """The engine graphs of a LlamaGen engine as torch modules: exactly what goes to ONNX, and what the
-runtime's torch backend runs. Inputs and outputs follow lantern.runtime.manifest.GRAPHS, in order."""
+runtime's torch backend runs. Inputs and outputs follow lantern.runtime.manifest.GRAPHS, in order.
+
+The target and drafter graphs take a cache form (lantern.export.fused_forms) when they are built:
+the plain one (contracts target, drafter) or the in-place one (target_inplace, drafter_inplace,
+plus the commit graph); graph_modules(..., attention=) picks it, once."""
 import torch
 import torch.nn as nn
+
+from lantern.export import fused_forms
+from lantern.export.llamagen import PLAIN
 
 
 class ConditionC2IGraph(nn.Module):
@@ -29,21 +36,23 @@ class ConditionT2IGraph(nn.Module):
 
 class TargetGraph(nn.Module):
     """The target embeds its own ids: an id below V is an image token, an id V + j is row j of
-    cond_embeds (the condition tokens of prefill). Caches come one input per layer."""
+    cond_embeds (the condition tokens of prefill). Caches come one input per layer (then, in the
+    in-place form, write_index)."""
 
-    def __init__(self, target):
+    def __init__(self, target, kv=PLAIN):
         super().__init__()
         self.target = target
         self.vocab = target.args.vocab_size
+        self.kv = kv
 
-    def forward(self, input_ids, cond_embeds, position_ids, attention_mask, *caches):
+    def forward(self, input_ids, cond_embeds, position_ids, attention_mask, *cache_inputs):
+        write_index, keys, values = self.kv.split(cache_inputs)
         is_cond = input_ids >= self.vocab
         tokens = self.target.tok_embeddings(torch.where(is_cond, 0, input_ids))
         rows = (input_ids - self.vocab).clamp(0, cond_embeds.shape[1] - 1)
         cond = torch.gather(cond_embeds, 1, rows[..., None].expand(-1, -1, cond_embeds.shape[2]))
         x = torch.where(is_cond[..., None], cond.to(tokens.dtype), tokens)
-        layers = len(caches) // 2
-        return self.target(x, position_ids, attention_mask, caches[:layers], caches[layers:])
+        return self.target(x, position_ids, attention_mask, keys, values, write_index, self.kv)
 
 
 class DrafterGraph(nn.Module):
@@ -57,17 +66,19 @@ class DrafterGraph(nn.Module):
     (LlamaGen keeps ties at the threshold too); this only shapes the drafter's proposal, which
     acceptance corrects for."""
 
-    def __init__(self, drafter, target, candidates):
+    def __init__(self, drafter, target, candidates, kv=PLAIN):
         super().__init__()
         self.drafter = drafter
         self.head = target.output
         self.register_buffer("rope", target.rope.clone())
         self.candidates = candidates
+        self.kv = kv
 
     def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys_0, past_values_0,
-                cfg_pair, cfg_scale, temperature, top_k, top_p):
+                cfg_pair, cfg_scale, temperature, top_k, top_p, write_index=None):
+        """write_index: the in-place form's last input (absent in the plain form)."""
         hidden, new_k, new_v = self.drafter(target_hidden, input_ids, position_ids, attention_mask,
-                                            [past_keys_0], [past_values_0], self.rope)
+                                            [past_keys_0], [past_values_0], self.rope, write_index, self.kv)
         logits = self.head(hidden).float()
         partner = logits[cfg_pair]
         combined = partner + cfg_scale * (logits - partner)
@@ -91,15 +102,20 @@ class VQDecoderGraph(nn.Module):
         return self.vq.decode_codes(codes).float()
 
 
-def graph_modules(target, drafter=None, vq=None, candidates=None):
-    """{graph name: (contract name, module)} for an engine of these models."""
+def graph_modules(target, drafter=None, vq=None, candidates=None, attention="plain"):
+    """{graph name: (contract name, module)} for an engine of these models; attention: the cache
+    form of the target and drafter graphs ('plain' or 'fused', see lantern.export.fused_forms)."""
+    kv, suffix = (PLAIN, "") if attention == "plain" else (fused_forms.IN_PLACE, "_inplace")
     graphs = {
         "condition": (f"condition_{target.args.model_type}",
                       ConditionC2IGraph(target) if target.args.model_type == "c2i" else ConditionT2IGraph(target)),
-        "target": ("target", TargetGraph(target)),
+        "target": ("target" + suffix, TargetGraph(target, kv)),
     }
     if drafter is not None:
-        graphs["drafter"] = ("drafter", DrafterGraph(drafter, target, candidates or min(2048, target.args.vocab_size)))
+        graphs["drafter"] = ("drafter" + suffix, DrafterGraph(drafter, target, candidates or min(2048, target.args.vocab_size),
+                                                             kv))
+        if attention == "fused":
+            graphs["commit"] = ("commit", fused_forms.CommitGraph())
     if vq is not None:
         graphs["vq_decoder"] = ("vq_decoder", VQDecoderGraph(vq))
     return {name: (contract, module.eval()) for name, (contract, module) in graphs.items()}

@@ -3,9 +3,12 @@
 Faithful to FoundationVision/LlamaGen `autoregressive/models/gpt.py` (configs, parameter names,
 2D RoPE, RMSNorm in fp32, CFG null class / unconditional caption) and to jadohu/LANTERN's
 drafter layout. Unlike LlamaGen's own forward, nothing here keeps state: every call takes explicit
-position ids, an explicit boolean attention mask [B, 1, T, P + T] (any tree mask), and the
-KV cache as stacked tensors [L, B, H_kv, P, head_dim]; it returns the new tokens' K/V only. The
-caller (the runtime) owns the cache.
+position ids, an explicit boolean attention mask (any tree mask) and the KV cache as one tensor
+[B, H_kv, P, head_dim] per layer. How a layer meets its cache is the cache form it is handed
+(lantern.export.fused_forms): by default the plain form (mask [B, 1, T, P + T], the new tokens'
+K/V returned, the caller keeps what it accepts); the in-place form writes them into a static
+cache at `write_index` and attends over all of it (mask [B, 1, T, S]). The caller (the runtime)
+owns the cache.
 
 Read top to bottom: configs, RoPE, blocks, target, drafter.
 """
@@ -19,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lantern.export.fused_forms import PlainCache
 from lantern.runtime.errors import LanternError
 
 # ---------------------------------------------------------------------------------------------
@@ -235,25 +239,6 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-class Attention(nn.Module):
-    def __init__(self, args):
-        super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.kv_heads, args.head_dim
-        self.wqkv = nn.Linear(args.dim, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.dim, args.dim, bias=False)
-
-    def forward(self, x, rope, mask, past_k, past_v):
-        """x [B, T, D]; past_k/v [B, Hkv, P, hd]; mask [B, 1, T, P + T] bool (True = attend)."""
-        B, T, _ = x.shape
-        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
-        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        out = _attend(q, past_k, past_v, k, v, mask)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1)), k, v
-
-
 def _attend(q, past_k, past_v, k, v, mask):
     """Softmax attention over [cache, new] without concatenating them: concatenation would copy
     the whole cache every step in the exported graph. Scores are computed per part and joined
@@ -267,6 +252,30 @@ def _attend(q, past_k, past_v, k, v, mask):
     probs = torch.softmax(scores, dim=-1).to(q.dtype).reshape(B, Hkv, (H // Hkv) * T, P + T)
     out = probs[..., :P] @ past_v + probs[..., P:] @ v
     return out.reshape(B, H, T, hd)
+
+
+# The plain cache form (lantern.export.fused_forms): the default of every layer and model here.
+PLAIN = PlainCache(_attend)
+
+
+class Attention(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.kv_heads, args.head_dim
+        self.wqkv = nn.Linear(args.dim, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x, rope, mask, past_k, past_v, write_index=None, kv=PLAIN):
+        """x [B, T, D]; past_k/v [B, Hkv, P, hd]; mask bool (True = attend) as the cache form kv
+        wants it. Returns the output and the form's K/V (new entries or updated caches)."""
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), rope).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        out, k, v = kv.layer(q, k, v, past_k, past_v, mask, write_index)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
 
 class FeedForward(nn.Module):
@@ -289,19 +298,20 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, rope, mask, past_k, past_v):
-        attn, k, v = self.attention(self.attention_norm(x), rope, mask, past_k, past_v)
+    def forward(self, x, rope, mask, past_k, past_v, write_index=None, kv=PLAIN):
+        attn, k, v = self.attention(self.attention_norm(x), rope, mask, past_k, past_v, write_index, kv)
         h = x + attn
         return h + self.feed_forward(self.ffn_norm(h)), k, v
 
 
-def _run_layers(layers, x, rope, mask, past_k, past_v):
-    new_k, new_v = [], []
+def _run_layers(layers, x, rope, mask, past_k, past_v, write_index, kv):
+    """x through every layer; returns x and the cache form's outputs (kv.outputs)."""
+    keys, values = [], []
     for i, layer in enumerate(layers):
-        x, k, v = layer(x, rope, mask, past_k[i], past_v[i])
-        new_k.append(k)
-        new_v.append(v)
-    return x, torch.stack(new_k), torch.stack(new_v)
+        x, k, v = layer(x, rope, mask, past_k[i], past_v[i], write_index, kv)
+        keys.append(k)
+        values.append(v)
+    return (x, *kv.outputs(keys, values))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,15 +380,19 @@ class Transformer(nn.Module):
             return torch.full((batch,), self.null_class, dtype=torch.long)
         return self.cls_embedding.uncond_embedding.expand(batch, -1, -1)
 
-    def forward(self, inputs_embeds, position_ids, attention_mask, past_keys, past_values):
+    def forward(self, inputs_embeds, position_ids, attention_mask, past_keys, past_values, write_index=None,
+                kv=PLAIN):
         """inputs_embeds [B, T, D]; position_ids [B, T] (rows of the RoPE table);
-        attention_mask [B, 1, T, P + T] bool; past_keys/values [L, B, Hkv, P, hd].
+        attention_mask [B, 1, T, P + T] bool; past_keys/values [L, B, Hkv, P, hd] (or per-layer lists).
         Returns logits [B, T, V] (fp32), hidden [B, T, D] after the final norm, and the new
-        tokens' keys and values [L, B, Hkv, T, hd]."""
+        tokens' keys and values [L, B, Hkv, T, hd]. With kv = fused_forms.IN_PLACE: mask
+        [B, 1, T, S] over static caches [B, Hkv, S, hd] per layer, write_index [B], and the
+        updated caches come back instead (keys of every layer, then values)."""
         rope = self.rope[position_ids]
-        x, new_k, new_v = _run_layers(self.layers, inputs_embeds, rope, attention_mask, past_keys, past_values)
+        x, *caches = _run_layers(self.layers, inputs_embeds, rope, attention_mask, past_keys, past_values,
+                                 write_index, kv)
         hidden = self.norm(x)
-        return self.output(hidden).float(), hidden, new_k, new_v
+        return (self.output(hidden).float(), hidden, *caches)
 
     def empty_cache(self, batch, capacity=0, dtype=None):
         a = self.args
@@ -446,13 +460,15 @@ class Drafter(nn.Module):
         self.fc = nn.Linear(2 * args.dim, args.dim, bias=args.fc_bias)
         self.layers = nn.ModuleList([Block(args.block_args(), input_norm=False)])
 
-    def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys, past_values, rope):
+    def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys, past_values, rope,
+                write_index=None, kv=PLAIN):
         """target_hidden [B, T, D] (h_t); input_ids [B, T] (x_{t+1}); position_ids [B, T] = the
-        target positions of x_{t+1}; mask and cache as the target's with L = 1.
+        target positions of x_{t+1}; mask, cache, write_index and kv as the target's with L = 1.
         Returns the drafter's hidden states [B, T, D] (feed them back as h for the next depth and
-        through the target's output head for logits) and the new K/V [1, B, Hkv, T, hd]."""
+        through the target's output head for logits) and the new K/V [1, B, Hkv, T, hd] (in
+        place: the updated cache's keys and values)."""
         x = self.fc(torch.cat([self.embed_tokens(input_ids).to(target_hidden.dtype), target_hidden], dim=-1))
-        return _run_layers(self.layers, x, rope[position_ids], attention_mask, past_keys, past_values)
+        return _run_layers(self.layers, x, rope[position_ids], attention_mask, past_keys, past_values, write_index, kv)
 
     def empty_cache(self, batch, capacity=0, dtype=None):
         a = self.args

@@ -13,6 +13,12 @@ where the TorchScript exporter takes a fraction of a second.
 The directory is built in a temporary sibling of --out and renamed into place when complete,
 so --out either holds a whole engine or nothing. manifest.json is written last.
 
+Attention form (--attention, lantern.export.fused_forms): `plain` (default) exports the target and
+drafter with caches in and the new tokens' K/V out, at any cache length; `fused` exports the forms
+TensorRT fuses (opset 24: TensorScatter writes the new K/V into static caches in place, Attention
+attends over them with the tree mask) plus commit.onnx, with cache lengths fixed here
+(Manifest.static_cache: the prefix budget, the grid's tokens and --max-tree-nodes).
+
 Precision: --dtype casts the target and the drafter; LlamaGen's RMSNorm and RoPE still compute
 in fp32 inside (the RoPE table stays fp32), logits and the drafter's top-k probabilities come
 out fp32 as the contracts say. The VQ decoder always stays fp32 (it runs once per image, and
@@ -33,19 +39,21 @@ import torch
 
 from lantern.export import placement
 from lantern.export.families import DTYPES, FAMILIES, family_of
+from lantern.export.fused_forms import ATTENTION_FORMS
 from lantern.runtime import manifest as engine_format
 from lantern.runtime.errors import LanternError
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_OPSET = 18  # the dynamo exporter's own opset; lower ones are not offered
+FUSED_OPSET = 24  # TensorScatter (in-place cache update) is opset 24; Attention opset 23
 DEFAULT_TREE = "mc_sim_7b_63"  # EAGLE-1's default and the public LANTERN command line's
 EXTERNAL_DATA_BYTES = 100 * 2**20  # graphs with more weights than this keep them in <file>.data
 DEFAULT_NEIGHBORS_K = 1000  # the public code's default k
 
 # Symbolic dims of the contracts that stay dynamic in the graphs; every other dim is fixed by
 # the model config. Tracing sizes are distinct and > 1 (torch.export specialises 0 and 1).
-DYNAMIC_DIMS = ("B", "T", "P", "P+T", "N", "h", "w", "Hpx", "Wpx")
-_TRACE_SIZES = {"B": 4, "N": 2, "T": 3, "P": 5, "P+T": 8, "h": 2, "w": 3}
+DYNAMIC_DIMS = ("B", "T", "P", "P+T", "N", "h", "w", "Hpx", "Wpx", "A")
+_TRACE_SIZES = {"B": 4, "N": 2, "T": 3, "P": 5, "P+T": 8, "h": 2, "w": 3, "A": 6}
 
 _ONNX_TYPES = {"float32": 1, "int64": 7, "bool": 9, "float16": 10, "bfloat16": 16}  # TensorProto codes
 
@@ -73,7 +81,7 @@ def load_graph_modules(manifest, verify=False):
                          drafter=sources["drafter"]["path"] if "drafter" in sources else None,
                          vq=sources["vq"]["path"] if "vq" in sources else None)
     family.cast(models, manifest.dtype)
-    return family.graphs(models, manifest.candidates)
+    return family.graphs(models, manifest.candidates, manifest.attention)
 
 
 def _source_record(role, path, info, options=None):
@@ -190,7 +198,7 @@ def _dynamic_shapes(module, io_spec):
     for param in inspect.signature(module.forward).parameters.values():
         if param.kind == param.VAR_POSITIONAL:
             shapes[param.name], specs = tuple(specs), []
-        else:
+        elif specs:  # parameters past the contract's inputs keep their defaults (write_index=None)
             shapes[param.name] = specs.pop(0)
     return shapes
 
@@ -234,12 +242,14 @@ def _tool_versions():
 
 
 def export_engine(out, target, *, target_format=None, target_options=None, drafter=None, vq=None, tree=None,
-                  dtype="fp32", candidates=None, opset=DEFAULT_OPSET, neighbors_k=None, force=False,
-                  progress=False, quantize=None):
+                  dtype="fp32", candidates=None, opset=None, neighbors_k=None, attention="plain",
+                  max_tree_nodes=None, max_prompt_tokens=None, force=False, progress=False, quantize=None):
     """Build the engine directory `out` from checkpoints and return its manifest.
     quantize: a lantern.export.quantize.QuantizeOptions to quantize the target and drafter
     graphs (weight-only int8 / int4) before the manifest is written; None keeps them float.
 
+    attention: 'plain' or 'fused' (module docstring); max_tree_nodes / max_prompt_tokens size a
+    fused engine's static caches (default: the export tree's nodes / 128 prompt tokens).
     Everything that can be checked is checked before anything is written; the directory appears
     at `out` only when complete."""
     import onnx
@@ -248,9 +258,16 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
     out = os.path.abspath(os.fspath(out))
     if dtype not in DTYPES:
         raise LanternError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    if not isinstance(opset, int) or not DEFAULT_OPSET <= opset <= onnx.defs.onnx_opset_version():
+    if attention not in ATTENTION_FORMS:
+        raise LanternError(f"unknown attention form {attention!r}; valid: {', '.join(ATTENTION_FORMS)}")
+    lowest = FUSED_OPSET if attention == "fused" else DEFAULT_OPSET
+    opset = lowest if opset is None else opset
+    if isinstance(opset, bool) or not isinstance(opset, int) or not lowest <= opset <= onnx.defs.onnx_opset_version():
+        why = f" (--attention fused needs TensorScatter, opset {FUSED_OPSET})" if attention == "fused" else ""
         raise LanternError(f"opset {opset!r} is not supported: the dynamo exporter writes opset "
-                           f"{DEFAULT_OPSET}..{onnx.defs.onnx_opset_version()}")
+                           f"{lowest}..{onnx.defs.onnx_opset_version()}{why}")
+    if attention == "plain" and (max_tree_nodes is not None or max_prompt_tokens is not None):
+        raise LanternError("--max-tree-nodes and --max-prompt-tokens size static caches: they need --attention fused")
     if candidates is not None and (isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1):
         raise LanternError(f"--candidates must be a positive integer, got {candidates!r}")
     if drafter is None and tree is not None:
@@ -269,20 +286,38 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
         from lantern.runtime.tree import build_tree
 
         draft_tree = build_tree(tree or DEFAULT_TREE)
+    tree_nodes = None
+    if attention == "fused":
+        tree_nodes = draft_tree.num_nodes if draft_tree is not None else 1
+        if max_tree_nodes is not None:
+            if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) or max_tree_nodes < tree_nodes:
+                raise LanternError(f"--max-tree-nodes must be an integer >= {tree_nodes} (the export tree's nodes, "
+                                   f"root included), got {max_tree_nodes!r}")
+            tree_nodes = max_tree_nodes
 
     graphs_made = ["target"] if family_of(target, target_format).name == "chameleon" else ["condition", "target"]
     stages = ["load"] + graphs_made + (["drafter"] if drafter else []) + \
+             (["commit"] if drafter and attention == "fused" else []) + \
              (["vq_decoder", "neighbors"] if vq else []) + ["manifest"]
     bar = _progress(stages, progress)
     try:
         return _build(placement.engine_directory(out, force), bar, target, target_format, target_options, drafter,
-                      vq, draft_tree, dtype, candidates, opset, neighbors_k, quantize)
+                      vq, draft_tree, dtype, candidates, opset, neighbors_k, attention, tree_nodes, max_prompt_tokens,
+                      quantize)
     finally:
         bar.close()
 
 
+def _static_cache(family, models, tree_nodes, max_prompt_tokens):
+    """The fused form's cache budget (Manifest.static_cache)."""
+    prefix = family.prefix_tokens(models, max_prompt_tokens)
+    image = family.image_tokens(models)
+    return engine_format.StaticCache(prefix=prefix, image_tokens=image, tree_nodes=tree_nodes,
+                                     target=prefix + image + tree_nodes, drafter=image + tree_nodes)
+
+
 def _build(staging, bar, target, target_format, target_options, drafter, vq, draft_tree, dtype, candidates, opset,
-           neighbors_k, quantize=None):
+           neighbors_k, attention, tree_nodes, max_prompt_tokens, quantize=None):
     bar.set_description("load")
     family = family_of(target, target_format)
     models = family.load(target, target_format, target_options, drafter, vq)
@@ -297,8 +332,9 @@ def _build(staging, bar, target, target_format, target_options, drafter, vq, dra
         neighbors_k = min(DEFAULT_NEIGHBORS_K, n_codes - 1) if neighbors_k is None else neighbors_k
         if isinstance(neighbors_k, bool) or not isinstance(neighbors_k, int) or not 1 <= neighbors_k <= n_codes - 1:
             raise LanternError(f"--neighbors-k must be in [1, {n_codes - 1}] for {n_codes} codes, got {neighbors_k!r}")
+    static_cache = None if attention == "plain" else _static_cache(family, models, tree_nodes, max_prompt_tokens)
     family.cast(models, dtype)
-    graphs = family.graphs(models, candidates)
+    graphs = family.graphs(models, candidates, attention)
     record = family.record(models, t_info)
     if drafter is not None:
         candidates = graphs["drafter"][1].candidates
@@ -316,8 +352,10 @@ def _build(staging, bar, target, target_format, target_options, drafter, vq, dra
         for name, (contract, module) in graphs.items():
             bar.set_description(f"export {name}")
             graph_dtype = "fp32" if name == "vq_decoder" else dtype
-            io_spec = resolve_io(contract, family.dims(contract, models, candidates), DTYPE_NAMES[graph_dtype],
-                                 layers=family.layers(contract, models))
+            dims = family.dims(name, models, candidates)
+            if static_cache is not None:  # S: the graph's static cache slots
+                dims["S"] = static_cache.drafter if name == "drafter" else static_cache.target
+            io_spec = resolve_io(contract, dims, DTYPE_NAMES[graph_dtype], layers=family.layers(name, models))
             path = os.path.join(tmp, engine_format.GRAPH_FILES[name])
             written = export_graph(module, io_spec, path, opset)
             files += written
@@ -351,9 +389,9 @@ def _build(staging, bar, target, target_format, target_options, drafter, vq, dra
             modes=("ar",) + (("exact",) if drafter else ()) + (("lantern", "lantern++") if drafter and vq else ()),
             tree=None if draft_tree is None else draft_tree.to_json(), candidates=candidates, neighbors=neighbors,
             sources=sources, tools=_tool_versions(),
-            build={"kind": "onnx", "exporter": "torch.onnx.export(dynamo=True)",
+            build={"kind": "onnx", "exporter": "torch.onnx.export(dynamo=True)", "attention": attention,
                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-            files=engine_format.describe_files(tmp, files))
+            static_cache=static_cache, files=engine_format.describe_files(tmp, files))
         manifest.write(tmp)
         staging.place()  # re-checks `out` under the lock; never replaces what this run did not expect
         bar.update()
@@ -417,7 +455,16 @@ def add_parser(sub):
     p.add_argument("--tree", help=f"static draft tree: preset name or JSON file (default {DEFAULT_TREE}; needs --drafter)")
     p.add_argument("--dtype", default="fp32", help="graph precision: fp32, fp16 or bf16 (default fp32)")
     p.add_argument("--candidates", type=int, help="top-k width K of the drafter graph (default min(2048, vocab))")
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset (default {DEFAULT_OPSET})")
+    p.add_argument("--opset", type=int, help=f"ONNX opset (default {DEFAULT_OPSET}; {FUSED_OPSET} with --attention fused)")
+    p.add_argument("--attention", default="plain", choices=ATTENTION_FORMS,
+                   help="graph form: plain (caches in, new K/V out; any cache length) or fused (static caches "
+                        "updated in place and fused attention, the forms TensorRT fuses, plus commit.onnx)")
+    p.add_argument("--max-tree-nodes", type=int,
+                   help="fused: the largest draft tree (nodes, root included) the static caches hold "
+                        "(default: the export tree's)")
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="fused, prompt engines: the longest prompt row the static caches hold; shorter prompts are "
+                        "left-padded (default 128)")
     p.add_argument("--neighbors-k", type=int, help=f"latent neighbours per code (default min({DEFAULT_NEIGHBORS_K}, codes - 1))")
     from lantern.export.quantize import add_quantize_options
 
@@ -436,10 +483,16 @@ def run(args):
     manifest = export_engine(args.out, args.target, target_format=args.format, target_options=target_options(args),
                              drafter=args.drafter, vq=args.vq, tree=args.tree, dtype=args.dtype,
                              candidates=args.candidates, opset=args.opset, neighbors_k=args.neighbors_k,
-                             force=args.force, progress=not args.no_progress, quantize=quantize_options(args))
+                             attention=args.attention, max_tree_nodes=args.max_tree_nodes,
+                             max_prompt_tokens=args.max_prompt_tokens, force=args.force,
+                             progress=not args.no_progress, quantize=quantize_options(args))
     size = sum(f.size for f in manifest.files.values())
     print(f"engine {args.out}: {', '.join(manifest.graphs)} ({manifest.dtype}, opset {manifest.opset}, "
-          f"{size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f}s")
+          f"{manifest.attention} attention, {size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f}s")
+    if manifest.static_cache is not None:
+        s = manifest.static_cache
+        print(f"static caches: target {s.target} slots (prefix {s.prefix} + image {s.image_tokens} + tree "
+              f"{s.tree_nodes}), drafter {s.drafter}")
     if describe_quantization(manifest):
         print(describe_quantization(manifest))
     if manifest.tree is not None:

@@ -422,8 +422,8 @@ def add_quantize_options(p, required=False):
     p.add_argument("--quant-block", type=int, default=None,
                    help=f"weights per scale along K, a power of two >= 16 (default {DEFAULT_BLOCK})")
     p.add_argument("--quant-accuracy-level", type=int, choices=(0, 4), default=None,
-                   help=f"MatMulNBits compute: 4 = int8 activations, the fast CPU path (default); 0 = fp32 "
-                        f"arithmetic on dequantized weights (3-10x slower; greedy exact == ar token for token)")
+                   help="MatMulNBits compute: 4 = int8 activations, the fast CPU path (default); 0 = fp32 "
+                        "arithmetic on dequantized weights (3-10x slower; greedy exact == ar token for token)")
 
 
 def quantize_options(args):

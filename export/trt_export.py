@@ -55,8 +55,8 @@ from lantern.runtime.manifest import (PlanFile, PlanProfile, TensorRTPlans, desc
 from lantern.runtime.plan import StepPlan
 from lantern.runtime.tree import build_tree, root_only
 
-GRAPH_ORDER = ("condition", "target", "drafter", "vq_decoder")
-_TREE_REGIMES = ("verify", "draft")  # regimes whose shapes depend on the tree (draft0, draft1, ...)
+GRAPH_ORDER = ("condition", "target", "drafter", "commit", "vq_decoder")
+_TREE_REGIMES = ("verify", "draft", "commit")  # regimes whose shapes depend on the tree (draft0, draft1, ...)
 
 
 class _ShapesOnly:

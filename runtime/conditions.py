@@ -8,6 +8,7 @@ Each row has its own view of the prefix: which prefix slots its tokens may atten
 position offset (a token in cache slot s sits at position s - offset); LlamaGen's rows all use
 offset 0, the Chameleon family's unconditional rows do not.
 """
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -41,6 +42,20 @@ class Prefix:
     @property
     def tokens(self):
         return self.ids.shape[1]
+
+    def left_padded(self, tokens):
+        """This prefix in `tokens` slots: invisible slots in front (copies of each row's first
+        id at position 0, each seeing only itself), every real token `tokens - C` slots later,
+        the position offsets moved with them. A static cache holds every prompt this way."""
+        pad = tokens - self.tokens
+        if pad <= 0:
+            return self
+        rows = self.rows
+        return dataclasses.replace(
+            self, ids=np.concatenate([np.repeat(self.ids[:, :1], pad, axis=1), self.ids], axis=1),
+            positions=np.concatenate([np.zeros((rows, pad), dtype=np.int64), self.positions], axis=1),
+            key_visible=np.concatenate([np.zeros((rows, pad), dtype=bool), self.key_visible], axis=1),
+            position_offset=self.position_offset + pad)
 
 
 def _cond_token_ids(vocab_size, tokens, rows):

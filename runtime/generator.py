@@ -267,7 +267,7 @@ class _Decoding:
         if "condition" in plan.calls:
             self.be.copy(self.call("condition")["cond_embeds"], plan.calls["prefill"].feeds["cond_embeds"])
         out = self.call("prefill")
-        plan.target_cache.append(out["new_keys"], out["new_values"], np.arange(self.B),
+        plan.target_cache.append(plan.calls["prefill"], out, np.arange(self.B),
                                  np.broadcast_to(np.arange(C), (self.B, C)), np.full(self.B, C),
                                  visible=plan.prefix.key_visible)
         logits = self.combined_logits(out["logits"][:, -1:], np.zeros((self.N, 1), dtype=np.int64))[:, 0]
@@ -293,8 +293,7 @@ class _Decoding:
         call.feeds["input_ids"][:] = np.where(real, ids, 0)[self.rows]
         first = self.plan.target_cache.length - counts[self.rows] + 1
         call.feeds["position_ids"][:] = self.positions(first[:, None] + np.arange(W)[None, :])
-        block = np.tril(np.ones((W, W), dtype=bool))[None] & real[self.rows][:, None, :] | np.eye(W, dtype=bool)
-        call.feeds["attention_mask"][:, 0, :, -W:] = block
+        call.block[:] = np.tril(np.ones((W, W), dtype=bool))[None] & real[self.rows][:, None, :] | np.eye(W, dtype=bool)
         self.pending = counts
 
     # -- one step ------------------------------------------------------------------------------
@@ -308,10 +307,10 @@ class _Decoding:
         if self.cfg and 0 <= self.cfg_interval <= self.count.min():
             plan.calls["draft0"].feeds["cfg_scale"][:] = 1.0  # shared by every drafter call
         call = plan.calls["draft0"]
-        cache.mask_into(call.feeds["attention_mask"])
+        cache.mask_into(call)
         out = self.call("draft0")
         rows = np.flatnonzero(active[self.rows])
-        cache.append(out["new_keys"], out["new_values"], rows,
+        cache.append(call, out, rows,
                      np.broadcast_to(np.arange(call.tokens), (len(rows), call.tokens)), self.pending[self.rows[rows]])
         last = self.pending - 1
         self.take_candidates(out, [0], last[:, None])
@@ -329,9 +328,9 @@ class _Decoding:
             self.be.gather(hidden, np.broadcast_to(np.arange(B)[:, None], (B, T)), cols, call.feeds["target_hidden"])
             call.feeds["input_ids"][:] = self.node_tokens[:, level.nodes][self.rows]
             call.feeds["position_ids"][:] = self.positions(np.broadcast_to(root_slot[:, None] + level.depth, (B, T)))
-            cache.mask_into(call.feeds["attention_mask"], plan.scratch_ancestors[level.depth])
+            cache.mask_into(call, plan.scratch_ancestors[level.depth])
             out = self.call(call.regime)
-            cache.write(out["new_keys"], out["new_values"], np.repeat(np.arange(B), T), np.tile(np.arange(T), B),
+            cache.write(call, out, np.repeat(np.arange(B), T), np.tile(np.arange(T), B),
                         np.tile(plan.scratch + level.nodes - 1, B))
             self.take_candidates(out, level.nodes, np.arange(T)[None, :])
             parent_ids = self.sampler.children(self.cand_ids[:, level.nodes], self.cand_probs[:, level.nodes],
@@ -361,7 +360,7 @@ class _Decoding:
         call, tree, cache = self.plan.calls["verify"], self.tree, self.plan.target_cache
         call.feeds["input_ids"][:] = self.node_tokens[self.rows]
         call.feeds["position_ids"][:] = self.positions(cache.length[:, None] + tree.depths[None, :])
-        cache.mask_into(call.feeds["attention_mask"])
+        cache.mask_into(call)
         return self.call("verify")
 
     def accept(self, active, out):
@@ -381,7 +380,7 @@ class _Decoding:
         rows = np.flatnonzero(active[self.rows])
         slot = np.searchsorted(a, self.rows[rows])  # each active row's image among the active ones
         cols = np.maximum(path[slot], 0)
-        self.plan.target_cache.append(out["new_keys"], out["new_values"], rows, cols, emit[slot])
+        self.plan.target_cache.append(self.plan.calls["verify"], out, rows, cols, emit[slot])
         if self.tree.depth:
             counts = np.ones(self.N, dtype=np.int64)  # finished images keep a dummy pair, never committed
             counts[a] = np.maximum(emit, 1)

@@ -5,6 +5,7 @@ engines/NAME/
   condition.onnx    class ids / caption -> condition embeddings (LlamaGen)
   target.onnx       the AR target: prefill, one-token steps and tree verification in one graph
   drafter.onnx      the drafter with CFG, filters and top-K in the graph (absent: `ar` only)
+  commit.onnx       in-place engines: moves the accepted path's K/V inside the target's cache
   vq_decoder.onnx   code grid -> RGB in [-1, 1] (optional)
   neighbors.npy     latent neighbours [codes, k] of every code, nearest first (optional)
   *.onnx.data       external weights of a graph
@@ -50,6 +51,19 @@ DTYPES = ("fp32", "fp16", "bf16")
 # K drafter candidates, C condition tokens. Scalars are shape-[1] tensors. attention_mask is
 # True where a query may attend: the first P columns are the cache slots, the last T the new
 # tokens. Entries whose name holds "{i}" repeat once per layer.
+#
+# Two forms of the target and drafter graphs, chosen at export (`lantern-export onnx --attention`):
+#   plain  (target, target_ids, drafter): caches in, the new tokens' K/V out; the runtime copies
+#          the entries it keeps into its cache (any cache length P).
+#   in place (target_inplace, target_ids_inplace, drafter_inplace, + commit): the forms TensorRT
+#          fuses. S cache slots, fixed at export (Manifest.static_cache); the caches are in/out,
+#          one buffer: each layer writes the T new tokens' K/V at slots write_index[b] ..
+#          write_index[b] + T - 1 of row b (ONNX TensorScatter), and attention_mask [B, 1, T, S]
+#          covers the whole cache, the new tokens included at the slots they are written to.
+#          `aliases` names each output that is its input updated in place: a backend binds both
+#          to one buffer (or copies the output back). The commit graph moves the accepted path's
+#          entries (written at write_index + node index during verification) to the contiguous
+#          slots write_index .. write_index + A - 1, in place; A = tree depth + 1.
 GRAPHS = {
     "condition_c2i": {
         "inputs": {"class_ids": ("int64", ["B"])},
@@ -128,13 +142,46 @@ GRAPHS = {
     },
 }
 
+
+def _in_place(plain, first_outputs, last_outputs=()):
+    """The in-place contract of a plain one: mask over the S static slots, caches in/out as
+    past_*/present_* (aliased), write_index last."""
+    inputs = {name: (kind, ["B", 1, "T", "S"] if name == "attention_mask" else
+                     ["B", "H", "S", "hd"] if name.startswith("past_") else shape)
+              for name, (kind, shape) in plain["inputs"].items()}
+    inputs["write_index"] = ("int64", ["B"])
+    outputs = {name: plain["outputs"][name] for name in first_outputs}
+    outputs.update({"present_keys_{i}": ("float", ["B", "H", "S", "hd"]),
+                    "present_values_{i}": ("float", ["B", "H", "S", "hd"])})
+    outputs.update({name: plain["outputs"][name] for name in last_outputs})
+    return {"inputs": inputs, "outputs": outputs, "aliases": _CACHE_ALIASES}
+
+
+_CACHE_ALIASES = {"present_keys_{i}": "past_keys_{i}", "present_values_{i}": "past_values_{i}"}
+GRAPHS["target_inplace"] = _in_place(GRAPHS["target"], ("logits", "hidden"))
+GRAPHS["target_ids_inplace"] = _in_place(GRAPHS["target_ids"], ("logits", "hidden"))
+GRAPHS["drafter_inplace"] = _in_place(GRAPHS["drafter"], ("hidden_out",), ("topk_ids", "topk_probs"))
+GRAPHS["commit"] = {
+    "inputs": {
+        "src_slots": ("int64", ["B", "A"]),  # row b's entry j comes from slot src_slots[b, j]
+        "write_index": ("int64", ["B"]),  # ... and goes to slot write_index[b] + j
+        "past_keys_{i}": ("float", ["B", "H", "S", "hd"]),
+        "past_values_{i}": ("float", ["B", "H", "S", "hd"]),
+    },
+    "outputs": {"present_keys_{i}": ("float", ["B", "H", "S", "hd"]),
+                "present_values_{i}": ("float", ["B", "H", "S", "hd"])},
+    "aliases": _CACHE_ALIASES,
+}
+IN_PLACE_CONTRACTS = {"target": "target_inplace", "target_ids": "target_ids_inplace", "drafter": "drafter_inplace"}
+
 GRAPH_FILES = {"condition": "condition.onnx", "target": "target.onnx", "drafter": "drafter.onnx",
-               "vq_decoder": "vq_decoder.onnx"}
+               "vq_decoder": "vq_decoder.onnx", "commit": "commit.onnx"}
 
 
 def graph_io(contract, layers=1):
     """GRAPHS[contract] with the per-layer entries expanded for `layers` layers, in order:
-    {"inputs": {name: (kind, shape)}, "outputs": {...}}."""
+    {"inputs": {name: (kind, shape)}, "outputs": {...}, "aliases": {output: input}} (aliases:
+    the outputs that are their input updated in place; empty for most graphs)."""
     def expand(entries):
         out = {}
         for name, value in entries.items():
@@ -143,7 +190,10 @@ def graph_io(contract, layers=1):
         return out
 
     spec = GRAPHS[contract]
-    return {"inputs": expand(spec["inputs"]), "outputs": expand(spec["outputs"])}
+    aliases = {}
+    for output, source in spec.get("aliases", {}).items():
+        aliases.update({output.format(i=i): source.format(i=i) for i in range(layers)})
+    return {"inputs": expand(spec["inputs"]), "outputs": expand(spec["outputs"]), "aliases": aliases}
 
 
 def cache_feeds(keys, values):
@@ -262,6 +312,22 @@ class Neighbors:
     file: str
     k: int  # neighbours per code
     dtype: str
+
+
+@dataclass(frozen=True)
+class StaticCache:
+    """The cache budget of an in-place engine, fixed at export (its caches have a static length,
+    which TensorRT's fused cache update needs). A generation fits when its prefix (condition
+    tokens, or prompt rows left-padded to `prefix`), its image tokens and its tree fit.
+    Target cache slots: prefix, then the image's tokens, then room for one tree's nodes beyond
+    the last committed token. Drafter cache slots: one per committed (hidden, token) pair, then
+    the current tree's nodes (scratch)."""
+
+    prefix: int  # prefix slots: LlamaGen's condition tokens; Chameleon: the longest prompt row
+    image_tokens: int  # the most tokens a generation emits per image
+    tree_nodes: int  # the largest draft tree (root included); 1 for an `ar` engine
+    target: int  # = prefix + image_tokens + tree_nodes: the S of the target and commit graphs
+    drafter: int  # = image_tokens + tree_nodes: the S of the drafter graph
 
 
 @dataclass(frozen=True)
@@ -417,7 +483,13 @@ class Manifest:
     build: dict = field(default_factory=dict)
     tensorrt: Optional[dict] = None  # plans directory key ("tensorrt-rtx-SM89") -> TensorRTPlans
     tuned_trees: dict = field(default_factory=dict)  # settings key -> TunedSettings (lantern-run tune)
+    static_cache: Optional[StaticCache] = None  # in-place engines only (target contract *_inplace)
     schema: int = SCHEMA_VERSION
+
+    @property
+    def attention(self):
+        """The graphs' cache form: 'fused' (in place, static caches) or 'plain'."""
+        return "fused" if self.static_cache is not None else "plain"
 
     def to_json(self):
         return _to_json(self)
@@ -634,6 +706,11 @@ def _parse(data, where):
         neighbors = Neighbors(file=nb.get("file", str), k=nb.positive("k"), dtype=nb.get("dtype", str))
         nb.done(_fields(Neighbors))
     drafter = r.obj("drafter", optional=True)
+    sc = r.obj("static_cache", optional=True)
+    static_cache = None
+    if sc is not None:
+        static_cache = StaticCache(**{k: sc.positive(k) for k in _fields(StaticCache)})
+        sc.done(_fields(StaticCache))
     m = Manifest(
         family=r.get("family", str), model=r.get("model", dict), target=_shape(r.obj("target")), condition=condition,
         vocabulary=vocabulary, image=image, max_positions=r.positive("max_positions"),
@@ -646,7 +723,7 @@ def _parse(data, where):
         tree=r.get("tree", dict, optional=True), candidates=r.positive("candidates", optional=True), neighbors=neighbors,
         vq=r.get("vq", dict, optional=True), sources=r.get("sources", dict), tools=r.get("tools", dict),
         build=r.get("build", dict), tuned_trees=_tuned_trees(r.get("tuned_trees", dict, optional=True), where),
-        schema=SCHEMA_VERSION)
+        static_cache=static_cache, schema=SCHEMA_VERSION)
     r.done(_fields(Manifest))
     _check_consistency(m, r)
     plans = r.get("tensorrt", dict, optional=True)
@@ -762,9 +839,13 @@ def _check_consistency(m, r):
     modes, a neighbour table for relaxed ones; every graph's file listed."""
     if "target" not in m.graphs:
         r.fail("graphs", "has no target graph")
+    _check_static_cache(m, r)
     wants = "target_ids" if m.condition.kind == "prompt" else "target"
+    if m.static_cache is not None:
+        wants = IN_PLACE_CONTRACTS[wants]
     if m.graphs["target"].contract != wants:
-        r.fail("graphs.target.contract", f"is {m.graphs['target'].contract!r}; a {m.condition.kind} engine's is {wants!r}")
+        r.fail("graphs.target.contract", f"is {m.graphs['target'].contract!r}; a {m.condition.kind} engine "
+                                         f"{'with' if m.static_cache else 'without'} a static cache has {wants!r}")
     if m.condition.tokenizer is not None and m.condition.tokenizer not in m.files:
         r.fail("condition.tokenizer", f"names {m.condition.tokenizer}, which `files` does not list")
     if m.vocabulary.size != m.graphs["target"].outputs["logits"].shape[-1]:
@@ -808,6 +889,41 @@ def _check_consistency(m, r):
         for name in files:
             if name not in m.files:
                 tuned.fail(key, f"names {name}, which `files` does not list")
+
+
+def _check_static_cache(m, r):
+    """An in-place engine: every graph in its in-place form, with caches of the budget's length,
+    and a commit graph when it drafts; a plain engine has none of these."""
+    s = m.static_cache
+    in_place = {name: g for name, g in m.graphs.items() if "aliases" in GRAPHS[g.contract]}
+    if s is None:
+        if in_place:
+            r.fail("static_cache", f"is missing; graphs {', '.join(sorted(in_place))} update static caches in place")
+        return
+    if s.target != s.prefix + s.image_tokens + s.tree_nodes or s.drafter != s.image_tokens + s.tree_nodes:
+        r.fail("static_cache", f"{s} does not add up (target = prefix + image_tokens + tree_nodes, "
+                               f"drafter = image_tokens + tree_nodes)")
+    if s.image_tokens < m.image.tokens:
+        r.fail("static_cache.image_tokens", f"({s.image_tokens}) is less than the engine's grid makes ({m.image.tokens})")
+    slots = {"target": s.target, "commit": s.target, "drafter": s.drafter}
+    for name, want in slots.items():
+        if name in m.graphs:
+            g = m.graphs[name]
+            if "aliases" not in GRAPHS[g.contract]:
+                r.fail(f"graphs.{name}.contract", f"is {g.contract!r}, not an in-place contract, in an engine with a "
+                                                  f"static cache")
+            if g.inputs["past_keys_0"].shape[2] != want:
+                r.fail(f"graphs.{name}.inputs.past_keys_0", f"has {g.inputs['past_keys_0'].shape[2]} slots; the static "
+                                                            f"cache gives it {want}")
+    if "drafter" in m.graphs and "commit" not in m.graphs:
+        r.fail("graphs", "has no commit graph (an in-place engine with a drafter commits accepted paths with it)")
+    if "commit" in m.graphs and m.graphs["commit"].layers != m.target.layers:
+        r.fail("graphs.commit", f"moves {m.graphs['commit'].layers} layers' caches; the target has {m.target.layers}")
+    if m.tree is not None:
+        from lantern.runtime.tree import build_tree
+
+        if build_tree(m.tree).num_nodes > s.tree_nodes:
+            r.fail("static_cache.tree_nodes", f"({s.tree_nodes}) is less than the default tree's nodes")
 
 
 def read_manifest(directory, verify=True):

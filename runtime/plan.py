@@ -17,15 +17,20 @@ accepted) is padded and masked instead of changing a shape. `shapes()` lists the
 TensorRT optimization profiles; `step_bytes()` estimates what a step needs so a request the
 machine cannot hold is refused up front.
 
-Caches: target capacity C + image tokens; drafter capacity image tokens (one slot per committed
-pair) + M - 1 scratch slots where the current tree's nodes live while it is drafted.
+Caches (lantern.runtime.kvcache.cache_layout): plain graphs, target capacity C + image tokens;
+drafter capacity image tokens (one slot per committed pair) + M - 1 scratch slots where the
+current tree's nodes live while it is drafted. In-place graphs: the static sizes the engine was
+exported with, the prefix left-padded to its budget (so prefill has one shape for every prompt),
+and one more regime:
+  commit    commit      -                   the accepted path's K/V moved inside the target's
+                                            cache (src_slots [B, depth + 1]); only when it drafts
 """
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
-from lantern.runtime.kvcache import KVCache
+from lantern.runtime.kvcache import cache_layout
 
 
 @dataclass
@@ -36,6 +41,9 @@ class Call:
     output_shapes: dict = field(default_factory=dict)  # output name -> shape
     outputs: Optional[dict] = None  # preallocated outputs when the backend binds the call
     tokens: int = 0  # T
+    block: Optional[np.ndarray] = None  # [B, T, T]: the mask among the call's new tokens (the cache places it)
+    first_slot: Optional[int] = None  # where the call's new K/V go: a fixed slot on (drafter scratch), or
+    # None: after each row's committed entries
 
 
 class StepPlan:
@@ -43,12 +51,13 @@ class StepPlan:
         """settings: the drafter's sampling inputs {cfg_scale, temperature, top_k, top_p}."""
         m = manifest
         self.manifest, self.tree = m, tree
+        cache_type, prefix, target_slots, drafter_slots = cache_layout(m, prefix, tree)
         self.images, self.rows, self.tokens = prefix.images, prefix.rows, prefix.tokens
         B, C = prefix.rows, prefix.tokens
         self.halves = np.arange(B) % self.images  # the image of each batch row
         self.image_tokens = prefix.length  # tokens generated per image
         t = m.target
-        self.target_cache = KVCache(backend, t.layers, B, t.kv_heads, C + self.image_tokens, t.head_dim)
+        self.target_cache = cache_type(backend, t.layers, B, t.kv_heads, target_slots, t.head_dim)
         self.drafter_cache = None
         self.calls = {}
         target_inputs = m.graphs["target"].inputs
@@ -60,13 +69,12 @@ class StepPlan:
             self.calls["condition"] = Call("condition", "condition", feeds, self._output_shapes("condition", B, 0))
         self._target_call("prefill", C, shared)
         verify = self._target_call("verify", tree.num_nodes, shared)
-        verify.feeds["attention_mask"][:, 0, :, -tree.num_nodes:] = tree.mask
+        verify.block[:] = tree.mask
 
         if tree.depth:
             d = m.drafter
             self.scratch = self.image_tokens  # first scratch slot
-            self.drafter_cache = KVCache(backend, d.layers, B, d.kv_heads, self.image_tokens + tree.num_nodes - 1,
-                                         d.head_dim)
+            self.drafter_cache = cache_type(backend, d.layers, B, d.kv_heads, drafter_slots, d.head_dim)
             pair = np.arange(B)
             if prefix.cfg:
                 pair = (pair + self.images) % B  # [cond; uncond] partners
@@ -76,7 +84,8 @@ class StepPlan:
             self._drafter_call("draft0", tree.depth + 1, backend)
             for level in tree.levels[:-1]:
                 call = self._drafter_call(f"draft{level.depth}", len(level.nodes), backend)
-                call.feeds["attention_mask"][:, 0, :, -call.tokens:] = np.eye(call.tokens, dtype=bool)
+                call.block[:] = np.eye(call.tokens, dtype=bool)
+                call.first_slot = self.scratch + int(level.nodes[0]) - 1  # a depth's nodes are consecutive
             # Depth d's nodes see their ancestors at depths 1 .. d-1 in the scratch slots.
             self.scratch_ancestors = {}
             for level in tree.levels[:-1]:
@@ -84,16 +93,21 @@ class StepPlan:
                 anc = tree.mask[level.nodes][:, 1:] & (tree.depths[1:] < level.depth)[None, :]
                 extra[:, self.scratch: self.scratch + tree.num_nodes - 1] = anc
                 self.scratch_ancestors[level.depth] = extra
+            if "commit" in m.graphs:
+                self.target_cache.commit = self._commit_call(tree.depth + 1)
         self.reset(prefix, settings)
 
     def fits(self, prefix):
-        """Whether this plan's shapes serve a prefix (same rows and prefix length)."""
+        """Whether this plan's shapes serve a prefix (same rows and prefix length, as the caches
+        hold it)."""
+        prefix = cache_layout(self.manifest, prefix, self.tree)[1]
         return (prefix.rows, prefix.tokens, prefix.images, prefix.length) == \
             (self.rows, self.tokens, self.images, self.image_tokens)
 
     def reset(self, prefix, settings):
         """Start a generation: empty caches, write the prefix's feeds and the sampling settings
         into the bound buffers (shapes stay)."""
+        prefix = cache_layout(self.manifest, prefix, self.tree)[1]
         C = prefix.tokens
         self.prefix = prefix
         self.target_cache.reset()
@@ -104,11 +118,12 @@ class StepPlan:
         if "condition" in self.calls:
             for name, value in prefix.condition_feeds.items():
                 self.calls["condition"].feeds[name][:] = value
-        feeds = self.calls["prefill"].feeds
-        feeds["input_ids"][:] = prefix.ids
-        feeds["position_ids"][:] = prefix.positions
+        call = self.calls["prefill"]
+        call.feeds["input_ids"][:] = prefix.ids
+        call.feeds["position_ids"][:] = prefix.positions
         causal = np.tril(np.ones((C, C), dtype=bool))
-        feeds["attention_mask"][:, 0, :, -C:] = causal[None] & prefix.key_visible[:, None, :] | np.eye(C, dtype=bool)
+        call.block[:] = causal[None] & prefix.key_visible[:, None, :] | np.eye(C, dtype=bool)
+        self.target_cache.mask_into(call)
 
     # -- construction ------------------------------------------------------------------------------
     def _output_shapes(self, graph, rows, tokens):
@@ -116,34 +131,42 @@ class StepPlan:
         dims = {"B": rows, "T": tokens}
         return {name: tuple(dims.get(d, d) for d in s.shape) for name, s in spec.items()}
 
-    def _feeds(self, graph, rows, tokens, capacity):
+    def _feeds(self, graph, rows, tokens, cache):
         feeds = {}
         for name, spec in self.manifest.graphs[graph].inputs.items():
-            if name.startswith("past_") or name == "cond_embeds" or spec.dtype not in ("int64", "bool"):
-                continue
-            shape = {"input_ids": (rows, tokens), "position_ids": (rows, tokens),
-                     "attention_mask": (rows, 1, tokens, capacity + tokens)}.get(name)
+            shape = {"input_ids": (rows, tokens), "position_ids": (rows, tokens), "write_index": (rows,),
+                     "attention_mask": (rows, 1, tokens, cache.mask_columns(tokens))}.get(name)
             if shape is not None:
                 feeds[name] = np.zeros(shape, dtype=spec.dtype)
         return feeds
 
     def _target_call(self, regime, tokens, shared):
         cache = self.target_cache
-        feeds = self._feeds("target", self.rows, tokens, cache.capacity)
+        feeds = self._feeds("target", self.rows, tokens, cache)
         feeds.update(shared)
         feeds.update(cache.feeds)
-        call = Call("target", regime, feeds, self._output_shapes("target", self.rows, tokens), tokens=tokens)
+        call = Call("target", regime, feeds, self._output_shapes("target", self.rows, tokens), tokens=tokens,
+                    block=cache.block_of(feeds["attention_mask"]))
         self.calls[regime] = call
         return call
 
     def _drafter_call(self, regime, tokens, backend):
         cache = self.drafter_cache
-        feeds = self._feeds("drafter", self.rows, tokens, cache.capacity)
+        feeds = self._feeds("drafter", self.rows, tokens, cache)
         feeds["target_hidden"] = backend.zeros((self.rows, tokens, self.manifest.target.dim))
         feeds.update(cache.feeds)
         feeds.update(self.settings)
-        call = Call("drafter", regime, feeds, self._output_shapes("drafter", self.rows, tokens), tokens=tokens)
+        call = Call("drafter", regime, feeds, self._output_shapes("drafter", self.rows, tokens), tokens=tokens,
+                    block=cache.block_of(feeds["attention_mask"]))
         self.calls[regime] = call
+        return call
+
+    def _commit_call(self, width):
+        """The in-place target cache's commit: entries to `width` contiguous slots per row."""
+        feeds = {"src_slots": np.zeros((self.rows, width), dtype=np.int64),
+                 "write_index": np.zeros(self.rows, dtype=np.int64), **self.target_cache.feeds}
+        call = Call("commit", "commit", feeds, self._output_shapes("commit", self.rows, 0), tokens=width)
+        self.calls["commit"] = call
         return call
 
     # -- what the plan is --------------------------------------------------------------------------
@@ -157,12 +180,13 @@ def estimate_bytes(manifest, tree, prefix, itemsize):
     """Bytes a generation holds at its peak, from shapes alone (before anything is allocated):
     caches and feed buffers, the largest call's outputs and working memory (attention scores and
     softmax, the MLP), and the host's acceptance work on a step's logits. Weights not included."""
+    _, prefix, target_slots, drafter_slots = cache_layout(manifest, prefix, tree)
     m, B, C, N = manifest, prefix.rows, prefix.tokens, prefix.images
-    image, M = prefix.length, tree.num_nodes
-    calls = [("target", m.target, C, C + image), ("target", m.target, M, C + image)]
-    held = 2 * m.target.layers * B * m.target.kv_heads * (C + image) * m.target.head_dim * itemsize
+    M = tree.num_nodes
+    calls = [("target", m.target, C, target_slots), ("target", m.target, M, target_slots)]
+    held = 2 * m.target.layers * B * m.target.kv_heads * target_slots * m.target.head_dim * itemsize
     if tree.depth:
-        d, capacity = m.drafter, image + M - 1
+        d, capacity = m.drafter, drafter_slots
         held += 2 * d.layers * B * d.kv_heads * capacity * d.head_dim * itemsize
         calls += [("drafter", d, tree.depth + 1, capacity)] + [("drafter", d, len(lv.nodes), capacity)
                                                                for lv in tree.levels[:-1]]

@@ -25,6 +25,14 @@ def t2i_engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def chameleon_engines(tmp_path_factory):
+    """Tiny Anole and Lumina-mGPT engines ({family: directory}), exported through the real CLI."""
+    from engines import build_chameleon_engines
+
+    return build_chameleon_engines(tmp_path_factory.mktemp("chameleon-engines"))
+
+
+@pytest.fixture(scope="session")
 def demo_engine(tmp_path_factory):
     """The README's main command, `lantern-export demo`, run once per session: its engine directory
     (the shipped demo model exported, checked and run) serves every test that needs a real engine

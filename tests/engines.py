@@ -47,6 +47,56 @@ def build_engine(root, model_type="c2i", tree="mc_sim_7b_63", drafter=True, with
     return out
 
 
+def export_like(engine, out, *extra):
+    """The checkpoints `engine` was exported from, exported again through the CLI with the same
+    tree, candidates and neighbours plus `extra` options (e.g. --attention fused): an engine of
+    the same weights in another form. Returns its directory."""
+    assert cli.main(export_argv(engine, out, *extra)) == 0
+    return str(out)
+
+
+def export_argv(engine, out, *extra):
+    """`lantern-export` arguments that export `engine`'s checkpoints again (see export_like)."""
+    m = manifest(engine)
+    src = m["sources"]
+    argv = ["onnx", "--target", src["target"]["path"], "--out", str(out), "--no-progress"]
+    if src["target"].get("options", {}).get("config_file"):
+        argv += ["--config", src["target"]["options"]["config_file"]]
+    if "drafter" in src:
+        argv += ["--drafter", src["drafter"]["path"], "--tree", m["tree"]["name"], "--candidates", str(m["candidates"])]
+    if "vq" in src:
+        argv += ["--vq", src["vq"]["path"], "--neighbors-k", str(m["neighbors"]["k"])]
+    return argv + list(extra)
+
+
+def build_chameleon_engines(root, vocab=9400):
+    """Tiny Anole (Hugging Face layout) and Lumina-mGPT (xllmx) engines with LANTERN drafters and
+    a Meta-layout VQ-GAN (text tokenizer beside it), exported through the CLI: {family: directory}.
+    The vocabulary keeps Chameleon's layout: image tokens 4..8195, then the prompts' special ids."""
+    from lantern.export import chameleon as ch
+    from lantern.export import chameleon_checkpoints as ck
+    from lantern.export import chameleon_vq as cvq
+
+    vq_model = cvq.init_random(cvq.ChameleonVQ(cvq.tiny_config()), seed=4).eval()
+    cvq.save_vq(vq_model, root / "vq")
+    ck.save_text_tokenizer(root / "vq" / "text_tokenizer.json", vocab_size=vocab)
+    out = {}
+    for family, save in (("anole", ck.save_hf_anole), ("lumina_mgpt", ck.save_xllmx_lumina)):
+        config = ck.tiny_config(family=family, num_key_value_heads=2, vocab_size=vocab)
+        target = ch.init_random(ch.ChameleonTarget(config), seed=0).eval()
+        drafter = ch.init_random(ch.ChameleonDrafter(ck.tiny_drafter_config(config)), seed=1).eval()
+        if family == "lumina_mgpt":
+            target, drafter = ck.tie_qk_norm_rows(target), ck.tie_qk_norm_rows(drafter)
+        save(target, root / family)
+        ck.save_drafter(drafter, root / f"{family}_drafter")
+        argv = ["onnx", "--target", str(root / family), "--drafter", str(root / f"{family}_drafter"),
+                "--vq", str(root / "vq"), "--tree", "mc_sim_7b_63", "--candidates", "16", "--neighbors-k", "16",
+                "--out", str(root / f"engine-{family}"), "--no-progress"]
+        assert cli.main(argv) == 0
+        out[family] = str(root / f"engine-{family}")
+    return out
+
+
 def captions(n, cls=6, dim=24, seed=1):
     rng = np.random.default_rng(seed)
     mask = np.ones((n, cls), dtype=bool)

@@ -6,43 +6,22 @@ import numpy as np
 import pytest
 import torch
 
-from lantern.export import chameleon as ch
-from lantern.export import chameleon_checkpoints as ck
 from lantern.export import chameleon_vq as cvq
-from lantern.export import cli
 from lantern.export.check import check_engine
 from lantern.runtime import chameleon_prompts as prompts
 from lantern.runtime.cli import main as run_main
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 
-# A small vocabulary that keeps Chameleon's layout: image tokens 4..8195 (8192 codes), then the
-# special ids the prompts use (8196 .. 8804 + n).
-VOCAB, IMAGE_END_ID, CODES = 9400, 8196, 8192
+# The engines' vocabulary (tests/engines.py: build_chameleon_engines) keeps Chameleon's layout:
+# image tokens 4..8195 (8192 codes), then the special ids the prompts use.
+IMAGE_END_ID, CODES = 8196, 8192
 GRID = (4, 4)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chameleon-engines")
-    vq = cvq.init_random(cvq.ChameleonVQ(cvq.tiny_config()), seed=4).eval()
-    cvq.save_vq(vq, root / "vq")
-    ck.save_text_tokenizer(root / "vq" / "text_tokenizer.json", vocab_size=VOCAB)
-    out = {}
-    for family, save in (("anole", ck.save_hf_anole), ("lumina_mgpt", ck.save_xllmx_lumina)):
-        config = ck.tiny_config(family=family, num_key_value_heads=2, vocab_size=VOCAB)
-        target = ch.init_random(ch.ChameleonTarget(config), seed=0).eval()
-        drafter = ch.init_random(ch.ChameleonDrafter(ck.tiny_drafter_config(config)), seed=1).eval()
-        if family == "lumina_mgpt":
-            target, drafter = ck.tie_qk_norm_rows(target), ck.tie_qk_norm_rows(drafter)
-        save(target, root / family)
-        ck.save_drafter(drafter, root / f"{family}_drafter")
-        argv = ["onnx", "--target", str(root / family), "--drafter", str(root / f"{family}_drafter"),
-                "--vq", str(root / "vq"), "--tree", "mc_sim_7b_63", "--candidates", "16", "--neighbors-k", "16",
-                "--out", str(root / f"engine-{family}"), "--no-progress"]
-        assert cli.main(argv) == 0
-        out[family] = str(root / f"engine-{family}")
-    return out
+def engines(chameleon_engines):
+    return chameleon_engines
 
 
 @pytest.mark.parametrize("family", ["anole", "lumina_mgpt"])

@@ -27,7 +27,7 @@ from lantern.export.check import check_engine
 from lantern.export.quantize import QuantizeOptions, quantize_engine
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
-from lantern.runtime.manifest import Quantization, quantization_scheme, read_manifest
+from lantern.runtime.manifest import quantization_scheme, read_manifest
 from lantern.tools import run_cli
 
 GRAPHS = ("target", "drafter")

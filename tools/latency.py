@@ -61,7 +61,7 @@ def time_call(engine, plan, regime, repeats, rng, stat="median", clock="wall"):
     call.feeds["input_ids"][:] = rng.integers(V.image_start, V.image_end, call.feeds["input_ids"].shape)
     call.feeds["position_ids"][:] = np.minimum(cache.length[:, None] + np.arange(call.tokens),
                                                engine.manifest.max_positions - 1)
-    cache.mask_into(call.feeds["attention_mask"])
+    cache.mask_into(call)
     be = engine.backend
     now = CLOCKS[clock]
     times = []

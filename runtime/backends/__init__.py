@@ -22,7 +22,9 @@ class Backend(Protocol):
 
     def run(self, call):
         """Run call.graph on call.feeds -> {output name: array} (the call's bound outputs when
-        it was bound; valid until the same call runs again)."""
+        it was bound; valid until the same call runs again). An output the graph's contract
+        aliases to an input (in-place graphs: present_keys_i -> past_keys_i) is that input's
+        buffer, updated: bound to it, or copied back into it."""
 
     def numpy(self, array):
         """A host numpy array of the values."""

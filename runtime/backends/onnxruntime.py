@@ -5,12 +5,18 @@ for calls of a bound StepPlan, IOBinding: each call's feed buffers are bound onc
 that share their memory, and its outputs go into buffers preallocated once, so a step allocates
 nothing that grows with the cache or the vocabulary. On the CPU provider numpy buffers are bound
 in place; the same code is what the CUDA provider runs with device OrtValues.
+
+In-place graphs (contracts with `aliases`: present_keys_i is past_keys_i updated): a bound call
+binds the cache's one OrtValue as both input and output, so TensorScatter writes into the cache
+(ONNX Runtime copies the whole cache first when the two differ, and says so on stderr); an
+unbound call gets the updated cache back as an output and copies it into the input's buffer.
 """
 import os
 
 import numpy as np
 
 from lantern.runtime.errors import LanternError
+from lantern.runtime.manifest import graph_io
 
 _NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -55,6 +61,7 @@ class OnnxRuntimeBackend:
                 raise LanternError(f"{path}: ONNX Runtime cannot load it ({str(e).splitlines()[0]}); "
                                    f"re-export the engine") from None
         self.outputs = {g: [o.name for o in s.get_outputs()] for g, s in self.sessions.items()}
+        self.aliases = {g: graph_io(e.contract, max(e.layers, 1))["aliases"] for g, e in manifest.graphs.items()}
         self._bound = {}  # id(call) -> (call, IOBinding)
 
     def zeros(self, shape):
@@ -66,10 +73,17 @@ class OnnxRuntimeBackend:
         for call in plan.calls.values():
             session = self.sessions[call.graph]
             binding = session.io_binding()
+            values = {}
             for name, buffer in call.feeds.items():
-                binding.bind_ortvalue_input(name, self.ort.OrtValue.ortvalue_from_numpy(buffer))
+                values[name] = self.ort.OrtValue.ortvalue_from_numpy(buffer)  # shares the buffer
+                binding.bind_ortvalue_input(name, values[name])
             call.outputs = {}
+            aliases = self.aliases[call.graph]
             for out in session.get_outputs():
+                if out.name in aliases:  # updated in place: the input's own buffer
+                    binding.bind_ortvalue_output(out.name, values[aliases[out.name]])
+                    call.outputs[out.name] = call.feeds[aliases[out.name]]
+                    continue
                 buffer = np.zeros(call.output_shapes[out.name], dtype=_ORT_TYPES[out.type])
                 binding.bind_ortvalue_output(out.name, self.ort.OrtValue.ortvalue_from_numpy(buffer))
                 call.outputs[out.name] = buffer
@@ -80,7 +94,11 @@ class OnnxRuntimeBackend:
         if bound is not None and bound[0] is call:
             self.sessions[call.graph].run_with_iobinding(bound[1])
             return call.outputs
-        return dict(zip(self.outputs[call.graph], self.sessions[call.graph].run(None, call.feeds)))
+        out = dict(zip(self.outputs[call.graph], self.sessions[call.graph].run(None, call.feeds)))
+        for output, source in self.aliases[call.graph].items():
+            np.copyto(call.feeds[source], out[output])
+            out[output] = call.feeds[source]
+        return out
 
     def release(self, plan):
         """Forget a plan's bindings (the engine keeps one plan at a time)."""

@@ -33,8 +33,9 @@ On the device, without kernels of our own:
           in one call (pitches: a slot row; slices: a layer), so a step's commit is 2 to
           2 x (depth + 1) x rows copy calls and never leaves the GPU.
   numpy   a device-to-host copy and a stream synchronize (logits, top-K).
-The price of copies over kernels is API calls: a few microseconds each on the host. A fused
-commit graph (lantern.export.fused_forms.CommitGraph) would make it one launch.
+The price of copies over kernels is API calls: a few microseconds each on the host. In-place
+engines (--attention fused) commit with their commit graph instead, one launch, and their
+present_* outputs are bound to the past_* cache buffers they update (untested on a GPU so far).
 """
 import ctypes
 import importlib
@@ -43,6 +44,7 @@ import os
 import numpy as np
 
 from lantern.runtime.errors import LanternError
+from lantern.runtime.manifest import graph_io
 
 FLAVOR_MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}
 _INSTALL = {"tensorrt": "pip install 'lantern[tensorrt]'", "tensorrt-rtx": "pip install 'lantern[tensorrt-rtx]'"}
@@ -621,8 +623,15 @@ class TensorRTBackend(CudaArrays):
                 raise LanternError(f"{call.graph} input {name}: TensorRT refuses shape {list(shapes[name])} "
                                    f"({self.logger.first_error()})")
         outputs = {}
-        for name in self.manifest.graphs[call.graph].outputs:
+        entry = self.manifest.graphs[call.graph]
+        aliases = graph_io(entry.contract, max(entry.layers, 1))["aliases"]
+        for name in entry.outputs:
             shape = tuple(context.get_tensor_shape(name))
+            if name in aliases:  # IKVCacheUpdateLayer writes into its cache input: one buffer
+                feed = call.feeds[aliases[name]]
+                outputs[name] = feed if isinstance(feed, DeviceArray) else next(f.device for f in host if f.host is feed)
+                addresses[name] = addresses[aliases[name]]
+                continue
             want = call.output_shapes.get(name)
             if want is not None and tuple(want) != shape:
                 raise LanternError(f"{call.graph} output {name}: the plan gives {list(shape)}, the step plan expects "

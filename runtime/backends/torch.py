@@ -7,7 +7,11 @@ On CUDA, bind(plan) gives every call of the plan static device inputs (ids, posi
 sampling settings; caches, hidden states and condition embeddings already live on the device)
 and, by default, captures each call regime in a CUDA graph: a step then costs a few small
 host-to-device copies and one graph replay per engine call. cuda_graphs=False runs the modules
-eagerly on the same static buffers, for comparison."""
+eagerly on the same static buffers, for comparison.
+
+In-place graphs (contracts with `aliases`): the modules return the updated caches as new tensors
+(eager TensorScatter is out of place), which run() copies into the cache buffers, a whole-cache
+copy per call: this backend is the reference for in-place engines, not their fast path."""
 import numpy as np
 
 from lantern.runtime.errors import LanternError
@@ -40,7 +44,7 @@ class TorchBackend:
         # bf16 has no numpy type: host copies of bf16 tensors come back as float32
         self.float_dtype = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}[manifest.dtype]
         self.modules = {name: module.to(self.device).eval() for name, module in modules.items()}
-        self.inputs, self.outputs, self.floats = {}, {}, {}
+        self.inputs, self.outputs, self.floats, self.aliases = {}, {}, {}, {}
         for name, graph in manifest.graphs.items():
             if name not in self.modules:
                 continue
@@ -48,6 +52,7 @@ class TorchBackend:
             self.inputs[name] = list(io["inputs"])
             self.outputs[name] = list(io["outputs"])
             self.floats[name] = {k for k, (kind, _) in io["inputs"].items() if kind == "float"}
+            self.aliases[name] = io["aliases"]
         self._bound = {}  # id(call) -> (call, static inputs, CUDA graph or None, graph outputs)
 
     def _tensor(self, x, is_float):
@@ -113,7 +118,7 @@ class TorchBackend:
             self._copy_feeds(call, static)
             if graph is not None:
                 graph.replay()
-                return outputs
+                return self._update_in_place(call.graph, outputs, static)
             args = [static[n] for n in self.inputs[call.graph]]
         else:
             floats = self.floats[call.graph]
@@ -121,7 +126,17 @@ class TorchBackend:
         with self.torch.inference_mode():
             out = self.modules[call.graph](*args)
         out = out if isinstance(out, tuple) else (out,)
-        return dict(zip(self.outputs[call.graph], out))
+        return self._update_in_place(call.graph, dict(zip(self.outputs[call.graph], out)),
+                                     dict(zip(self.inputs[call.graph], args)))
+
+    def _update_in_place(self, graph, out, inputs):
+        """Aliased outputs copied into their inputs (the caches), and returned as those."""
+        for output, source in self.aliases[graph].items():
+            target = inputs[source]
+            if out[output] is not target:
+                target.copy_(out[output])
+            out[output] = target
+        return out
 
     def numpy(self, array):
         if isinstance(array, np.ndarray):
