@@ -354,12 +354,7 @@ class ChameleonTarget(nn.Module):
         return (self.lm_head(hidden).float(), hidden, *caches)
 
     def empty_cache(self, batch, capacity=0, dtype=None):
-        """Per-layer lists of zero caches [B, Hkv, capacity, hd]."""
-        c = self.config
-        dtype = dtype or self.lm_head.weight.dtype
-        make = lambda: [torch.zeros(batch, c.num_key_value_heads, capacity, c.head_dim, dtype=dtype)
-                        for _ in range(c.num_hidden_layers)]
-        return make(), make()
+        return _empty_cache(self.config, batch, capacity, dtype or self.lm_head.weight.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,11 +400,14 @@ class ChameleonDrafter(nn.Module):
         return _run_layers(self.layers, x, cos, sin, attention_mask, past_keys, past_values, write_index, kv)
 
     def empty_cache(self, batch, capacity=0, dtype=None):
-        c = self.config
-        dtype = dtype or self.fc.weight.dtype
-        make = lambda: [torch.zeros(batch, c.num_key_value_heads, capacity, c.head_dim, dtype=dtype)
-                        for _ in range(c.num_hidden_layers)]
-        return make(), make()
+        return _empty_cache(self.config, batch, capacity, dtype or self.fc.weight.dtype)
+
+
+def _empty_cache(c, batch, capacity, dtype):
+    """Per-layer lists of zero caches [B, Hkv, capacity, hd] (keys, values)."""
+    make = lambda: [torch.zeros(batch, c.num_key_value_heads, capacity, c.head_dim, dtype=dtype)
+                    for _ in range(c.num_hidden_layers)]
+    return make(), make()
 
 
 def check_drafter_fits(drafter_config, target_config, source="drafter"):
@@ -504,7 +502,7 @@ def graph_modules(target, drafter=None, vq=None, candidates=None, attention="pla
         if attention == "fused":
             graphs["commit"] = ("commit", fused_forms.CommitGraph())
     if vq is not None:
-        from lantern.export.chameleon_vq import VQDecoderGraph
+        from lantern.export.graphs import VQDecoderGraph
 
         graphs["vq_decoder"] = ("vq_decoder", VQDecoderGraph(vq))
     return {name: (contract, module.eval()) for name, (contract, module) in graphs.items()}

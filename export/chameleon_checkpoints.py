@@ -35,6 +35,7 @@ import torch
 
 from lantern.export import chameleon
 from lantern.export.chameleon import ChameleonConfig, ChameleonDrafter, ChameleonTarget, DrafterConfig
+from lantern.export.checkpoints import check_state_keys
 from lantern.export.safeload import load_state_file
 from lantern.runtime.errors import LanternError
 
@@ -117,29 +118,12 @@ def _read_tensors(weights):
 def _assign_strict(module, state, source):
     """Check keys and shapes against `module` (built on the meta device), then assign the tensors
     (no copy). Mixed float dtypes are unified to float32."""
-    expected = module.state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys ({len(missing)}): {_first(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys ({len(unexpected)}): {_first(unexpected)}")
-        raise LanternError(f"{source}: checkpoint does not match its config; " + "; ".join(parts))
-    for key, value in expected.items():
-        if tuple(state[key].shape) != tuple(value.shape):
-            raise LanternError(f"{source}: {key} has shape {tuple(state[key].shape)} in the checkpoint "
-                               f"but {tuple(value.shape)} in the config")
+    check_state_keys(module, state, source)
     dtypes = {t.dtype for t in state.values()}
     if len(dtypes) > 1:
         state = {k: v.float() for k, v in state.items()}
     module.load_state_dict(state, strict=True, assign=True)
     return module.eval()
-
-
-def _first(keys, n=5):
-    return ", ".join(keys[:n]) + (", ..." if len(keys) > n else "")
 
 
 def _expand_qk_norms(state, config, prefix, source):

@@ -188,17 +188,6 @@ class ChameleonVQ(nn.Module):
         return self.decoder(self.post_quant_conv(z)).clamp(-1.0, 1.0)
 
 
-class VQDecoderGraph(nn.Module):
-    """codes int64 [B, h, w] -> image float32 [B, 3, Hpx, Wpx] in [-1, 1] (the vq_decoder graph)."""
-
-    def __init__(self, vq):
-        super().__init__()
-        self.vq = vq
-
-    def forward(self, codes):
-        return self.vq.decode_codes(codes).float()
-
-
 # ---------------------------------------------------------------------------------------------
 # Loading and writing
 

@@ -96,7 +96,9 @@ def _state_dict_of(obj, path, weights):
 # Strict loading
 
 
-def load_strict(module, state_dict, source):
+def check_state_keys(module, state_dict, source):
+    """The checkpoint's keys and shapes are exactly the module's, or LanternError naming the
+    first differences."""
     expected = module.state_dict()
     missing = [k for k in expected if k not in state_dict]
     unexpected = [k for k in state_dict if k not in expected]
@@ -110,7 +112,11 @@ def load_strict(module, state_dict, source):
     for k, v in expected.items():
         if tuple(state_dict[k].shape) != tuple(v.shape):
             raise LanternError(f"{source}: {k} has shape {tuple(state_dict[k].shape)} in the checkpoint "
-                               f"but {tuple(v.shape)} in the model config")
+                               f"but {tuple(v.shape)} in the config")
+
+
+def load_strict(module, state_dict, source):
+    check_state_keys(module, state_dict, source)
     dtypes = {t.dtype for t in state_dict.values() if t.is_floating_point()}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     module.to(dtype)

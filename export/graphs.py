@@ -94,6 +94,9 @@ class DrafterGraph(nn.Module):
 
 
 class VQDecoderGraph(nn.Module):
+    """codes int64 [B, h, w] -> image float32 [B, 3, Hpx, Wpx] in [-1, 1] (the vq_decoder graph),
+    for any VQ model with decode_codes (LlamaGen's, Chameleon's)."""
+
     def __init__(self, vq):
         super().__init__()
         self.vq = vq

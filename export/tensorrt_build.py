@@ -24,6 +24,7 @@ import os
 import re
 import time
 
+from lantern.runtime.backends.tensorrt import error_logger
 from lantern.runtime.errors import LanternError
 
 FLAVORS = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}
@@ -115,7 +116,7 @@ def build_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, timing
     where = str(onnx_path)
     if not profiles:
         raise LanternError(f"{where}: no optimization profile given")
-    logger = _Logger(trt)
+    logger = error_logger(trt)
     builder, network, parser = _parse(trt, where, logger)  # the parser owns the weights: keep it
     io = _network_io(trt, network)
     fused = _fused_layers(trt, network, decomposable_attention)
@@ -174,7 +175,7 @@ def network_io(onnx_path, *, flavor):
     {"inputs": {name: {"dtype", "shape", "shape_tensor"}}, "outputs": {...}}; dynamic dims are
     the ONNX dim names where TensorRT keeps them, else -1."""
     trt = load_tensorrt(flavor)
-    _, network, _parser = _parse(trt, str(onnx_path), _Logger(trt))
+    _, network, _parser = _parse(trt, str(onnx_path), error_logger(trt))
     return _network_io(trt, network)
 
 
@@ -183,7 +184,7 @@ def plan_io(plan, *, flavor):
     "shape", "profiles": [[min, opt, max], ...]}}, "outputs": {name: {"dtype", "shape"}}}.
     Needs a GPU: TensorRT (RTX too) cannot deserialize a plan without one."""
     trt = load_tensorrt(flavor)
-    logger = _Logger(trt)
+    logger = error_logger(trt)
     runtime = trt.Runtime(logger)
     engine = runtime.deserialize_cuda_engine(plan)
     if engine is None:
@@ -204,25 +205,6 @@ def plan_io(plan, *, flavor):
 
 # ---------------------------------------------------------------------------------------------
 # Internals
-
-
-def _Logger(trt):
-    """A TensorRT logger that keeps the errors (TensorRT reports build failures only there)
-    and prints nothing."""
-
-    class Logger(trt.ILogger):
-        def __init__(self):
-            trt.ILogger.__init__(self)
-            self.errors = []
-
-        def log(self, severity, msg):
-            if severity <= trt.ILogger.Severity.ERROR:
-                self.errors.append(" ".join(str(msg).split()))
-
-        def first_error(self):
-            return self.errors[0] if self.errors else "no error message from TensorRT"
-
-    return Logger()
 
 
 def _Progress(trt, callback):

@@ -94,22 +94,6 @@ GRAPHS = {
             "new_values": ("float", ["L", "B", "H", "T", "hd"]),
         },
     },
-    # The same target for prompts of token ids only (the Chameleon family): no condition rows.
-    "target_ids": {
-        "inputs": {
-            "input_ids": ("int64", ["B", "T"]),
-            "position_ids": ("int64", ["B", "T"]),
-            "attention_mask": ("bool", ["B", 1, "T", "P+T"]),
-            "past_keys_{i}": ("float", ["B", "H", "P", "hd"]),
-            "past_values_{i}": ("float", ["B", "H", "P", "hd"]),
-        },
-        "outputs": {
-            "logits": ("float32", ["B", "T", "V"]),
-            "hidden": ("float", ["B", "T", "D"]),
-            "new_keys": ("float", ["L", "B", "H", "T", "hd"]),
-            "new_values": ("float", ["L", "B", "H", "T", "hd"]),
-        },
-    },
     "drafter": {
         "inputs": {
             "target_hidden": ("float", ["B", "T", "D"]),
@@ -141,6 +125,11 @@ GRAPHS = {
         "outputs": {"image": ("float32", ["B", 3, "Hpx", "Wpx"])},
     },
 }
+
+
+# The same target for prompts of token ids only (the Chameleon family): no condition rows.
+GRAPHS["target_ids"] = {"inputs": {k: v for k, v in GRAPHS["target"]["inputs"].items() if k != "cond_embeds"},
+                        "outputs": dict(GRAPHS["target"]["outputs"])}
 
 
 def _in_place(plain, first_outputs, last_outputs=()):

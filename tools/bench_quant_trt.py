@@ -68,9 +68,11 @@ def build(trt, path, cc, sizes):
     """Parse + strongly typed build for one compute capability. Returns a result dict."""
     import onnx
 
+    from lantern.runtime.backends.tensorrt import error_logger
+
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
             for i in onnx.load(path, load_external_data=False).graph.input}
-    logger = _logger(trt)
+    logger = error_logger(trt)
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
@@ -91,7 +93,7 @@ def build(trt, path, cc, sizes):
     plan = builder.build_serialized_network(network, config)
     seconds = round(time.perf_counter() - start, 1)
     if plan is None:
-        return {"ok": False, "seconds": seconds, "error": logger.first_error}
+        return {"ok": False, "seconds": seconds, "error": logger.first_error()}
     return {"ok": True, "plan_bytes": plan.nbytes, "seconds": seconds}
 
 
@@ -101,20 +103,6 @@ def _bounds(dim, sizes):
     if dim == "P+T":
         return tuple(p + t for p, t in zip(sizes["P"], sizes["T"]))
     return sizes[dim]
-
-
-def _logger(trt):
-    """A TensorRT logger that keeps the first error (the builder's reason for a failed build)."""
-    class Logger(trt.ILogger):
-        def __init__(self):
-            trt.ILogger.__init__(self)
-            self.first_error = None
-
-        def log(self, severity, msg):
-            if severity <= trt.ILogger.Severity.ERROR and self.first_error is None:
-                self.first_error = msg
-
-    return Logger()
 
 
 def ort_errors(reference_path, path, feeds, threads):

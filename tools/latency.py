@@ -83,22 +83,21 @@ def release(engine, plan):
 def verify_latency(engine, tokens, images=1, cfg_scale=1.0, context=256, repeats=7, seed=0, stat="median",
                    clock="wall"):
     """{T: seconds} of the target call over T new tokens."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for T in tokens:
-        plan = plan_for(engine, verify_tree(T), images, cfg_scale, context)
-        out[T] = time_call(engine, plan, "verify", repeats, rng, stat, clock)
-        release(engine, plan)
-    return out
+    return _latencies(engine, tokens, verify_tree, "verify", images, cfg_scale, context, repeats, seed, stat, clock)
 
 
 def draft_latency(engine, widths, images=1, cfg_scale=1.0, context=256, repeats=7, seed=0, stat="median",
                   clock="wall"):
     """{width: seconds} of one drafter call over `width` tokens."""
+    return _latencies(engine, widths, draft_tree, "draft1", images, cfg_scale, context, repeats, seed, stat, clock)
+
+
+def _latencies(engine, sizes, tree_of, regime, images, cfg_scale, context, repeats, seed, stat, clock):
+    """{size: seconds} of one regime's call, a plan per size (made, timed, released)."""
     rng = np.random.default_rng(seed)
     out = {}
-    for W in widths:
-        plan = plan_for(engine, draft_tree(W), images, cfg_scale, context)
-        out[W] = time_call(engine, plan, "draft1", repeats, rng, stat, clock)
+    for size in sizes:
+        plan = plan_for(engine, tree_of(size), images, cfg_scale, context)
+        out[size] = time_call(engine, plan, regime, repeats, rng, stat, clock)
         release(engine, plan)
     return out

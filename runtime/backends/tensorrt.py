@@ -541,7 +541,7 @@ class TensorRTBackend(CudaArrays):
         self.key, self.plans = select_plans(manifest, directory, self.gpu, installed_versions(), flavor, plans)
         self.trt = trt = importlib.import_module(FLAVOR_MODULES[self.plans.flavor])
         self.cuda_graphs = bool(cuda_graphs)
-        self.logger = _logger(trt)
+        self.logger = error_logger(trt)
         self.runtime = trt.Runtime(self.logger)
         self.engines = {}
         for graph, plan_file in self.plans.plans.items():
@@ -755,8 +755,9 @@ def _device_index(device):
     raise LanternError(f"the tensorrt backend runs on an NVIDIA GPU: device must be cuda or cuda:N, got {device!r}")
 
 
-def _logger(trt):
-    """A TensorRT logger that keeps errors (TensorRT reports failures only there) and prints nothing."""
+def error_logger(trt):
+    """A TensorRT logger that keeps errors (TensorRT reports failures only there) and prints nothing.
+    The builder (lantern.export.tensorrt_build) uses it too."""
 
     class Logger(trt.ILogger):
         def __init__(self):
