@@ -561,22 +561,6 @@ def graph_io(contract, config, float_dtype="float32", candidates=None):
 # The engine's record of this family (what the runtime reads instead of branching on a family)
 
 
-def manifest_record(target_config):
-    c = target_config
-    return {
-        "family": c.family,
-        "config": c.to_dict(),
-        "vocab_size": c.vocab_size,
-        # LANTERN's assumption, checked against vocabulary_map by the loader: id = code + start.
-        "image_tokens": [c.image_token_start, c.image_token_end],
-        "code_to_id_offset": c.image_token_start,
-        "special_tokens": {"bos": BOS, "pad": PAD, "eos": EOS, "image_start": IMAGE_START, "image_end": IMAGE_END,
-                           "end_of_turn": END_OF_TURN, "new_line": NEW_LINE},
-        "condition": {"type": "token_ids", "prompt_rows": f"lantern.runtime.chameleon_prompts ({c.family})"},
-        "max_positions": c.max_position_embeddings,
-    }
-
-
 # ---------------------------------------------------------------------------------------------
 # Random weights (tests, timing, demos)
 

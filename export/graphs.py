@@ -122,8 +122,3 @@ def graph_modules(target, drafter=None, vq=None, candidates=None, attention="pla
     if vq is not None:
         graphs["vq_decoder"] = ("vq_decoder", VQDecoderGraph(vq))
     return {name: (contract, module.eval()) for name, (contract, module) in graphs.items()}
-
-
-def graph_layers(contract, module):
-    """How many per-layer cache inputs a graph has (see manifest.graph_io)."""
-    return module.target.args.n_layer if contract == "target" else 1

@@ -132,13 +132,6 @@ class AcceptanceCounts:
 
     __call__ = add  # the counts object can be handed to the loop as its observer
 
-    def merge(self, other):
-        self.accepted += other.accepted
-        self.trials += other.trials
-        self.steps += other.steps
-        self.accepted_drafts += other.accepted_drafts
-        return self
-
     def extent(self):
         """(depth, width): the deepest depth and widest rank with any trials."""
         d, r = np.nonzero(self.trials)
