@@ -508,59 +508,6 @@ def graph_modules(target, drafter=None, vq=None, candidates=None, attention="pla
     return {name: (contract, module.eval()) for name, (contract, module) in graphs.items()}
 
 
-# Contracts v2 for the Chameleon graphs: {name: (dtype, shape)}, 'float' = the export dtype,
-# '{i}' = one entry per layer. Same names and dims as PLAN_V2.md; the target has no cond_embeds.
-GRAPH_IO = {
-    "target": {
-        "inputs": {"input_ids": ("int64", ["B", "T"]), "position_ids": ("int64", ["B", "T"]),
-                   "attention_mask": ("bool", ["B", 1, "T", "P+T"]),
-                   "past_keys_{i}": ("float", ["B", "H", "P", "hd"]), "past_values_{i}": ("float", ["B", "H", "P", "hd"])},
-        "outputs": {"logits": ("float32", ["B", "T", "V"]), "hidden": ("float", ["B", "T", "D"]),
-                    "new_keys": ("float", ["L", "B", "H", "T", "hd"]), "new_values": ("float", ["L", "B", "H", "T", "hd"])},
-    },
-    "drafter": {
-        "inputs": {"target_hidden": ("float", ["B", "T", "D"]), "input_ids": ("int64", ["B", "T"]),
-                   "position_ids": ("int64", ["B", "T"]), "attention_mask": ("bool", ["B", 1, "T", "P+T"]),
-                   "past_keys_{i}": ("float", ["B", "H", "P", "hd"]), "past_values_{i}": ("float", ["B", "H", "P", "hd"]),
-                   "cfg_pair": ("int64", ["B"]), "cfg_scale": ("float32", [1]), "temperature": ("float32", [1]),
-                   "top_k": ("int64", [1]), "top_p": ("float32", [1])},
-        "outputs": {"hidden_out": ("float", ["B", "T", "D"]), "new_keys": ("float", [1, "B", "H", "T", "hd"]),
-                    "new_values": ("float", [1, "B", "H", "T", "hd"]), "topk_ids": ("int64", ["B", "T", "K"]),
-                    "topk_probs": ("float32", ["B", "T", "K"])},
-    },
-    "vq_decoder": {
-        "inputs": {"codes": ("int64", ["B", "h", "w"])},
-        "outputs": {"image": ("float32", ["B", 3, "Hpx", "Wpx"])},
-    },
-}
-DYNAMIC_DIMS = ("B", "T", "P", "P+T", "h", "w", "Hpx", "Wpx")
-
-
-def graph_io(contract, config, float_dtype="float32", candidates=None):
-    """GRAPH_IO[contract] resolved for a config: per-layer entries expanded, fixed dims filled in,
-    'float' replaced -> {"inputs": {name: {"dtype", "shape"}}, "outputs": {...}} (the form
-    lantern.export.onnx_export.export_graph takes)."""
-    layers = config.num_hidden_layers if contract == "target" else 1
-    dims = {"L": config.num_hidden_layers, "H": config.num_key_value_heads, "hd": config.head_dim,
-            "D": config.hidden_size, "V": config.vocab_size, "K": candidates}
-
-    def resolve(entries):
-        out = {}
-        for name, (kind, shape) in entries.items():
-            names = [name.format(i=i) for i in range(layers)] if "{i}" in name else [name]
-            entry = {"dtype": float_dtype if kind == "float" else kind,
-                     "shape": [d if not isinstance(d, str) or d in DYNAMIC_DIMS else dims[d] for d in shape]}
-            out.update({n: entry for n in names})
-        return out
-
-    spec = GRAPH_IO[contract]
-    return {"inputs": resolve(spec["inputs"]), "outputs": resolve(spec["outputs"])}
-
-
-# ---------------------------------------------------------------------------------------------
-# The engine's record of this family (what the runtime reads instead of branching on a family)
-
-
 # ---------------------------------------------------------------------------------------------
 # Random weights (tests, timing, demos)
 

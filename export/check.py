@@ -56,7 +56,8 @@ import tempfile
 import numpy as np
 
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import GRAPHS, cache_feeds, read_manifest
+from lantern.runtime.contracts import GRAPHS, cache_feeds
+from lantern.runtime.manifest import read_manifest
 from lantern.runtime.plan import Call
 from lantern.runtime.tree import build_tree
 

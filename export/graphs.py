@@ -1,5 +1,5 @@
 """The engine graphs of a LlamaGen engine as torch modules: exactly what goes to ONNX, and what the
-runtime's torch backend runs. Inputs and outputs follow lantern.runtime.manifest.GRAPHS, in order.
+runtime's torch backend runs. Inputs and outputs follow lantern.runtime.contracts.GRAPHS, in order.
 
 The target and drafter graphs take a cache form (lantern.export.fused_forms) when they are built:
 the plain one (contracts target, drafter) or the in-place one (target_inplace, drafter_inplace,

@@ -2,7 +2,7 @@
 
 The graphs are the torch modules of lantern.export.graphs, exported one by one with torch's
 dynamo exporter (`torch.onnx.export(..., dynamo=True)`), named and typed exactly as
-lantern.runtime.manifest.GRAPHS says. Both exporters trace these graphs and the results run on
+lantern.runtime.contracts.GRAPHS says. Both exporters trace these graphs and the results run on
 ONNX Runtime at any batch / token count / cache length; dynamo is the one used because it keeps
 the modules' dtypes whatever ops they use (the TorchScript exporter lowered SDPA with a boolean
 mask to fp32, so fp16 graphs came out fp32 after the first attention), streams the weights to
@@ -41,7 +41,9 @@ from lantern.export import placement
 from lantern.export.families import DTYPES, FAMILIES, family_of
 from lantern.export.fused_forms import ATTENTION_FORMS
 from lantern.runtime import manifest as engine_format
+from lantern.runtime.contracts import resolved_io
 from lantern.runtime.errors import LanternError
+from lantern.runtime.integrity import sha256_file
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_OPSET = 18  # the dynamo exporter's own opset; lower ones are not offered
@@ -50,9 +52,7 @@ DEFAULT_TREE = "mc_sim_7b_63"  # EAGLE-1's default and the public LANTERN comman
 EXTERNAL_DATA_BYTES = 100 * 2**20  # graphs with more weights than this keep them in <file>.data
 DEFAULT_NEIGHBORS_K = 1000  # the public code's default k
 
-# Symbolic dims of the contracts that stay dynamic in the graphs; every other dim is fixed by
-# the model config. Tracing sizes are distinct and > 1 (torch.export specialises 0 and 1).
-DYNAMIC_DIMS = ("B", "T", "P", "P+T", "N", "h", "w", "Hpx", "Wpx", "A")
+# Tracing sizes of the contracts' dynamic dims: distinct and > 1 (torch.export specialises 0 and 1).
 _TRACE_SIZES = {"B": 4, "N": 2, "T": 3, "P": 5, "P+T": 8, "h": 2, "w": 3, "A": 6}
 
 _ONNX_TYPES = {"float32": 1, "int64": 7, "bool": 9, "float16": 10, "bfloat16": 16}  # TensorProto codes
@@ -91,7 +91,7 @@ def _source_record(role, path, info, options=None):
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(path, name) for name in os.listdir(path) if os.path.isfile(os.path.join(path, name)))
     record = {"path": path, "format": info["format"],
-              "sha256": {os.path.basename(f): engine_format.sha256(f) for f in files}}
+              "sha256": {os.path.basename(f): sha256_file(f) for f in files}}
     if options is not None:
         record["options"] = options
     return record
@@ -109,28 +109,13 @@ def _verify_source(role, record):
         file = path if os.path.isfile(path) else os.path.join(path, name)
         if not os.path.isfile(file):
             raise LanternError(f"{role} checkpoint {file} is missing; the engine's source is gone (rebuild or restore it)")
-        if engine_format.sha256(file) != digest:
+        if sha256_file(file) != digest:
             raise LanternError(f"{role} checkpoint {file} changed since the export (sha256 differs); "
                                f"rebuild the engine or restore the checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------
 # One graph
-
-
-def resolve_io(contract, dims, float_dtype, layers=1):
-    """graph_io(contract, layers) with fixed dims filled in and 'float' resolved:
-    {"inputs": {name: {"dtype", "shape"}}, "outputs": {...}} (dynamic dims stay names)."""
-    spec = engine_format.graph_io(contract, layers)
-
-    def one(entries):
-        out = {}
-        for name, (kind, shape) in entries.items():
-            out[name] = {"dtype": float_dtype if kind == "float" else kind,
-                         "shape": [d if not isinstance(d, str) or d in DYNAMIC_DIMS else dims[d] for d in shape]}
-        return out
-
-    return {"inputs": one(spec["inputs"]), "outputs": one(spec["outputs"])}
 
 
 def _trace_inputs(io_spec):
@@ -355,7 +340,7 @@ def _build(staging, bar, target, target_format, target_options, drafter, vq, dra
             dims = family.dims(name, models, candidates)
             if static_cache is not None:  # S: the graph's static cache slots
                 dims["S"] = static_cache.drafter if name == "drafter" else static_cache.target
-            io_spec = resolve_io(contract, dims, DTYPE_NAMES[graph_dtype], layers=family.layers(name, models))
+            io_spec = resolved_io(contract, dims, DTYPE_NAMES[graph_dtype], layers=family.layers(name, models))
             path = os.path.join(tmp, engine_format.GRAPH_FILES[name])
             written = export_graph(module, io_spec, path, opset)
             files += written

@@ -59,7 +59,7 @@ class Prefix:
 
 
 def _cond_token_ids(vocab_size, tokens, rows):
-    """Target ids of the condition tokens: id V + j is row j of cond_embeds (see GRAPHS['target'])."""
+    """Target ids of the condition tokens: id V + j is row j of cond_embeds (see lantern.runtime.contracts.GRAPHS['target'])."""
     return np.broadcast_to(vocab_size + np.arange(tokens, dtype=np.int64), (rows, tokens)).copy()
 
 

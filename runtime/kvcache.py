@@ -17,7 +17,7 @@ its new tokens) and, in place, its write_index; after it `append`/`write` keep e
 import numpy as np
 
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import cache_feeds
+from lantern.runtime.contracts import cache_feeds
 
 
 class KVCache:

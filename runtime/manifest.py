@@ -31,7 +31,6 @@ the request's image count, unless a tree is given. A TunedTree with no file mean
 (AR was predicted fastest for those settings on that machine).
 """
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -39,157 +38,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lantern.runtime.contracts import GRAPHS, IN_PLACE_CONTRACTS, graph_io
 from lantern.runtime.errors import LanternError
+from lantern.runtime.integrity import sha256_file
 from lantern.runtime.settings import MODES, RELAXED, GenerationSettings
 
 SCHEMA_VERSION = 2
 PROMPT_STYLES = ("anole", "lumina_mgpt")
 DTYPES = ("fp32", "fp16", "bf16")
 
-# Graph I/O contracts. Symbolic dims: B batch rows (2N with CFG: [cond; uncond]), N images,
-# T new tokens, P cache slots, L layers, H KV heads, hd head dim, D hidden size, V vocabulary,
-# K drafter candidates, C condition tokens. Scalars are shape-[1] tensors. attention_mask is
-# True where a query may attend: the first P columns are the cache slots, the last T the new
-# tokens. Entries whose name holds "{i}" repeat once per layer.
-#
-# Two forms of the target and drafter graphs, chosen at export (`lantern-export onnx --attention`):
-#   plain  (target, target_ids, drafter): caches in, the new tokens' K/V out; the runtime copies
-#          the entries it keeps into its cache (any cache length P).
-#   in place (target_inplace, target_ids_inplace, drafter_inplace, + commit): the forms TensorRT
-#          fuses. S cache slots, fixed at export (Manifest.static_cache); the caches are in/out,
-#          one buffer: each layer writes the T new tokens' K/V at slots write_index[b] ..
-#          write_index[b] + T - 1 of row b (ONNX TensorScatter), and attention_mask [B, 1, T, S]
-#          covers the whole cache, the new tokens included at the slots they are written to.
-#          `aliases` names each output that is its input updated in place: a backend binds both
-#          to one buffer (or copies the output back). The commit graph moves the accepted path's
-#          entries (written at write_index + node index during verification) to the contiguous
-#          slots write_index .. write_index + A - 1, in place; A = tree depth + 1.
-GRAPHS = {
-    "condition_c2i": {
-        "inputs": {"class_ids": ("int64", ["B"])},
-        "outputs": {"cond_embeds": ("float", ["B", "C", "D"])},
-    },
-    "condition_t2i": {
-        # caption: T5 features, padded rows already zero; unconditional: use the null caption.
-        "inputs": {"caption": ("float", ["B", "C", "E"]), "unconditional": ("bool", ["B"])},
-        "outputs": {"cond_embeds": ("float", ["B", "C", "D"])},
-    },
-    "target": {
-        "inputs": {
-            # Token ids; an id V + j stands for row j of cond_embeds (the condition tokens), so
-            # prefill, one-token steps and tree verification all feed ids.
-            "input_ids": ("int64", ["B", "T"]),
-            "cond_embeds": ("float", ["B", "C", "D"]),
-            "position_ids": ("int64", ["B", "T"]),
-            "attention_mask": ("bool", ["B", 1, "T", "P+T"]),
-            # One input per layer: the runtime keeps one [L, B, H, P, hd] buffer and passes its
-            # per-layer views, so no graph ever splits (copies) a stacked cache.
-            "past_keys_{i}": ("float", ["B", "H", "P", "hd"]),
-            "past_values_{i}": ("float", ["B", "H", "P", "hd"]),
-        },
-        "outputs": {
-            "logits": ("float32", ["B", "T", "V"]),
-            "hidden": ("float", ["B", "T", "D"]),  # after the final norm: the drafter's input
-            "new_keys": ("float", ["L", "B", "H", "T", "hd"]),
-            "new_values": ("float", ["L", "B", "H", "T", "hd"]),
-        },
-    },
-    "drafter": {
-        "inputs": {
-            "target_hidden": ("float", ["B", "T", "D"]),
-            "input_ids": ("int64", ["B", "T"]),
-            "position_ids": ("int64", ["B", "T"]),
-            "attention_mask": ("bool", ["B", 1, "T", "P+T"]),
-            "past_keys_{i}": ("float", ["B", "H", "P", "hd"]),
-            "past_values_{i}": ("float", ["B", "H", "P", "hd"]),
-            # CFG as data, not shapes: row b's unconditional partner is row cfg_pair[b] (itself
-            # without CFG) and its logits are l[pair] + cfg_scale * (l - l[pair]).
-            "cfg_pair": ("int64", ["B"]),
-            "cfg_scale": ("float32", [1]),
-            "temperature": ("float32", [1]),
-            "top_k": ("int64", [1]),  # 0 = no top-k filter (within the K candidates)
-            "top_p": ("float32", [1]),  # 1 = no nucleus filter
-        },
-        "outputs": {
-            "hidden_out": ("float", ["B", "T", "D"]),
-            "new_keys": ("float", ["L", "B", "H", "T", "hd"]),
-            "new_values": ("float", ["L", "B", "H", "T", "hd"]),
-            # The K best tokens by CFG-combined logit, best first, and their probabilities under
-            # the filtered distribution renormalised over them; rows of the conditional half count.
-            "topk_ids": ("int64", ["B", "T", "K"]),
-            "topk_probs": ("float32", ["B", "T", "K"]),
-        },
-    },
-    "vq_decoder": {
-        "inputs": {"codes": ("int64", ["B", "h", "w"])},
-        "outputs": {"image": ("float32", ["B", 3, "Hpx", "Wpx"])},
-    },
-}
-
-
-# The same target for prompts of token ids only (the Chameleon family): no condition rows.
-GRAPHS["target_ids"] = {"inputs": {k: v for k, v in GRAPHS["target"]["inputs"].items() if k != "cond_embeds"},
-                        "outputs": dict(GRAPHS["target"]["outputs"])}
-
-
-def _in_place(plain, first_outputs, last_outputs=()):
-    """The in-place contract of a plain one: mask over the S static slots, caches in/out as
-    past_*/present_* (aliased), write_index last."""
-    inputs = {name: (kind, ["B", 1, "T", "S"] if name == "attention_mask" else
-                     ["B", "H", "S", "hd"] if name.startswith("past_") else shape)
-              for name, (kind, shape) in plain["inputs"].items()}
-    inputs["write_index"] = ("int64", ["B"])
-    outputs = {name: plain["outputs"][name] for name in first_outputs}
-    outputs.update({"present_keys_{i}": ("float", ["B", "H", "S", "hd"]),
-                    "present_values_{i}": ("float", ["B", "H", "S", "hd"])})
-    outputs.update({name: plain["outputs"][name] for name in last_outputs})
-    return {"inputs": inputs, "outputs": outputs, "aliases": _CACHE_ALIASES}
-
-
-_CACHE_ALIASES = {"present_keys_{i}": "past_keys_{i}", "present_values_{i}": "past_values_{i}"}
-GRAPHS["target_inplace"] = _in_place(GRAPHS["target"], ("logits", "hidden"))
-GRAPHS["target_ids_inplace"] = _in_place(GRAPHS["target_ids"], ("logits", "hidden"))
-GRAPHS["drafter_inplace"] = _in_place(GRAPHS["drafter"], ("hidden_out",), ("topk_ids", "topk_probs"))
-GRAPHS["commit"] = {
-    "inputs": {
-        "src_slots": ("int64", ["B", "A"]),  # row b's entry j comes from slot src_slots[b, j]
-        "write_index": ("int64", ["B"]),  # ... and goes to slot write_index[b] + j
-        "past_keys_{i}": ("float", ["B", "H", "S", "hd"]),
-        "past_values_{i}": ("float", ["B", "H", "S", "hd"]),
-    },
-    "outputs": {"present_keys_{i}": ("float", ["B", "H", "S", "hd"]),
-                "present_values_{i}": ("float", ["B", "H", "S", "hd"])},
-    "aliases": _CACHE_ALIASES,
-}
-IN_PLACE_CONTRACTS = {"target": "target_inplace", "target_ids": "target_ids_inplace", "drafter": "drafter_inplace"}
-
 GRAPH_FILES = {"condition": "condition.onnx", "target": "target.onnx", "drafter": "drafter.onnx",
                "vq_decoder": "vq_decoder.onnx", "commit": "commit.onnx"}
-
-
-def graph_io(contract, layers=1):
-    """GRAPHS[contract] with the per-layer entries expanded for `layers` layers, in order:
-    {"inputs": {name: (kind, shape)}, "outputs": {...}, "aliases": {output: input}} (aliases:
-    the outputs that are their input updated in place; empty for most graphs)."""
-    def expand(entries):
-        out = {}
-        for name, value in entries.items():
-            names = [name.format(i=i) for i in range(layers)] if "{i}" in name else [name]
-            out.update({n: value for n in names})
-        return out
-
-    spec = GRAPHS[contract]
-    aliases = {}
-    for output, source in spec.get("aliases", {}).items():
-        aliases.update({output.format(i=i): source.format(i=i) for i in range(layers)})
-    return {"inputs": expand(spec["inputs"]), "outputs": expand(spec["outputs"]), "aliases": aliases}
-
-
-def cache_feeds(keys, values):
-    """Per-layer cache inputs from stacked [L, ...] buffers (views, no copies)."""
-    feeds = {f"past_keys_{i}": keys[i] for i in range(len(keys))}
-    feeds.update({f"past_values_{i}": values[i] for i in range(len(values))})
-    return feeds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,18 +327,10 @@ def _to_json(value):
 # Reading and validating
 
 
-def sha256(path, chunk=1 << 20):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def describe_files(directory, names):
     """`files` records for the given relative paths."""
     return {name: FileRecord(size=os.path.getsize(os.path.join(directory, name)),
-                             sha256=sha256(os.path.join(directory, name))) for name in sorted(names)}
+                             sha256=sha256_file(os.path.join(directory, name))) for name in sorted(names)}
 
 
 class _Reader:

@@ -14,7 +14,8 @@ from lantern.export import checkpoints, cli
 from lantern.export import onnx_export
 from lantern.export.check import check_engine
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import Condition, describe_files, graph_io, read_manifest
+from lantern.runtime.contracts import graph_io
+from lantern.runtime.manifest import Condition, describe_files, read_manifest
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")

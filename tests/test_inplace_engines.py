@@ -15,7 +15,8 @@ from lantern.export import checkpoints, cli
 from lantern.export.check import TOLERANCES, _compare_ids, check_cases, check_engine
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
-from lantern.runtime.manifest import graph_io, read_manifest
+from lantern.runtime.contracts import graph_io
+from lantern.runtime.manifest import read_manifest
 from lantern.runtime.plan import Call, StepPlan
 from lantern.runtime.tree import build_tree
 from tiny import tiny_drafter, tiny_target

@@ -18,7 +18,8 @@ from lantern.export import tensorrt_build as tb  # noqa: E402
 from lantern.runtime.backends.tensorrt import find_profile, gpu_compute_capability  # noqa: E402
 from lantern.runtime.errors import LanternError  # noqa: E402
 from lantern.runtime.generator import Engine  # noqa: E402
-from lantern.runtime.manifest import read_manifest, sha256  # noqa: E402
+from lantern.runtime.integrity import sha256_file as sha256  # noqa: E402
+from lantern.runtime.manifest import read_manifest  # noqa: E402
 from lantern.runtime.tree import build_tree  # noqa: E402
 
 FLAVOR = "tensorrt-rtx"

@@ -10,7 +10,8 @@ import pytest
 
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
-from lantern.runtime.manifest import PlanFile, PlanProfile, TensorRTPlans, read_manifest, sha256
+from lantern.runtime.integrity import sha256_file as sha256
+from lantern.runtime.manifest import PlanFile, PlanProfile, TensorRTPlans, read_manifest
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, root_only
 from lantern.tools import tune

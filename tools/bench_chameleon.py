@@ -46,6 +46,17 @@ def write_checkpoint(directory, layers, seed=0):
     return chameleon.count_parameters(model)
 
 
+def target_io(model, float_dtype):
+    """The target graph's contract resolved for this model, as the export resolves it."""
+    from lantern.export.families import FAMILIES
+    from lantern.runtime.contracts import resolved_io
+
+    family = FAMILIES["chameleon"]
+    models = {"target": (model, None)}
+    return resolved_io("target_ids", family.dims("target", models, None), float_dtype,
+                       layers=family.layers("target", models))
+
+
 def _status_kib(*fields):
     with open("/proc/self/status") as f:
         values = {line.split(":")[0]: int(line.split()[1]) for line in f if line.split(":")[0] in fields}
@@ -78,7 +89,7 @@ def export_child(checkpoint, out, dtype):
     model = model.to(DTYPES[dtype])
     loaded = time.perf_counter()
     graphs = chameleon.graph_modules(model)
-    files = export_graph(graphs["target"][1], chameleon.graph_io("target", model.config, DTYPE_NAMES[dtype]),
+    files = export_graph(graphs["target"][1], target_io(model, DTYPE_NAMES[dtype]),
                          os.path.join(out, "target.onnx"))
     done = time.perf_counter()
     stop.set()
@@ -141,7 +152,7 @@ def run_latency(args):
         chameleon.init_random(model).eval()
         path = os.path.join(workdir, "target.onnx")
         t = time.perf_counter()
-        export_graph(chameleon.graph_modules(model)["target"][1], chameleon.graph_io("target", config), path)
+        export_graph(chameleon.graph_modules(model)["target"][1], target_io(model, "float32"), path)
         export_s = time.perf_counter() - t
         graph_bytes = sum(os.path.getsize(os.path.join(workdir, f)) for f in os.listdir(workdir))
         del model

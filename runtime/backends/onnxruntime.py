@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import graph_io
+from lantern.runtime.contracts import graph_io
 
 _NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,

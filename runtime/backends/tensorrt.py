@@ -44,7 +44,7 @@ import os
 import numpy as np
 
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import graph_io
+from lantern.runtime.contracts import graph_io
 
 FLAVOR_MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}
 _INSTALL = {"tensorrt": "pip install 'lantern[tensorrt]'", "tensorrt-rtx": "pip install 'lantern[tensorrt-rtx]'"}

@@ -15,7 +15,7 @@ copy per call: this backend is the reference for in-place engines, not their fas
 import numpy as np
 
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import graph_io
+from lantern.runtime.contracts import graph_io
 
 _TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
