@@ -443,9 +443,8 @@ def check_engine(directory, *, backend="onnxruntime", against="torch", verify=Tr
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         tested, reference = open_backends(directory, manifest, backend, against, modules, tmp)
-        fixed = next((b for b in (tested, reference) if hasattr(b, "call_shapes")), None)
         for graph in manifest.graphs:
-            shapes = fixed.call_shapes(graph) if fixed is not None else None
+            shapes = next((s for s in (tested.call_shapes(graph), reference.call_shapes(graph)) if s is not None), None)
             for case, feeds in check_cases(graph, manifest, rng, shapes):
                 # each backend its own copy: an in-place graph's run updates its cache inputs
                 got = {k: tested.numpy(v) for k, v in tested.run(Call(graph, case, _copies(feeds))).items()}

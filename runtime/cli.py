@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 
+from lantern.runtime.backends import BACKENDS
 from lantern.runtime.errors import LanternError, cli_main
 from lantern.runtime.settings import MODES, GenerationSettings
 
@@ -26,7 +27,7 @@ def _grid(text):
     return h, w
 
 
-def add_generation_options(p, backends=("onnxruntime",), tree=True):
+def add_generation_options(p, tree=True):
     p.add_argument("--mode", default="lantern++", choices=MODES)
     p.add_argument("--lam", type=float, default=2.0, help="LANTERN++ bound: p~(x) <= lam * p(x) (lam >= 1)")
     p.add_argument("--delta", type=float, default=0.1, help="LANTERN bound on the moved mass (0..1)")
@@ -42,7 +43,7 @@ def add_generation_options(p, backends=("onnxruntime",), tree=True):
     if tree:
         p.add_argument("--tree", help="draft tree for this run (preset or JSON file; default: the engine's tuned "
                                       "tree for these settings, else its exported one)")
-    p.add_argument("--backend", default="onnxruntime", choices=backends)
+    p.add_argument("--backend", default="onnxruntime", choices=tuple(BACKENDS))
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda for tensorrt, else cpu)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="tensorrt: enqueue every call instead of replaying a CUDA graph per call regime")
@@ -62,7 +63,7 @@ def add_parser(sub, backend_loaders=None):
     loaders = dict(backend_loaders or {})
     g = sub.add_parser("generate", help="generate images: tokens.npy, stats.json and PNGs into --out")
     g.add_argument("engine", help="engine directory (from lantern-export onnx)")
-    add_generation_options(g, backends=("onnxruntime", "tensorrt") + tuple(loaders))
+    add_generation_options(g)
     g.add_argument("--classes", type=_classes, help="class labels, e.g. 3,7 (c2i engines)")
     g.add_argument("--caption", help="T5 caption features .npy [N, tokens, dim], left-padded (t2i engines)")
     g.add_argument("--caption-mask", help=".npy [N, tokens] of 0/1: which caption tokens are real")

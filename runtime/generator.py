@@ -157,7 +157,7 @@ class Engine:
         if self._plan is not None and self._plan.tree == tree and self._plan.fits(prefix):
             self._plan.reset(prefix, feeds)
             return self._plan
-        if self._plan is not None and hasattr(self.backend, "release"):
+        if self._plan is not None:
             self.backend.release(self._plan)
         self._plan = None  # let the old buffers go before the new ones are allocated
         need = estimate_bytes(self.manifest, tree, prefix, np.dtype(self.backend.float_dtype).itemsize)

@@ -76,8 +76,7 @@ def time_call(engine, plan, regime, repeats, rng, stat="median", clock="wall"):
 
 def release(engine, plan):
     """Let the backend drop a plan's bound buffers (one plan per size would pile up otherwise)."""
-    if hasattr(engine.backend, "release"):
-        engine.backend.release(plan)
+    engine.backend.release(plan)
 
 
 def verify_latency(engine, tokens, images=1, cfg_scale=1.0, context=256, repeats=7, seed=0, stat="median",

@@ -607,7 +607,7 @@ def add_parser(sub, backend_loaders=None):
     p = sub.add_parser("tune", help="measure acceptance and latency on this machine and pick the fastest draft tree "
                                     "for the given settings (writes it into the engine directory)")
     p.add_argument("engine", help="engine directory")
-    add_generation_options(p, backends=("onnxruntime", "tensorrt") + tuple(loaders), tree=False)
+    add_generation_options(p, tree=False)
     p.add_argument("--classes", type=_classes, help="calibration class labels (default: spread over the classes)")
     p.add_argument("--caption", help="calibration T5 caption features .npy [N, tokens, dim] (default: blank captions)")
     p.add_argument("--caption-mask", help=".npy [N, tokens] of 0/1 for --caption")

@@ -4,7 +4,7 @@ A backend runs the graphs of an engine directory by name and owns the arrays tha
 device (KV caches, hidden states), so the decoding loop never copies a whole cache and never
 knows which backend runs. `open_backend(name, ...)` picks one from the registry.
 """
-from typing import Protocol
+from typing import Optional, Protocol
 
 from lantern.runtime.errors import LanternError
 
@@ -12,6 +12,7 @@ from lantern.runtime.errors import LanternError
 class Backend(Protocol):
     name: str
     float_dtype: object  # the engine's float dtype as numpy understands it
+    key: Optional[str]  # the compiled plans it runs (a Manifest.tensorrt key); None: the ONNX graphs
 
     def zeros(self, shape):
         """A float buffer of the engine dtype on the backend's device."""
@@ -41,6 +42,13 @@ class Backend(Protocol):
     def synchronize(self):
         """Wait for queued device work (timers read after it)."""
 
+    def release(self, plan):
+        """Forget what bind(plan) prepared (the engine keeps one plan at a time)."""
+
+    def call_shapes(self, graph):
+        """[(case name, {input: shape})]: the only shapes this backend runs a graph at (compiled
+        profiles), for check's cases; None where any shape runs."""
+
 
 def _onnxruntime(directory, manifest, **options):
     from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
@@ -52,7 +60,7 @@ def _torch(directory, manifest, modules=None, **options):
     if modules is None:
         raise LanternError("the torch backend runs the graphs as torch modules, which lantern.export rebuilds from "
                            "the engine's source checkpoints: use `lantern-run` (it does that) or "
-                           "lantern.export.torch_graphs.open_torch_backend(engine_dir)")
+                           "lantern.export.onnx_export.open_torch_backend(engine_dir)")
     from lantern.runtime.backends.torch import TorchBackend
 
     return TorchBackend(modules, manifest, **options)
