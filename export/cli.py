@@ -6,11 +6,13 @@ import sys
 from lantern.runtime.errors import cli_main
 
 
-def build_parser():
+def build_parser(more=()):
+    """more: add_parser functions of commands from above this package (lantern-export's `demo`
+    lives in lantern.tools, which may import export but not the other way round)."""
     parser = argparse.ArgumentParser(prog="lantern-export", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     # Each subcommand module adds its parser and sets `func`.
-    from lantern.export import check, demo, inspect_cmd, neighbors, onnx_export, quantize, trt_export
+    from lantern.export import check, inspect_cmd, neighbors, onnx_export, quantize, trt_export
 
     inspect_cmd.add_parser(sub)
     neighbors.add_parser(sub)
@@ -18,12 +20,13 @@ def build_parser():
     quantize.add_parser(sub)
     trt_export.add_parser(sub)
     check.add_parser(sub)
-    demo.add_parser(sub)
+    for add_parser in more:
+        add_parser(sub)
     return parser
 
 
-def main(argv=None):
-    return cli_main(build_parser(), argv, "lantern-export")
+def main(argv=None, parser=None):
+    return cli_main(parser or build_parser(), argv, "lantern-export")
 
 
 if __name__ == "__main__":

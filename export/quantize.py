@@ -21,11 +21,11 @@ ONNX Runtime: weight-only `int8` / `int4` (quantize_graph; for engines `lantern-
 TensorRT: Q/DQ forms `fp8`, `int8` (weights and activations, calibrated) and `int4` (weight-only,
   blocked DequantizeLinear), made by NVIDIA ModelOpt's ONNX PTQ (quantize_qdq; see there),
   calibrated on ONNX Runtime's CPU provider. TensorRT for RTX 1.7 builds all three on this CPU
-  for SM89 and SM120 (tools/bench_quant_trt.py; GPT-B target plans: fp32 407 MB, fp8 and int8
+  for SM89 and SM120 (tools/bench/quant_trt.py; GPT-B target plans: fp32 407 MB, fp8 and int8
   155 MB, int4 113 MB, the head in float); fp8 does not build for SM75-SM86, int8 and int4 not
   for SM75.
 
-DECISIONS. Measured with `python -m lantern.tools.bench_quant --decisions` (ONNX Runtime 1.32 CPU,
+DECISIONS. Measured with `python -m lantern.tools.bench.quant --decisions` (ONNX Runtime 1.32 CPU,
 2 intra-op threads, no spinning; a 2-core machine shared with other jobs, so times are medians
 of interleaved runs: trust their ratios, not their absolute values). Speed: GPT-B target, random
 weights, batch 2 (CFG), 256 cached tokens. Fidelity: teacher-forced greedy agreement (how often

@@ -22,7 +22,7 @@ the 26..60-token verification want different kernels), and it is what gives each
 execution context of its own whose shapes and addresses are set once and whose work is captured
 once in a CUDA graph. The price is build time and plan size. Measured with TensorRT-RTX 1.7 for
 SM89 on this project's 2-core CPU machine (shared, so times are rough; `python -m
-lantern.tools.bench_trt_build`), GPT-B fp16 target (212 MiB of weights), batch 1, CFG on and off,
+lantern.tools.bench.trt_build`), GPT-B fp16 target (212 MiB of weights), batch 1, CFG on and off,
 mc_sim_7b_63: 6 exact profiles 425 MiB, 39 s; one spanning profile 220 MiB, 15 s. The size is not
 per profile: 3 exact profiles without CFG make 410 MiB, 6 with CFG at batches 1 and 4 only
 242 MiB. A call of one token on one row (an M = 1 product: AR or a c2i prefill without CFG)

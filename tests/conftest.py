@@ -37,8 +37,8 @@ def demo_engine(tmp_path_factory):
     """The README's main command, `lantern-export demo`, run once per session: its engine directory
     (the shipped demo model exported, checked and run) serves every test that needs a real engine
     with a drafter, a neighbour table and a VQ decoder."""
-    from lantern.export import cli
+    from lantern.tools import export_cli
 
     out = tmp_path_factory.mktemp("demo") / "engine"
-    assert cli.main(["demo", "--out", str(out), "--per-class", "1", "--threads", "1"]) == 0
+    assert export_cli.main(["demo", "--out", str(out), "--per-class", "1", "--threads", "1"]) == 0
     return out

@@ -59,7 +59,7 @@ def test_demo_reports_the_int8_engine_beside_fp32(demo):
 
 
 def test_acceptance_per_depth_from_the_histogram():
-    from lantern.export.demo import acceptance_per_depth
+    from lantern.tools.demo import acceptance_per_depth
 
     # 2 steps accepted nothing, 3 one draft, 5 two drafts: depth 1 reached by 8 of 10 steps,
     # depth 2 by 5 of those 8.

@@ -11,11 +11,11 @@ import torch
 from lantern.export.checkpoints import detect_format, load_drafter
 from lantern.export.vq import load_vq
 from lantern.runtime.png import encode_png, to_uint8
-from lantern.tools import demo_data
-from lantern.tools.train_classifier import accuracy, load_classifier
-from lantern.tools.train_demo import DEMO_DIR, load_demo
-from lantern.tools.train_drafter import collect_generations, evaluate_drafter
-from lantern.tools.train_target import generate, load_demo_target
+from lantern.tools.train import data as demo_data
+from lantern.tools.train.classifier import accuracy, load_classifier
+from lantern.tools.train.demo import DEMO_DIR, load_demo
+from lantern.tools.train.drafter import collect_generations, evaluate_drafter
+from lantern.tools.train.target import generate, load_demo_target
 
 
 @pytest.fixture(scope="module")
@@ -89,5 +89,5 @@ def test_metrics_and_card_describe_the_shipped_files():
     assert metrics["classifier"]["held_out_accuracy"] > 0.9
     assert metrics["drafter"]["agreement"]["top1_cfg"] > 10 * metrics["drafter"]["agreement"]["chance"]
     card = open(os.path.join(DEMO_DIR, "MODEL_CARD.md")).read()
-    assert "python -m lantern.tools.train_demo" in card
+    assert "python -m lantern.tools.train.demo" in card
     assert np.isclose(metrics["sizes_mb"]["total"], sum(v for k, v in metrics["sizes_mb"].items() if k != "total"))

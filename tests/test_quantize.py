@@ -476,7 +476,7 @@ def test_qdq_form_builds_with_tensorrt_rtx(c2i, qdq, scheme):
     so the SM86 build must fail (the check can fail)."""
     import tensorrt_rtx as trt
 
-    from lantern.tools.bench_quant_trt import build, profile_sizes
+    from lantern.tools.bench.quant_trt import build, profile_sizes
 
     path = qdq[scheme][0]
     sizes = profile_sizes(read_manifest(c2i), "target")

@@ -22,10 +22,19 @@ import time
 
 import numpy as np
 
+import lantern.export
+from lantern.export.check import check_engine
+from lantern.export.onnx_export import export_engine
+from lantern.export.placement import check_engine_destination
+from lantern.export.quantize import TOLERANCES, QuantizeOptions, greedy_agreement, quantize_engine
 from lantern.runtime.errors import LanternError
+from lantern.runtime.generator import Engine
+from lantern.runtime.outdir import OutputDirectory, only_files
+from lantern.runtime.png import image_grid, write_png
 from lantern.runtime.settings import GenerationSettings
+from lantern.tools import tune
 
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
+DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(lantern.export.__file__)), "demo_model")  # package data
 REPORT_FILES = ("report.json", "report.md", "*.png")
 DEFAULTS = dict(tree="mc_sim_7b_63", lam=5.0, k=20, cfg=3.0, temperature=1.0, top_k=0, per_class=2, seed=0)
 # The demo's tune run, cut to take ~10-20 s on a 2-core CPU: 8 calibration images (tune's default
@@ -60,17 +69,11 @@ def demo_sources(model_dir):
     missing = [v for v in paths.values() if not os.path.exists(v)]
     if missing:
         raise LanternError(f"{model_dir}: the demo model is incomplete (missing {', '.join(missing)}); "
-                           f"retrain it with `python -m lantern.tools.train_demo --out {model_dir}`")
+                           f"retrain it with `python -m lantern.tools.train.demo --out {model_dir}`")
     return paths
 
 
 def run(args):
-    from lantern.export.check import check_engine
-    from lantern.export.onnx_export import export_engine
-    from lantern.export.placement import check_engine_destination
-    from lantern.runtime.outdir import OutputDirectory, only_files
-    from lantern.runtime.generator import Engine
-    from lantern.runtime.png import image_grid, write_png
 
     start = time.perf_counter()
     src = demo_sources(args.model_dir)
@@ -186,7 +189,6 @@ def run(args):
 def _tune(engine, out, args, steps):
     """`lantern-run tune` for the demo's lantern++ settings, small (TUNE), installed into the
     engine directory. Returns a summary for the report."""
-    from lantern.tools import tune
 
     settings = tune.tuning_settings(engine, GenerationSettings(
         mode="lantern++", lam=args.lam, k=args.k, cfg_scale=args.cfg, temperature=DEFAULTS["temperature"],
@@ -227,9 +229,6 @@ def quantized_beside(out, scheme, engine, common, runs, results, threads):
     """The demo engine quantized to `scheme` in OUT-SCHEME (replacing an earlier one), checked,
     and the fp32 grid's ar and lantern++ runs repeated on it: speed next to fp32's, acceptance,
     teacher-forced greedy agreement with fp32 and the check's worst relative error."""
-    from lantern.export.check import check_engine
-    from lantern.export.quantize import QuantizeOptions, TOLERANCES, greedy_agreement, quantize_engine
-    from lantern.runtime.generator import Engine
 
     path = f"{out}-{scheme}"
     t = time.perf_counter()
@@ -256,7 +255,7 @@ def quantized_beside(out, scheme, engine, common, runs, results, threads):
     speed = float(np.median([r["speed_vs_fp32"] for r in rows]))
     reading = (f"{scheme} runs at {speed:.2f}x fp32's speed here: " +
                ("a step of a model this small is not bound by reading its weights, so weight-only quantization "
-                "does not make it faster (on a GPT-B-sized model it does: `python -m lantern.tools.bench_quant`)"
+                "does not make it faster (on a GPT-B-sized model it does: `python -m lantern.tools.bench.quant`)"
                 if speed < 1.1 else "the step reads fewer weight bytes"))
     why = {"int8": "int8 keeps the fp32 model's greedy choices best (int4's teacher-forced agreement on this model is "
                    "~83%, int8's ~95%) and halves the one-token step of a GPT-B-sized model on a CPU",
@@ -322,7 +321,7 @@ def reading(summary):
         f"(prefill included): call overhead. Neither cost is the method's: on a GPU a {nodes}-token verification "
         f"of a large model costs little more than one token and calls can be captured in CUDA graphs, so the step "
         f"compression (steps/image) is what carries over (measure the latency curve with "
-        f"`python -m lantern.tools.bench_runtime`).")
+        f"`python -m lantern.tools.bench.runtime`).")
 
 
 def _print_table(rows):

@@ -151,7 +151,7 @@ def throughput(engine, batches, repeats, lam=5.0, k=20):
 
 
 def export_demo(root):
-    from lantern.export.demo import DEMO_DIR, demo_sources
+    from lantern.tools.demo import DEMO_DIR, demo_sources
     from lantern.export.onnx_export import export_engine
 
     src = demo_sources(DEMO_DIR)

@@ -18,7 +18,7 @@ then reports (speculative methods draft with the engine's exported tree in every
   speed      mean accepted length and wall time against the reference `ar` in the same run,
 in report.json and report.md with a speed-versus-quality plot, written to its own directory
 (--out, default ./quality-ENGINE_NAME) which appears when the sweep is complete. The classifier is
-the demo's (tools/train_classifier.py) unless --classifier.
+the demo's (tools/train/classifier.py) unless --classifier.
 
 The default (3 schemes x 3 methods, 6 images per class) takes about 3 min on two CPU cores;
 --schemes none compares methods on the engine alone (a third of that, or --per-class 20 for
@@ -182,12 +182,12 @@ def _sweep(args, out_dir, work):
 
     from lantern.export.quantize import greedy_agreement
     from lantern.runtime.png import image_grid, write_png
-    from lantern.tools.train_classifier import load_classifier
+    from lantern.tools.train.classifier import load_classifier
 
     engines = _engines(args, work)
     reference_scheme, reference = next(iter(engines.items()))
     m = reference.manifest
-    from lantern.export import demo
+    from lantern.tools import demo
 
     path = args.classifier or os.path.join(demo.DEMO_DIR, "classifier.safetensors")
     classifier = load_classifier(path)

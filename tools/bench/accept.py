@@ -1,6 +1,6 @@
 """How much of a decoding step does host-side acceptance cost? Prints JSON.
 
-    python -m lantern.tools.bench_accept [--repeats 200] [--seed 0]
+    python -m lantern.tools.bench.accept [--repeats 200] [--seed 0]
 
 Times greedy acceptance (LANTERN++, k = 1000) and sampling acceptance (LANTERN++, top-k 2000, the
 drafter's 2048 candidates per node as its graph returns them) for one image on the 57-node tree (`naive_extend_57`) over a 16384-token vocabulary, and divides each median by the

@@ -1,7 +1,7 @@
 """Chameleon-7B-shaped measurements with random weights. Prints JSON.
 
-  python -m lantern.tools.bench_chameleon export [--layers 1 2] [--dtype bf16] [--workdir DIR]
-  python -m lantern.tools.bench_chameleon latency [--layers 2] [--threads 2] [--context 512]
+  python -m lantern.tools.bench.chameleon export [--layers 1 2] [--dtype bf16] [--workdir DIR]
+  python -m lantern.tools.bench.chameleon latency [--layers 2] [--threads 2] [--context 512]
 
 export   For each layer count: a Chameleon target at full 7B width (hidden 4096, 32 heads, FFN
          11008, vocab 65536) written as an Anole HF checkpoint (bf16 safetensors), then loaded
@@ -113,7 +113,7 @@ def run_export(args):
             parameters = write_checkpoint(checkpoint, layers)
             write_s = time.perf_counter() - t
             t = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "lantern.tools.bench_chameleon", "_export-child", checkpoint,
+            proc = subprocess.run([sys.executable, "-m", "lantern.tools.bench.chameleon", "_export-child", checkpoint,
                                    out, args.dtype], capture_output=True, text=True)
             wall = time.perf_counter() - t
             if proc.returncode:

@@ -1,7 +1,7 @@
 """The compass: one image from the official LlamaGen eager PyTorch `generate()` against our ONNX
 Runtime `ar` on the same weights and CPU (fp32, and the int8 / int4 engines). Prints JSON.
 
-  python -m lantern.tools.bench_compass PATH/TO/LlamaGen [--threads 2] [--cfg 4] [--workdir DIR]
+  python -m lantern.tools.bench.compass PATH/TO/LlamaGen [--threads 2] [--cfg 4] [--workdir DIR]
 
 PATH/TO/LlamaGen is a checkout of FoundationVision/LlamaGen (not part of this repository); its
 `autoregressive.models.gpt` and `autoregressive.models.generate` are imported from there.

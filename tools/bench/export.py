@@ -2,7 +2,7 @@
 weights, written in the real llamagen-pt format (plus a random drafter directory), then exported
 by `lantern-export onnx` in a child process. Prints JSON: wall times and peak RSS.
 
-    python -m lantern.tools.bench_export [--model GPT-XL] [--dtype fp32|fp16] [--check]
+    python -m lantern.tools.bench.export [--model GPT-XL] [--dtype fp32|fp16] [--check]
 
 Peak RSS, from getrusage: this process's (building and saving the checkpoint), the export's
 (`peak_rss_export_mib`) and the largest child's (export or `check`); `peak_rss_total_mib` is

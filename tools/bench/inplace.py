@@ -1,7 +1,7 @@
 """Plain against in-place ("fused") graphs of one GPT-B-shaped model (random weights), on ONNX
 Runtime CPU, and TensorRT-RTX builds of the fused fp16 graphs. Prints JSON.
 
-  python -m lantern.tools.bench_inplace [--model GPT-B] [--threads 2] [--workdir DIR] [--trt 89]
+  python -m lantern.tools.bench.inplace [--model GPT-B] [--threads 2] [--workdir DIR] [--trt 89]
 
 Measures, in one run on one machine, for the same checkpoints exported twice (fp32,
 `--attention plain` and `--attention fused --max-tree-nodes 58`):

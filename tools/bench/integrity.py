@@ -1,7 +1,7 @@
 """What checking an engine's content hashes costs before serving (first open, later opens); JSON.
 
-    python -m lantern.tools.bench_integrity engines/demo
-    python -m lantern.tools.bench_integrity /tmp/xl --make gpt-xl   # random files of GPT-XL's sizes
+    python -m lantern.tools.bench.integrity engines/demo
+    python -m lantern.tools.bench.integrity /tmp/xl --make gpt-xl   # random files of GPT-XL's sizes
 
 first_open_cold: no remembered digests and the files evicted from the page cache (as after a
 reboot or a fresh copy); first_open_warm: no remembered digests, files in the page cache (just

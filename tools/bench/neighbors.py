@@ -2,7 +2,7 @@
 8, k = all (16383 per code). Prints one JSON object; the goal is < 60 s and < 2 GiB peak RSS on
 a 2-core machine.
 
-    python -m lantern.tools.bench_neighbors [--codes N] [--dim D] [--k K] [--threads T]
+    python -m lantern.tools.bench.neighbors [--codes N] [--dim D] [--k K] [--threads T]
 """
 import argparse
 import json

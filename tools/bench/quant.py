@@ -1,7 +1,7 @@
 """Quantized engines on ONNX Runtime CPU: speed and fidelity of int8 / int4 against fp32, one run.
 Prints JSON.
 
-  python -m lantern.tools.bench_quant [--model GPT-B] [--threads 2] [--repeats 7] [--workdir DIR]
+  python -m lantern.tools.bench.quant [--model GPT-B] [--threads 2] [--repeats 7] [--workdir DIR]
                                       [--decisions] [--no-fidelity]
 
 speed     (GPT-B-shaped target, random weights) the one-token step at batch 2 (CFG) with ~256

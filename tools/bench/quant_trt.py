@@ -5,7 +5,7 @@ quantization record, the error against the fp32 graph on ONNX Runtime (int8 / in
 ONNX Runtime runs it), and per compute capability build success, plan bytes and seconds (or the
 builder's first error).
 
-  python -m lantern.tools.bench_quant_trt [--engine DIR | --model GPT-B] [--cc SM89,SM120]
+  python -m lantern.tools.bench.quant_trt [--engine DIR | --model GPT-B] [--cc SM89,SM120]
                                           [--schemes fp8,int8,int4] [--graphs target,drafter]
 
 The build is the minimal one (ONNX parser, strongly typed network, one optimization profile,

@@ -1,6 +1,6 @@
 """Runtime benchmark on a GPT-B-shaped engine (random weights), ONNX Runtime CPU. Prints JSON.
 
-  python -m lantern.tools.bench_runtime [--model GPT-B] [--threads 2] [--engine DIR] [--plot PNG]
+  python -m lantern.tools.bench.runtime [--model GPT-B] [--threads 2] [--engine DIR] [--plot PNG]
 
 Measures, in one run on one machine:
   latency_curve   the target's verification call L(T) for T new tokens at a context of ~256

@@ -3,7 +3,7 @@ trt` builds) against one profile spanning all of them, per graph of an engine di
 JSON: per graph and strategy, the number of profiles, build seconds (median and min of --repeat
 builds) and plan size.
 
-    python -m lantern.tools.bench_trt_build ENGINE_DIR [--batch 1 4] [--compute-capability 89]
+    python -m lantern.tools.bench.trt_build ENGINE_DIR [--batch 1 4] [--compute-capability 89]
         [--graphs target drafter] [--cfg | --no-cfg] [--flavor tensorrt-rtx] [--repeat 3]
 
 The call shapes are the static step plans' (lantern.export.trt_export.call_shapes): prefill,

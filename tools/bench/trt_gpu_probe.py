@@ -3,7 +3,7 @@ back what was built (`plan_io`), and does the fused cache-update + attention ste
 the numpy reference does, with the cache updated in place? Prints JSON. Needs a GPU, torch with
 CUDA (for device buffers only) and the flavor's wheel.
 
-    python -m lantern.tools.trt_gpu_probe [--flavor tensorrt-rtx] [--compute-capability current 89]
+    python -m lantern.tools.bench.trt_gpu_probe [--flavor tensorrt-rtx] [--compute-capability current 89]
 
 Prepared on a CPU-only machine and not yet run on a GPU: read its output, not its assumptions.
 TensorRT-RTX 1.7 targets SM75/80/86/89/120/121 only, so on a Hopper GPU (SM90: H100, H200) the

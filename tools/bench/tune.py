@@ -1,6 +1,6 @@
 """Benchmark of `lantern-run tune` (issue 10's goals) on an engine, in one run on one machine. Prints JSON.
 
-  python -m lantern.tools.bench_tune [--engine engines/demo] [--batch 8] [--images 8] [--repeats 3]
+  python -m lantern.tools.bench.tune [--engine engines/demo] [--batch 8] [--images 8] [--repeats 3]
                                      [--threads 1] [--out bench_tune.json]
 
 Settings: LANTERN++ lam 5, k 20, CFG 3, sampling (temperature 1, no filters), as the demo uses.

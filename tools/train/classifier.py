@@ -21,7 +21,7 @@ from tqdm import tqdm
 from lantern.export.checkpoints import load_strict
 from lantern.export.safeload import load_state_file
 from lantern.runtime.errors import LanternError
-from lantern.tools import demo_data
+from lantern.tools.train import data as demo_data
 
 ARCHITECTURE = "lantern-demo-cnn"
 

@@ -1,6 +1,6 @@
 """Build the trained demo model end to end: data -> VQ -> classifier -> target -> drafter -> card.
 
-    python -m lantern.tools.train_demo --out export/demo_model
+    python -m lantern.tools.train.demo --out export/demo_model
 
 Writes into --out: vq.pt (LlamaGen VQ format), gpt.pt + gpt_config.json (LlamaGen .pt; the config
 file is needed because the size is no released one), drafter/ (config.json + model.safetensors),
@@ -17,15 +17,15 @@ import time
 import torch
 
 from lantern.export.checkpoints import load_drafter, save_drafter
-from lantern.export.demo import DEMO_DIR
+from lantern.tools.demo import DEMO_DIR
 from lantern.export.llamagen import count_parameters
 from lantern.export.vq import load_vq, save_vq
 from lantern.runtime.png import image_grid, to_uint8, write_png
-from lantern.tools import demo_data
-from lantern.tools.train_classifier import accuracy, load_classifier, save_classifier, train_classifier
-from lantern.tools.train_drafter import collect_generations, evaluate_drafter, train_drafter
-from lantern.tools.train_target import demo_gpt_args, evaluate_target, load_demo_target, save_target, train_target
-from lantern.tools.train_vq import demo_vq_config, encode_images, evaluate_vq, train_vq
+from lantern.tools.train import data as demo_data
+from lantern.tools.train.classifier import accuracy, load_classifier, save_classifier, train_classifier
+from lantern.tools.train.drafter import collect_generations, evaluate_drafter, train_drafter
+from lantern.tools.train.target import demo_gpt_args, evaluate_target, load_demo_target, save_target, train_target
+from lantern.tools.train.vq import demo_vq_config, encode_images, evaluate_vq, train_vq
 
 CFG_SCALE = 3.0
 
@@ -193,13 +193,13 @@ def write_model_card(out, m):
 A complete, small, *trained* LlamaGen-style stack for demos, tests and quality checks of the
 LANTERN++ toolchain on a CPU: a VQ tokenizer, a class-conditional GPT target, its EAGLE-1 /
 LANTERN drafter and a classifier for quality metrics. Everything is generated from seed
-{m['seed']}; nothing was downloaded. Built by `python -m lantern.tools.train_demo --out export/demo_model`
+{m['seed']}; nothing was downloaded. Built by `python -m lantern.tools.train.demo --out export/demo_model`
 (torch {m['torch']}, {m['threads']} CPU thread(s); repository HEAD {m['git_commit']} when it ran).
 
 ## Data
 
 {m['data']['classes']} classes = 5 shapes (circle, square, triangle, cross, ring) x 3 colours (red, green,
-blue), drawn by `lantern.tools.demo_data.make_dataset(n, seed)`: {m['data']['image_size']}x{m['data']['image_size']} RGB, jittered
+blue), drawn by `lantern.tools.train.data.make_dataset(n, seed)`: {m['data']['image_size']}x{m['data']['image_size']} RGB, jittered
 position, size, rotation and hue, on a desaturated background with a random gradient, blotchy
 low-frequency noise and pixel grain. Class id = shape * 3 + colour; names in `classifier.json`.
 Training images: {m['data']['train_images']} (seed {m['seed']}); held-out: {m['data']['held_out_images']} (seed {m['seed'] + 1000}).
@@ -211,11 +211,11 @@ Training images: {m['data']['train_images']} (seed {m['seed']}); held-out: {m['d
 | `vq.pt` | VQ tokenizer, LlamaGen VQ format `{{'model': state_dict}}` | `lantern.export.vq.load_vq` | {m['sizes_mb']['vq.pt']:.2f} MB |
 | `gpt.pt` + `gpt_config.json` | target, LlamaGen `.pt` (`model`, `steps`, `args` Namespace) + ModelArgs | `load_target(gpt.pt, config_file=gpt_config.json)` | {m['sizes_mb']['gpt.pt']:.2f} MB |
 | `drafter/` | drafter, LANTERN layout (config.json + model.safetensors) | `lantern.export.checkpoints.load_drafter` | {m['sizes_mb']['drafter']:.2f} MB |
-| `classifier.safetensors` + `.json` | CNN classifier | `lantern.tools.train_classifier.load_classifier` | {m['sizes_mb']['classifier.safetensors']:.2f} MB |
+| `classifier.safetensors` + `.json` | CNN classifier | `lantern.tools.train.classifier.load_classifier` | {m['sizes_mb']['classifier.safetensors']:.2f} MB |
 | `metrics.json` | every number on this card | | |
 | `samples/*.png` | dataset, VQ reconstructions (real / reconstructed pairs), target generations (CFG {m['cfg_scale']:g}); rows are classes | | |
 
-Total: {m['sizes_mb']['total']:.1f} MB. `lantern.tools.train_demo.load_demo()` loads all four models.
+Total: {m['sizes_mb']['total']:.1f} MB. `lantern.tools.train.demo.load_demo()` loads all four models.
 
 ## Models
 
@@ -257,7 +257,7 @@ than two there: two threads that are descheduled in turn make every step wait).
 ## Retraining
 
 ```
-python -m lantern.tools.train_demo --out export/demo_model [--seed 0]
+python -m lantern.tools.train.demo --out export/demo_model [--seed 0]
 ```
 Stages can be reused from an earlier run with `--reuse vq,classifier,gpt,drafter` (their metrics
 come from the old metrics.json). Results are deterministic for a seed on one machine and torch

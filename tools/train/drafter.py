@@ -11,7 +11,7 @@ softmax(head(h_{i+1})), and (EAGLE's regression term) its output hidden state sh
 The drafter's logits go through the target's output head, which stays frozen; the token
 embedding starts as a copy of the target's and stays frozen too, as in EAGLE.
 
-    python -m lantern.tools.train_drafter --target gpt.pt --out drafter/
+    python -m lantern.tools.train.drafter --target gpt.pt --out drafter/
 """
 import argparse
 import time
@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from lantern.export.checkpoints import save_drafter
 from lantern.export.llamagen import Drafter, DrafterArgs, count_parameters
-from lantern.tools.train_target import causal_mask, generate, sequence_forward
+from lantern.tools.train.target import causal_mask, generate, sequence_forward
 
 HIDDEN_WEIGHT = 1.0  # weight of the hidden-state regression next to the distillation loss
 
@@ -137,7 +137,7 @@ def evaluate_drafter(drafter, target, data, cfg_scale):
 
 
 def main():
-    from lantern.tools.train_target import load_demo_target
+    from lantern.tools.train.target import load_demo_target
 
     p = argparse.ArgumentParser(description="Train the demo drafter on the target's own generations.")
     p.add_argument("--target", required=True, help="gpt.pt with gpt_config.json next to it")

@@ -5,7 +5,7 @@ dropout to the null class (row num_classes of the class table) so CFG works at s
 Initialisation follows LlamaGen (normal(0, 0.02), zero output head). Also here: `generate`, the
 KV-cached CFG sampler the demo pipeline, the drafter's data and the tests use.
 
-    python -m lantern.tools.train_target --vq vq.pt --out gpt.pt
+    python -m lantern.tools.train.target --vq vq.pt --out gpt.pt
 """
 import argparse
 import json
@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from lantern.export.checkpoints import load_target, save_llamagen_pt
 from lantern.export.llamagen import ModelArgs, Transformer, count_parameters, validate_config
-from lantern.tools import demo_data
+from lantern.tools.train import data as demo_data
 
 CLASS_DROPOUT = 0.1
 
@@ -169,7 +169,7 @@ def load_demo_target(path):
 
 def main():
     from lantern.export.vq import load_vq
-    from lantern.tools.train_vq import encode_images
+    from lantern.tools.train.vq import encode_images
 
     p = argparse.ArgumentParser(description="Train the demo LlamaGen target on VQ codes of the demo dataset.")
     p.add_argument("--vq", required=True)

@@ -5,7 +5,7 @@ straight-through estimator, codebook loss |zq - sg(z)|^2 and commitment 0.25 |z 
 L2-normalised vectors. Codes unused for `restart_every` steps are restarted on random encoder
 outputs of the current batch, so the whole codebook stays in use.
 
-    python -m lantern.tools.train_vq --out vq.pt
+    python -m lantern.tools.train.vq --out vq.pt
 """
 import argparse
 import math
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lantern.export.vq import VQConfig, VQModel, save_vq
-from lantern.tools import demo_data
+from lantern.tools.train import data as demo_data
 
 BETA = 0.25  # LlamaGen's commitment weight
 
