@@ -31,6 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lantern.export import fused_forms
+from lantern.export.fused_forms import PLAIN
+from lantern.export.layers import RMSNorm, count_parameters, init_random, run_layers  # noqa: F401 (count_parameters, init_random: this family's too)
 from lantern.runtime.errors import LanternError
 
 # ---------------------------------------------------------------------------------------------
@@ -162,7 +164,7 @@ def image_token_name(code):
 
 def image_token_range(vocabulary_map, source="vocabulary_map"):
     """[start, end) of the image-token ids, checking that code = id - start for every one of them:
-    the runtime (and LANTERN's neighbour lookup) maps codes to ids by that offset."""
+    the runtime (and LANTERN's neighbor lookup) maps codes to ids by that offset."""
     codes = {}
     for name, token_id in vocabulary_map.items():
         if name.startswith(IMAGE_NAME_PREFIX):
@@ -206,17 +208,6 @@ def apply_rope(x, cos, sin):
 # Blocks (Hugging Face parameter names)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
 class QKNorm(nn.Module):
     """ChameleonLayerNorm: statistics over head_dim only, then each head's own weight and bias.
     Parameters are [heads, head_dim] (the Hugging Face layout); the xllmx layout's
@@ -229,26 +220,6 @@ class QKNorm(nn.Module):
 
     def forward(self, x):  # x [B, T, heads, head_dim]
         return F.layer_norm(x, x.shape[-1:], eps=QK_NORM_EPS) * self.weight + self.bias
-
-
-def _attend(q, past_k, past_v, k, v, mask):
-    """Softmax attention over [cache, new] without concatenating them (a concatenation copies the
-    whole cache every step in the exported graph): scores per part, joined ([T, P + T] only).
-    Query heads are grouped by KV head, so grouped-query attention never repeats the cache.
-    Softmax in fp32 (Anole's choice; Lumina's eager path uses the model dtype).
-    q [B, H, T, hd]; caches [B, Hkv, P, hd]; k, v [B, Hkv, T, hd]."""
-    B, H, T, hd = q.shape
-    Hkv, P = past_k.shape[1], past_k.shape[2]
-    grouped = q.reshape(B, Hkv, (H // Hkv) * T, hd) * (1.0 / math.sqrt(hd))
-    scores = torch.cat([grouped @ past_k.transpose(-1, -2), grouped @ k.transpose(-1, -2)], dim=-1)
-    scores = scores.reshape(B, H, T, P + T).float().masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).reshape(B, Hkv, (H // Hkv) * T, P + T)
-    out = probs[..., :P] @ past_v + probs[..., P:] @ v
-    return out.reshape(B, H, T, hd)
-
-
-# The plain cache form (lantern.export.fused_forms): the default of every layer and model here.
-PLAIN = fused_forms.PlainCache(_attend)
 
 
 class Attention(nn.Module):
@@ -312,16 +283,6 @@ class SwinDecoderLayer(DecoderLayer):
         return h + self.post_attention_layernorm(self.mlp(h)), k, v
 
 
-def _run_layers(layers, x, cos, sin, mask, past_keys, past_values, write_index, kv):
-    """x through every layer; returns x and the cache form's outputs (kv.outputs)."""
-    keys, values = [], []
-    for layer, past_k, past_v in zip(layers, past_keys, past_values):
-        x, k, v = layer(x, cos, sin, mask, past_k, past_v, write_index, kv)
-        keys.append(k)
-        values.append(v)
-    return (x, *kv.outputs(keys, values))
-
-
 # ---------------------------------------------------------------------------------------------
 # Target
 
@@ -349,7 +310,7 @@ class ChameleonTarget(nn.Module):
         write_index [B], and the updated caches come back instead (keys of every layer, then values)."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-        x, *caches = _run_layers(self.layers, x, cos, sin, attention_mask, past_keys, past_values, write_index, kv)
+        x, *caches = run_layers(self.layers, x, (cos, sin, attention_mask), past_keys, past_values, write_index, kv)
         hidden = self.norm(x)
         return (self.lm_head(hidden).float(), hidden, *caches)
 
@@ -397,7 +358,7 @@ class ChameleonDrafter(nn.Module):
         lm_head for logits) and the new K/V [L, B, Hkv, T, hd] (in place: the updated caches)."""
         x = self.fc(torch.cat([self.embed_tokens(input_ids).to(target_hidden.dtype), target_hidden], dim=-1))
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-        return _run_layers(self.layers, x, cos, sin, attention_mask, past_keys, past_values, write_index, kv)
+        return run_layers(self.layers, x, (cos, sin, attention_mask), past_keys, past_values, write_index, kv)
 
     def empty_cache(self, batch, capacity=0, dtype=None):
         return _empty_cache(self.config, batch, capacity, dtype or self.fc.weight.dtype)
@@ -419,7 +380,7 @@ def check_drafter_fits(drafter_config, target_config, source="drafter"):
 
 
 # ---------------------------------------------------------------------------------------------
-# Graphs: exactly what goes to ONNX (contracts v2, PLAN_V2.md), inputs and outputs in order.
+# Graphs: exactly what goes to ONNX (lantern.runtime.contracts), inputs and outputs in order.
 
 
 class TargetGraph(nn.Module):
@@ -506,26 +467,3 @@ def graph_modules(target, drafter=None, vq=None, candidates=None, attention="pla
 
         graphs["vq_decoder"] = ("vq_decoder", VQDecoderGraph(vq))
     return {name: (contract, module.eval()) for name, (contract, module) in graphs.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# Random weights (tests, timing, demos)
-
-
-def init_random(model, seed=0, std=0.02):
-    """Deterministic random weights; norm weights near 1 and qk-norm biases near 0, so the
-    activations stay in the range a trained model's do."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("norm.bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-    return model
-
-
-def count_parameters(model):
-    return sum(p.numel() for p in model.parameters())

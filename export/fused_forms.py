@@ -5,8 +5,8 @@ when the graph module is built (lantern.export.llamagen, lantern.export.chameleo
 decides how a layer meets its cache and what the graph returns. No layer branches on the form.
 
   PlainCache    the engines' first form ("plain"; contracts target / target_ids / drafter):
-                attention over [past cache, new tokens] scored per part (the family's own
-                function), the new tokens' K/V returned stacked [L, B, H, T, hd]; the runtime
+                attention over [past cache, new tokens] scored per part (layers.attend,
+                shared by the families), the new tokens' K/V returned stacked [L, B, H, T, hd]; the runtime
                 copies the entries it keeps into its cache.
   InPlaceCache  the form TensorRT fuses ("fused"; contracts target_inplace / target_ids_inplace
                 / drafter_inplace): each layer writes its T new K/V entries into a static cache
@@ -28,6 +28,8 @@ import warnings
 
 import torch
 import torch.nn as nn
+
+from lantern.export.layers import attend
 
 OPSET = 24  # TensorScatter is opset 24; Attention is opset 23
 
@@ -54,13 +56,10 @@ def attention(q, k, v, mask):
 
 
 class PlainCache:
-    """Attention over [past, new] with the family's `attend(q, past_k, past_v, k, v, mask)`;
-    the layer returns the new tokens' K/V, the graph returns them stacked [L, B, H, T, hd]."""
+    """Attention over [past, new] scored per part (lantern.export.layers.attend); the layer
+    returns the new tokens' K/V, the graph returns them stacked [L, B, H, T, hd]."""
 
     name = "plain"
-
-    def __init__(self, attend):
-        self.attend = attend
 
     def split(self, cache_inputs):
         """A graph's trailing inputs -> (write_index, keys, values): here the per-layer caches."""
@@ -68,7 +67,7 @@ class PlainCache:
         return None, cache_inputs[:layers], cache_inputs[layers:]
 
     def layer(self, q, k, v, past_k, past_v, mask, write_index):
-        return self.attend(q, past_k, past_v, k, v, mask), k, v
+        return attend(q, past_k, past_v, k, v, mask), k, v
 
     def outputs(self, keys, values):
         return torch.stack(keys), torch.stack(values)
@@ -95,6 +94,7 @@ class InPlaceCache:
         return (*keys, *values)
 
 
+PLAIN = PlainCache()  # the default of every layer and model
 IN_PLACE = InPlaceCache()
 ATTENTION_FORMS = ("plain", "fused")
 
@@ -111,13 +111,11 @@ class AttentionStep(nn.Module):
 
 class PlainAttentionStep(nn.Module):
     """The engines' current form, for comparison: attention over [past, new] scored per part
-    (no Concat of the caches; lantern.export.llamagen), new K/V returned for the host to store.
+    (no Concat of the caches; lantern.export.layers.attend), new K/V returned for the host to store.
     Inputs q, k, v as AttentionStep; past_k, past_v [B, Hkv, P0, hd]; mask bool [B, 1, T, P0 + T]."""
 
     def forward(self, q, k, v, past_k, past_v, mask):
-        from lantern.export.llamagen import _attend
-
-        return _attend(q, past_k, past_v, k, v, mask), k, v
+        return attend(q, past_k, past_v, k, v, mask), k, v
 
 
 class CommitGraph(nn.Module):

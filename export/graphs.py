@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from lantern.export import fused_forms
-from lantern.export.llamagen import PLAIN
+from lantern.export.fused_forms import PLAIN
 
 
 class ConditionC2IGraph(nn.Module):

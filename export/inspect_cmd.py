@@ -2,6 +2,7 @@
 import json
 
 from lantern.export import checkpoints
+from lantern.export.families import family_of
 
 
 def add_model_options(parser):
@@ -32,31 +33,7 @@ def add_parser(sub):
 
 
 def inspect(path, fmt=None, **target_opts):
-    from lantern.export.families import family_of
-
-    if fmt is None and family_of(path).name == "chameleon" or _is_chameleon_vq(path):
-        from lantern.export import chameleon_checkpoints
-
-        role = chameleon_checkpoints.detect(path)["role"]
-        if role == "vq":
-            from lantern.export.chameleon_vq import load_vq
-            return load_vq(path)[1]
-        if role == "drafter":
-            return chameleon_checkpoints.load_drafter(path)[1]
-        return chameleon_checkpoints.load_target(path)[1]
-    fmt = fmt or checkpoints.detect_format(path)
-    if fmt == "drafter":
-        return checkpoints.load_drafter(path)[1]
-    if fmt == "vq":
-        from lantern.export import vq
-        return vq.load_vq(path)[1]
-    return checkpoints.load_target(path, fmt, **target_opts)[1]
-
-
-def _is_chameleon_vq(path):
-    import os
-
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "vqgan.yaml"))
+    return family_of(path, fmt).inspect(path, fmt, **target_opts)
 
 
 def run(args):

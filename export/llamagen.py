@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lantern.export.fused_forms import PlainCache
+from lantern.export.fused_forms import PLAIN
+from lantern.export.layers import RMSNorm, count_parameters, init_random, run_layers  # noqa: F401 (count_parameters, init_random: this family's too)
 from lantern.runtime.errors import LanternError
 
 # ---------------------------------------------------------------------------------------------
@@ -228,36 +229,6 @@ def apply_rope(x, rope):
 # Blocks (LlamaGen parameter names)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
-
-
-def _attend(q, past_k, past_v, k, v, mask):
-    """Softmax attention over [cache, new] without concatenating them: concatenation would copy
-    the whole cache every step in the exported graph. Scores are computed per part and joined
-    (they are only [T, P + T]); query heads are grouped by KV head, so grouped-query attention
-    never repeats the cache either. q [B, H, T, hd]; caches [B, Hkv, P, hd]; k, v [B, Hkv, T, hd]."""
-    B, H, T, hd = q.shape
-    Hkv, P = past_k.shape[1], past_k.shape[2]
-    grouped = q.reshape(B, Hkv, (H // Hkv) * T, hd) * (1.0 / math.sqrt(hd))
-    scores = torch.cat([grouped @ past_k.transpose(-1, -2), grouped @ k.transpose(-1, -2)], dim=-1)
-    scores = scores.reshape(B, H, T, P + T).float().masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype).reshape(B, Hkv, (H // Hkv) * T, P + T)
-    out = probs[..., :P] @ past_v + probs[..., P:] @ v
-    return out.reshape(B, H, T, hd)
-
-
-# The plain cache form (lantern.export.fused_forms): the default of every layer and model here.
-PLAIN = PlainCache(_attend)
-
-
 class Attention(nn.Module):
     def __init__(self, args):
         super().__init__()
@@ -302,16 +273,6 @@ class Block(nn.Module):
         attn, k, v = self.attention(self.attention_norm(x), rope, mask, past_k, past_v, write_index, kv)
         h = x + attn
         return h + self.feed_forward(self.ffn_norm(h)), k, v
-
-
-def _run_layers(layers, x, rope, mask, past_k, past_v, write_index, kv):
-    """x through every layer; returns x and the cache form's outputs (kv.outputs)."""
-    keys, values = [], []
-    for i, layer in enumerate(layers):
-        x, k, v = layer(x, rope, mask, past_k[i], past_v[i], write_index, kv)
-        keys.append(k)
-        values.append(v)
-    return (x, *kv.outputs(keys, values))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,7 +350,7 @@ class Transformer(nn.Module):
         [B, 1, T, S] over static caches [B, Hkv, S, hd] per layer, write_index [B], and the
         updated caches come back instead (keys of every layer, then values)."""
         rope = self.rope[position_ids]
-        x, *caches = _run_layers(self.layers, inputs_embeds, rope, attention_mask, past_keys, past_values,
+        x, *caches = run_layers(self.layers, inputs_embeds, (rope, attention_mask), past_keys, past_values,
                                  write_index, kv)
         hidden = self.norm(x)
         return (self.output(hidden).float(), hidden, *caches)
@@ -468,30 +429,10 @@ class Drafter(nn.Module):
         through the target's output head for logits) and the new K/V [1, B, Hkv, T, hd] (in
         place: the updated cache's keys and values)."""
         x = self.fc(torch.cat([self.embed_tokens(input_ids).to(target_hidden.dtype), target_hidden], dim=-1))
-        return _run_layers(self.layers, x, rope[position_ids], attention_mask, past_keys, past_values, write_index, kv)
+        return run_layers(self.layers, x, (rope[position_ids], attention_mask), past_keys, past_values, write_index, kv)
 
     def empty_cache(self, batch, capacity=0, dtype=None):
         a = self.args
         shape = (1, batch, a.kv_heads, capacity, a.head_dim)
         dtype = dtype or self.fc.weight.dtype
         return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-
-
-def init_random(model, seed=0, std=0.02):
-    """Deterministic random weights (tests, timing, demo starting point)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if name.endswith("uncond_embedding"):
-                b.copy_(torch.randn(b.shape, generator=gen) / math.sqrt(b.shape[-1]))
-    return model
-
-
-def count_parameters(model):
-    return sum(p.numel() for p in model.parameters())
-

@@ -34,6 +34,8 @@ import shutil
 import sys
 import time
 import warnings
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -260,7 +262,7 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
     if drafter is None and candidates is not None:
         raise LanternError("--candidates needs --drafter (it is the drafter graph's top-k width)")
     if vq is None and neighbors_k is not None:
-        raise LanternError("--neighbors-k needs --vq (the neighbours come from the VQ codebook)")
+        raise LanternError("--neighbors-k needs --vq (the neighbors come from the VQ codebook)")
     if quantize is not None:
         quantize.check()
         if dtype != "fp32":
@@ -280,17 +282,40 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
                                    f"root included), got {max_tree_nodes!r}")
             tree_nodes = max_tree_nodes
 
-    graphs_made = ["target"] if family_of(target, target_format).name == "chameleon" else ["condition", "target"]
-    stages = ["load"] + graphs_made + (["drafter"] if drafter else []) + \
-             (["commit"] if drafter and attention == "fused" else []) + \
+    family = family_of(target, target_format)
+    stages = ["load"] + (["condition"] if family.condition_graph else []) + ["target"] + \
+             (["drafter"] if drafter else []) + (["commit"] if drafter and attention == "fused" else []) + \
              (["vq_decoder", "neighbors"] if vq else []) + ["manifest"]
     bar = _progress(stages, progress)
+    job = _Export(family=family, target=target, target_format=target_format, target_options=target_options,
+                  drafter=drafter, vq=vq, draft_tree=draft_tree, dtype=dtype, candidates=candidates, opset=opset,
+                  neighbors_k=neighbors_k, attention=attention, tree_nodes=tree_nodes,
+                  max_prompt_tokens=max_prompt_tokens, quantize=quantize)
     try:
-        return _build(placement.engine_directory(out, force), bar, target, target_format, target_options, drafter,
-                      vq, draft_tree, dtype, candidates, opset, neighbors_k, attention, tree_nodes, max_prompt_tokens,
-                      quantize)
+        return _build(placement.engine_directory(out, force), bar, job)
     finally:
         bar.close()
+
+
+@dataclass(frozen=True)
+class _Export:
+    """What export_engine checked and resolved, for _build."""
+
+    family: object  # a families.Family
+    target: str
+    target_format: Optional[str]
+    target_options: Optional[dict]
+    drafter: Optional[str]
+    vq: Optional[str]
+    draft_tree: object  # a runtime Tree, or None without a drafter
+    dtype: str
+    candidates: Optional[int]
+    opset: int
+    neighbors_k: Optional[int]
+    attention: str
+    tree_nodes: Optional[int]  # static cache tree slots (fused form)
+    max_prompt_tokens: Optional[int]
+    quantize: object = None  # a QuantizeOptions, or None
 
 
 def _static_cache(family, models, tree_nodes, max_prompt_tokens):
@@ -301,26 +326,29 @@ def _static_cache(family, models, tree_nodes, max_prompt_tokens):
                                      target=prefix + image + tree_nodes, drafter=image + tree_nodes)
 
 
-def _build(staging, bar, target, target_format, target_options, drafter, vq, draft_tree, dtype, candidates, opset,
-           neighbors_k, attention, tree_nodes, max_prompt_tokens, quantize=None):
+def _build(staging, bar, job):
+    family, drafter, vq, draft_tree, dtype, attention = (job.family, job.drafter, job.vq, job.draft_tree, job.dtype,
+                                                         job.attention)
+    candidates, neighbors_k = job.candidates, job.neighbors_k
     bar.set_description("load")
-    family = family_of(target, target_format)
-    models = family.load(target, target_format, target_options, drafter, vq)
-    t_info = models["target"][1]
-    sources = {"target": _source_record("target", target, t_info, _options_record(target_options))}
-    sources["target"]["format_option"] = target_format
+    models = family.load(job.target, job.target_format, job.target_options, drafter, vq)
+    sources = {"target": _source_record("target", job.target, models["target"].info,
+                                        _options_record(job.target_options))}
+    sources["target"]["format_option"] = job.target_format
     if drafter is not None:
-        sources["drafter"] = _source_record("drafter", drafter, models["drafter"][1])
+        sources["drafter"] = _source_record("drafter", drafter, models["drafter"].info)
     if vq is not None:
-        sources["vq"] = _source_record("vq", vq, models["vq"][1])
-        n_codes = models["vq"][0].config.codebook_size
+        sources["vq"] = _source_record("vq", vq, models["vq"].info)
+        n_codes = models["vq"].model.config.codebook_size
         neighbors_k = min(DEFAULT_NEIGHBORS_K, n_codes - 1) if neighbors_k is None else neighbors_k
         if isinstance(neighbors_k, bool) or not isinstance(neighbors_k, int) or not 1 <= neighbors_k <= n_codes - 1:
             raise LanternError(f"--neighbors-k must be in [1, {n_codes - 1}] for {n_codes} codes, got {neighbors_k!r}")
-    static_cache = None if attention == "plain" else _static_cache(family, models, tree_nodes, max_prompt_tokens)
+    static_cache = None if attention == "plain" else _static_cache(family, models, job.tree_nodes,
+                                                                   job.max_prompt_tokens)
     family.cast(models, dtype)
     graphs = family.graphs(models, candidates, attention)
-    record = family.record(models, t_info)
+    extra_files = family.extra_files(models, vq)
+    record = family.record(models, extra_files)
     if drafter is not None:
         candidates = graphs["drafter"][1].candidates
         codes = record["vocabulary"].codes
@@ -342,7 +370,7 @@ def _build(staging, bar, target, target_format, target_options, drafter, vq, dra
                 dims["S"] = static_cache.drafter if name == "drafter" else static_cache.target
             io_spec = resolved_io(contract, dims, DTYPE_NAMES[graph_dtype], layers=family.layers(name, models))
             path = os.path.join(tmp, engine_format.GRAPH_FILES[name])
-            written = export_graph(module, io_spec, path, opset)
+            written = export_graph(module, io_spec, path, job.opset)
             files += written
             graph_entries[name] = engine_format.Graph(
                 file=written[0], contract=contract, dtype=graph_dtype,
@@ -350,27 +378,24 @@ def _build(staging, bar, target, target_format, target_options, drafter, vq, dra
                 outputs={k: engine_format.TensorSpec(v["dtype"], tuple(v["shape"])) for k, v in io_spec["outputs"].items()},
                 external_data=written[1] if len(written) > 1 else None)
             bar.update()
-        if quantize is not None:  # in place, file names unchanged; records go into the graphs' entries
+        if job.quantize is not None:  # in place, file names unchanged; records go into the graphs' entries
             from lantern.export.quantize import quantize_graphs
 
-            bar.set_description(f"quantize {quantize.scheme}")
-            graph_entries = quantize_graphs(tmp, graph_entries, quantize)
+            bar.set_description(f"quantize {job.quantize.scheme}")
+            graph_entries = quantize_graphs(tmp, graph_entries, job.quantize)
         neighbors = None
         if vq is not None:
             bar.set_description("neighbors")
             neighbors = _write_neighbors(tmp, family.code_vectors(models), neighbors_k)
             files.append(neighbors.file)
             bar.update()
-        for name, src in family.extra_files(models, vq).items():
+        for name, src in extra_files.items():
             shutil.copyfile(src, os.path.join(tmp, name))
             files.append(name)
-        if "text_tokenizer.json" in files:
-            record["condition"] = record["condition"].__class__(**{**record["condition"].__dict__,
-                                                                   "tokenizer": "text_tokenizer.json"})
 
         bar.set_description("manifest")
         manifest = engine_format.Manifest(
-            **record, dtype=dtype, opset=opset, graphs=graph_entries,
+            **record, dtype=dtype, opset=job.opset, graphs=graph_entries,
             modes=("ar",) + (("exact",) if drafter else ()) + (("lantern", "lantern++") if drafter and vq else ()),
             tree=None if draft_tree is None else draft_tree.to_json(), candidates=candidates, neighbors=neighbors,
             sources=sources, tools=_tool_versions(),
@@ -450,7 +475,7 @@ def add_parser(sub):
     p.add_argument("--max-prompt-tokens", type=int,
                    help="fused, prompt engines: the longest prompt row the static caches hold; shorter prompts are "
                         "left-padded (default 128)")
-    p.add_argument("--neighbors-k", type=int, help=f"latent neighbours per code (default min({DEFAULT_NEIGHBORS_K}, codes - 1))")
+    p.add_argument("--neighbors-k", type=int, help=f"latent neighbors per code (default min({DEFAULT_NEIGHBORS_K}, codes - 1))")
     from lantern.export.quantize import add_quantize_options
 
     add_quantize_options(p)
@@ -489,7 +514,7 @@ def run(args):
     else:
         print("modes: ar only (no --drafter given)")
     if manifest.neighbors is None and manifest.tree is not None:
-        print("no neighbour table (no --vq): modes lantern and lantern++ need one")
+        print("no neighbor table (no --vq): modes lantern and lantern++ need one")
     return 0
 
 

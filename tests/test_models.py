@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from lantern.export import llamagen
+from lantern.export import layers, llamagen
 from tiny import causal_mask, positions, tiny_args, tiny_drafter, tiny_target
 
 torch.set_grad_enabled(False)
@@ -227,4 +227,4 @@ def test_split_attention_equals_sdpa_over_the_concatenated_cache(heads, kv_heads
     keys = torch.cat([past_k, k], dim=2).repeat_interleave(rep, dim=1)
     values = torch.cat([past_v, v], dim=2).repeat_interleave(rep, dim=1)
     expected = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    torch.testing.assert_close(llamagen._attend(q, past_k, past_v, k, v, mask), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layers.attend(q, past_k, past_v, k, v, mask), expected, rtol=1e-5, atol=1e-5)

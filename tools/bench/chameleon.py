@@ -48,11 +48,11 @@ def write_checkpoint(directory, layers, seed=0):
 
 def target_io(model, float_dtype):
     """The target graph's contract resolved for this model, as the export resolves it."""
-    from lantern.export.families import FAMILIES
+    from lantern.export.families import FAMILIES, LoadedModel
     from lantern.runtime.contracts import resolved_io
 
     family = FAMILIES["chameleon"]
-    models = {"target": (model, None)}
+    models = {"target": LoadedModel(model, {})}
     return resolved_io("target_ids", family.dims("target", models, None), float_dtype,
                        layers=family.layers("target", models))
 
