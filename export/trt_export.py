@@ -142,7 +142,7 @@ def resolve_compute_capabilities(flavor, requested):
         raise LanternError("full TensorRT builds for the GPU it runs on: use --compute-capability current "
                            "(or --flavor tensorrt-rtx to build ahead of time for named GPUs)")
     if "current" in names:
-        from lantern.runtime.backends.tensorrt import gpu_compute_capability
+        from lantern.runtime.backends.cuda import gpu_compute_capability
 
         current = gpu_compute_capability()
         if current is None:

@@ -16,14 +16,16 @@ from engines import captions
 from lantern.export import trt_export
 from lantern.export.check import check_engine
 from lantern.runtime import backends
+from lantern.runtime.backends import cuda
 from lantern.runtime.backends import tensorrt as tb
+from lantern.runtime.backends import tensorrt_plans as trt_plans
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.manifest import (PlanFile, PlanProfile, TensorRTPlans, describe_files, read_manifest)
 from lantern.runtime.tree import build_tree
 
 VERSION = "1.7.1.116"
-GPU = tb.gpu_compute_capability()
+GPU = cuda.gpu_compute_capability()
 
 
 def _one_line(err):
@@ -117,28 +119,28 @@ def test_bad_plan_records_are_refused_in_one_line(planned, tmp_path, change, wor
 def test_plans_are_chosen_by_version_and_gpu(c2i_engine, planned, tmp_path):
     m = read_manifest(planned)
     here = {"tensorrt-rtx": VERSION}
-    assert tb.select_plans(m, planned, "SM89", here)[0] == "tensorrt-rtx-SM89"
+    assert trt_plans.select_plans(m, planned, "SM89", here)[0] == "tensorrt-rtx-SM89"
 
     with pytest.raises(LanternError) as err:
-        tb.select_plans(m, planned, "SM86", here)
+        trt_plans.select_plans(m, planned, "SM86", here)
     assert _one_line(err) == (
         f"{planned}: no TensorRT plans run here: plans/tensorrt-rtx-SM89 were built for SM89; this GPU is SM86; "
         f"rebuild them with `lantern-export trt {planned} --flavor tensorrt-rtx --compute-capability 86 --batch 1 "
         f"--tree mc_sim_7b_63 --force`")
     with pytest.raises(LanternError) as err:  # Hopper: TensorRT for RTX does not target it
-        tb.select_plans(m, planned, "SM90", here)
+        trt_plans.select_plans(m, planned, "SM90", here)
     assert "this GPU is SM90" in _one_line(err) and "--flavor tensorrt --compute-capability current" in str(err.value)
     with pytest.raises(LanternError) as err:
-        tb.select_plans(m, planned, "SM89", {"tensorrt-rtx": "1.6.1.120"})
+        trt_plans.select_plans(m, planned, "SM89", {"tensorrt-rtx": "1.6.1.120"})
     assert "plans/tensorrt-rtx-SM89 were built by tensorrt-rtx 1.7.1.116; this is 1.6.1.120" in _one_line(err)
     assert "--compute-capability 89" in str(err.value)
     with pytest.raises(LanternError) as err:
-        tb.select_plans(m, planned, "SM89", {})
+        trt_plans.select_plans(m, planned, "SM89", {})
     assert "need tensorrt-rtx 1.7.1.116, which is not installed (pip install 'lantern[tensorrt-rtx]')" in _one_line(err)
     with pytest.raises(LanternError, match="has no TensorRT plans for tensorrt;"):
-        tb.select_plans(m, planned, "SM89", here, flavor="tensorrt")
+        trt_plans.select_plans(m, planned, "SM89", here, flavor="tensorrt")
     with pytest.raises(LanternError, match=r"has no plans/tensorrt-SM90 \(it has: tensorrt-rtx-SM89\)"):
-        tb.select_plans(m, planned, "SM89", here, key="tensorrt-SM90")
+        trt_plans.select_plans(m, planned, "SM89", here, key="tensorrt-SM90")
 
     # two builds: the first one that runs here wins
     two = _with_plans(c2i_engine, tmp_path / "two", {
@@ -146,17 +148,17 @@ def test_plans_are_chosen_by_version_and_gpu(c2i_engine, planned, tmp_path):
         "tensorrt-rtx-SM120": ("tensorrt-rtx", VERSION, ["SM120"], [2], [True])})
     m2 = read_manifest(two)
     installed = {"tensorrt": "10.15.1", "tensorrt-rtx": VERSION}
-    assert tb.select_plans(m2, two, "SM120", installed)[0] == "tensorrt-rtx-SM120"
-    assert tb.select_plans(m2, two, "SM90", installed)[0] == "tensorrt-SM90"
+    assert trt_plans.select_plans(m2, two, "SM120", installed)[0] == "tensorrt-rtx-SM120"
+    assert trt_plans.select_plans(m2, two, "SM90", installed)[0] == "tensorrt-SM90"
     with pytest.raises(LanternError) as err:
-        tb.select_plans(m2, two, "SM80", installed)
+        trt_plans.select_plans(m2, two, "SM80", installed)
     assert "plans/tensorrt-SM90 were built for SM90; this GPU is SM80; plans/tensorrt-rtx-SM120 were built for " \
            "SM120; this GPU is SM80" in _one_line(err)
 
 
 def test_an_engine_without_plans_says_how_to_build_them(c2i_engine):
     with pytest.raises(LanternError) as err:
-        tb.select_plans(read_manifest(c2i_engine), c2i_engine, "SM89", {"tensorrt-rtx": VERSION})
+        trt_plans.select_plans(read_manifest(c2i_engine), c2i_engine, "SM89", {"tensorrt-rtx": VERSION})
     assert f"has no TensorRT plans; build them with `lantern-export trt {c2i_engine} --flavor tensorrt-rtx " \
            f"--compute-capability 89 --force`" in _one_line(err)
     with pytest.raises(LanternError, match="has no TensorRT plans; build them with `lantern-export trt"):
@@ -189,8 +191,8 @@ def test_calls_the_profiles_do_not_cover_are_refused_with_the_rebuild_line(plann
     engine.generate(classes=[1, 2, 3], mode="exact", tree="naive_extend_57", greedy=True, k=4)
     verify = [(c, s, p) for c, s, p in recorder.calls if c.regime == "verify"][0]
     call, shapes, plan = verify
-    assert tb.find_profile(entry.plans["target"], shapes) is None
-    err = tb.uncovered_call(planned, "tensorrt-rtx-SM89", entry, "target", "verify", shapes, "SM89", plan)
+    assert trt_plans.find_profile(entry.plans["target"], shapes) is None
+    err = trt_plans.uncovered_call(planned, "tensorrt-rtx-SM89", entry, "target", "verify", shapes, "SM89", plan)
     text = str(err)
     assert "\n" not in text and text.startswith("the target call verify (tree naive_extend_57, 3 image(s), without "
                                                 "CFG) with input_ids [3, 58]")
@@ -200,7 +202,7 @@ def test_calls_the_profiles_do_not_cover_are_refused_with_the_rebuild_line(plann
     recorder.calls.clear()
     engine.generate(classes=[4], mode="lantern++", lam=3.0, k=4, cfg_scale=3.0)
     engine.generate(classes=[5], mode="ar")
-    assert all(tb.find_profile(entry.plans[c.graph], s) is not None for c, s, _ in recorder.calls)
+    assert all(trt_plans.find_profile(entry.plans[c.graph], s) is not None for c, s, _ in recorder.calls)
 
 
 def test_every_regime_of_a_plan_gets_a_profile_of_its_own(planned):
@@ -213,7 +215,7 @@ def test_every_regime_of_a_plan_gets_a_profile_of_its_own(planned):
     for kwargs in (dict(mode="ar"), dict(mode="exact", cfg_scale=3.0), dict(mode="lantern++", lam=2.0, k=4)):
         engine.generate(classes=[1], greedy=True, **kwargs)
         plan = recorder.plan
-        profiles = tb.assign_profiles(planned, "tensorrt-rtx-SM89", entry, plan, "SM89")
+        profiles = trt_plans.assign_profiles(planned, "tensorrt-rtx-SM89", entry, plan, "SM89")
         assert set(profiles) == set(plan.calls)
         for graph in ("target", "drafter"):
             used = [profiles[r] for r, call in plan.calls.items() if call.graph == graph]
@@ -279,16 +281,16 @@ def test_commit_as_3d_copies_moves_exactly_the_kept_entries(dtype):
     dst = np.array([4, 5, 6, 1, 2, 3, 10, 0])
     want = cache.copy()
     want[:, rows, :, dst] = new[:, rows, :, src]
-    runs = tb.commit_runs(cache.shape, new.shape, rows, src, dst)
+    runs = cuda.commit_runs(cache.shape, new.shape, rows, src, dst)
     assert runs == [(0, 0, 4, 3), (2, 0, 1, 1), (2, 3, 2, 1), (2, 5, 3, 1), (3, 6, 10, 1), (1, 4, 0, 1)]
     got = cache.copy()
     flat_new, flat_got = new.reshape(-1).view(np.uint8), got.reshape(-1).view(np.uint8)
     for run in runs:
-        p = tb.copy3d_params(cache.shape, new.shape, new.itemsize, *run)
+        p = cuda.copy3d_params(cache.shape, new.shape, new.itemsize, *run)
         _memcpy3d(flat_got, flat_new, p["src"], p["dst"], p["box"])
     np.testing.assert_array_equal(got, want)
     with pytest.raises(IndexError):
-        tb.commit_runs(cache.shape, new.shape, [0], [T], [0])
+        cuda.commit_runs(cache.shape, new.shape, [0], [T], [0])
 
 
 def test_gather_as_vector_copies_matches_numpy():
@@ -297,7 +299,7 @@ def test_gather_as_vector_copies_matches_numpy():
     B, W = 4, 5
     rows = np.broadcast_to(np.arange(B)[:, None], (B, W))
     cols = np.array([[0, 1, 2, 3, 4], [8, 0, 0, 0, 0], [3, 3, 4, 5, 1], [2, 3, 7, 8, 0]])
-    runs = tb.gather_runs(src.shape, rows, cols, B, W)
+    runs = cuda.gather_runs(src.shape, rows, cols, B, W)
     out = np.zeros((B, W, 6), dtype=np.float32)
     flat_src, flat_out = src.reshape(-1, 6), out.reshape(-1, 6)
     for s, d, n in runs:
@@ -312,20 +314,20 @@ def test_bfloat16_conversion_matches_torch():
     x = np.concatenate([rng.standard_normal(1000).astype(np.float32) * 100, np.array([0.0, -0.0, 1.0, 3.0e38],
                                                                                    dtype=np.float32)])
     want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    np.testing.assert_array_equal(tb.to_bfloat16(x), want)
-    np.testing.assert_array_equal(tb.from_bfloat16(want), torch.from_numpy(want.view(np.int16)).view(
+    np.testing.assert_array_equal(cuda.to_bfloat16(x), want)
+    np.testing.assert_array_equal(cuda.from_bfloat16(want), torch.from_numpy(want.view(np.int16)).view(
         torch.bfloat16).float().numpy())
 
 
 def test_device_array_views():
-    a = tb.DeviceArray(None, 0x1000, (3, 2, 4), "float16")
+    a = cuda.DeviceArray(None, 0x1000, (3, 2, 4), "float16")
     assert a.nbytes == 48 and len(a) == 3
     assert (a[1].ptr, a[1].shape) == (0x1000 + 16, (2, 4)) and a[-1].ptr == 0x1000 + 32
     assert a[np.int64(2)][1].ptr == 0x1000 + 32 + 8
     with pytest.raises(IndexError):
         a[3]
     view = a[:, -1:]
-    assert isinstance(view, tb._HostView) and view.index == (slice(None), slice(-1, None))
+    assert isinstance(view, cuda._HostView) and view.index == (slice(None), slice(-1, None))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +349,7 @@ class _FixedShapes:
 
     def run(self, call):
         shapes = {k: tuple(np.shape(v)) for k, v in call.feeds.items()}
-        assert tb.find_profile(self.plans.plans[call.graph], shapes) is not None, (call.graph, call.regime)
+        assert trt_plans.find_profile(self.plans.plans[call.graph], shapes) is not None, (call.graph, call.regime)
         self.seen.append((call.graph, call.regime))
         return self.inner.run(call)
 
@@ -373,12 +375,12 @@ def test_check_runs_in_the_shapes_a_fixed_shape_backend_serves(planned, monkeypa
 @pytest.mark.skipif(GPU is None, reason="needs an NVIDIA GPU and the CUDA bindings (pip install cuda-bindings)")
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_device_arrays_move_what_numpy_moves(dtype):
-    arrays = tb.CudaArrays("cuda", dtype)
+    arrays = cuda.CudaArrays("cuda", dtype)
     rng = np.random.default_rng(3)
     L, B, H, T, P, hd = 2, 3, 2, 6, 9, 8
     host_new = rng.standard_normal((L, B, H, T, hd)).astype(np.float32)
     host_cache = rng.standard_normal((L, B, H, P, hd)).astype(np.float32)
-    exact = (lambda x: tb.from_bfloat16(tb.to_bfloat16(x))) if dtype == "bf16" else (lambda x: x.astype(np.float16))
+    exact = (lambda x: cuda.from_bfloat16(cuda.to_bfloat16(x))) if dtype == "bf16" else (lambda x: x.astype(np.float16))
     new, cache = arrays.zeros(host_new.shape), arrays.zeros(host_cache.shape)
     assert not arrays.numpy(cache).any()
     arrays.copy(host_new, new)
@@ -407,10 +409,10 @@ def test_device_arrays_move_what_numpy_moves(dtype):
 
 
 def _flavor_for_gpu():
-    versions = tb.installed_versions()
+    versions = trt_plans.installed_versions()
     if "tensorrt" in versions:
         return "tensorrt"
-    if "tensorrt-rtx" in versions and GPU in tb.rtx_targets():
+    if "tensorrt-rtx" in versions and GPU in trt_plans.rtx_targets():
         return "tensorrt-rtx"
     return None
 

@@ -15,7 +15,8 @@ pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip i
 from engines import build_engine, captions  # noqa: E402
 from lantern.export import cli, trt_export  # noqa: E402
 from lantern.export import tensorrt_build as tb  # noqa: E402
-from lantern.runtime.backends.tensorrt import find_profile, gpu_compute_capability  # noqa: E402
+from lantern.runtime.backends.cuda import gpu_compute_capability  # noqa: E402
+from lantern.runtime.backends.tensorrt_plans import find_profile  # noqa: E402
 from lantern.runtime.errors import LanternError  # noqa: E402
 from lantern.runtime.generator import Engine  # noqa: E402
 from lantern.runtime.integrity import sha256_file as sha256  # noqa: E402
