@@ -1,1 +1,1 @@
-"""Torch side of lantern: model definitions, checkpoint loading, codebook neighbours, ONNX export."""
+"""Torch side of lantern: model definitions, checkpoint loading, codebook neighbors, ONNX export."""

@@ -179,7 +179,7 @@ class ChameleonVQ(nn.Module):
 
     def code_vectors(self):
         """[n_embed, embed_dim]: quantize.embedding.weight, the vectors the decoder consumes (and
-        the ones LANTERN's generate_codebook.py measures neighbour distances on)."""
+        the ones LANTERN's generate_codebook.py measures neighbor distances on)."""
         return self.quantize.embedding.weight
 
     def decode_codes(self, codes):

@@ -34,7 +34,7 @@ in fp32), and the images are quantized to 8 bits anyway.
   bf16 on tensorrt  atol 1e-2, rtol 5e-2   TensorRT computes in bf16 (8-bit mantissa, ~0.4% per
         rounding) against that fp32 reference: a first bound, not yet measured on a GPU.
 The drafter's top-k ids are compared only at ranks clear of a near-tie: the reference's gap in
-log-probability to the neighbouring ranks must exceed 4x the largest log-probability error
+log-probability to the neighboring ranks must exceed 4x the largest log-probability error
 between the two backends (ranks of zero probability are not comparable and are skipped).
 
 Quantized graphs (`lantern-export onnx --quantize`, the manifest's per-graph `quantization`
@@ -271,8 +271,8 @@ def _compare_ids_per_row(got_ids, want_ids, got_probs, want_probs):
     """Top-k ids of a quantized graph: its errors are far larger than float noise and uneven, so
     a rank counts as clear of a near-tie against its own row's error, measured element by
     element: the largest |log q - log p| over the ids both backends returned for that row. A
-    rank whose reference gap to both neighbours exceeds 4x that must hold the same id (ranks
-    whose id or a neighbour's has probability 0 on either side are not judged)."""
+    rank whose reference gap to both neighbors exceeds 4x that must hold the same id (ranks
+    whose id or a neighbor's has probability 0 on either side are not judged)."""
     if got_ids.shape != want_ids.shape:
         return {"ok": False, "note": f"shape {list(got_ids.shape)} != {list(want_ids.shape)}"}
     rows = want_ids.reshape(-1, want_ids.shape[-1])
@@ -287,7 +287,7 @@ def _compare_ids_per_row(got_ids, want_ids, got_probs, want_probs):
             error = np.abs(lw[finite_w][wi] - lg[finite_g][gi]).max()
             gaps = lw[:-1] - lw[1:]
             gap = np.minimum(np.concatenate([[np.inf], gaps]), np.concatenate([gaps, [np.inf]]))
-            # judged only where the rank and its neighbours have a measured error in both (a
+            # judged only where the rank and its neighbors have a measured error in both (a
             # filter boundary that moved leaves an id with probability 0 on one side)
             measured = np.isin(w, common)
             around = measured & np.concatenate([[True], measured[:-1]]) & np.concatenate([measured[1:], [True]])

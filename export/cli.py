@@ -1,4 +1,4 @@
-"""`lantern-export`: inspect checkpoints, compute codebook neighbours, export engines (ONNX, TensorRT plans)
+"""`lantern-export`: inspect checkpoints, compute codebook neighbors, export engines (ONNX, TensorRT plans)
 and check them."""
 import argparse
 import sys

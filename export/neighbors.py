@@ -1,4 +1,4 @@
-"""Latent neighbours of a VQ codebook: for every code, the other codes ordered by L2 distance.
+"""Latent neighbors of a VQ codebook: for every code, the other codes ordered by L2 distance.
 
 LANTERN relaxes acceptance over a draft token's nearest codes, so the runtime needs, for each code,
 the indices of the K nearest other codes, nearest first. The public LANTERN code
@@ -99,7 +99,7 @@ def nearest_neighbors(vectors, k=None, threads=None):
 # ----------------------------------------------------------------------------- inputs and output
 
 def load_codebook(path, raw=False, normalize=False):
-    """The [N, D] vectors to compute neighbours on, and a few words saying which they are.
+    """The [N, D] vectors to compute neighbors on, and a few words saying which they are.
 
     A VQ checkpoint (.pt/.bin/.safetensors, loaded strictly through lantern.export.vq): the vectors
     the decoder consumes (L2-normalised rows when the codebook is normalised), or with raw=True the
@@ -159,13 +159,13 @@ def save_npy_atomic(path, array):
 def add_parser(subparsers):
     p = subparsers.add_parser(
         "neighbors",
-        help="codebook latent neighbours (the table LANTERN's relaxed acceptance reads)",
+        help="codebook latent neighbors (the table LANTERN's relaxed acceptance reads)",
         description="For every code, the indices of the K nearest other codes by L2 distance, "
                     "nearest first, ties to the lower index; saved as an [N, K] .npy of the "
                     "smallest unsigned dtype that fits.")
     p.add_argument("codebook", help="VQ tokenizer checkpoint (.pt/.safetensors) or an .npy array [N, D]")
     p.add_argument("-o", "--output", required=True, help="output .npy path (written atomically)")
-    p.add_argument("--k", type=int, default=None, help="neighbours per code (default: all, N-1)")
+    p.add_argument("--k", type=int, default=None, help="neighbors per code (default: all, N-1)")
     p.add_argument("--raw", action="store_true",
                    help="checkpoint: use the stored codebook weights, not the L2-normalised vectors "
                         "the decoder consumes (what the public LANTERN generate_codebook.py does)")

@@ -171,7 +171,7 @@ class Downsample(nn.Module):
 
 
 class Upsample(nn.Module):
-    """Nearest-neighbour x2 then conv3x3."""
+    """Nearest-neighbor x2 then conv3x3."""
 
     def __init__(self, channels):
         super().__init__()

@@ -3,9 +3,9 @@ exact, LANTERN (k, delta), LANTERN++ (k, lam), greedy or sampling.
 
 Public API
     Exact(), Lantern(k, delta), LanternPP(k, lam)      the rules; rule_for(mode, ...) picks one
-    accept_greedy_batch(tree, tokens, logits, rule, neighbours=None) -> Outcome
+    accept_greedy_batch(tree, tokens, logits, rule, neighbors=None) -> Outcome
     accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, uniforms,
-                          neighbours=None, *, temperature=1.0, top_k=0, top_p=1.0) -> Outcome
+                          neighbors=None, *, temperature=1.0, top_k=0, top_p=1.0) -> Outcome
     accept_greedy / accept_sampling                    one image (tests, benchmarks) -> Acceptance
     filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0) -> float64 probabilities
 
@@ -18,16 +18,16 @@ Inputs (N images, M = tree.num_nodes, V vocabulary, K drafter candidates):
     uniforms     [N, M] in [0, 1), drawn up front: uniforms[n, i] decides node i when it is
                  tried as a child; uniforms[n, 0] draws the final token. An image's outcome
                  depends on its own row only, so a batch gives what each image would alone.
-    neighbours   [V, Kn] int: each token's latent neighbours, nearest first, itself excluded.
+    neighbors   [V, Kn] int: each token's latent neighbors, nearest first, itself excluded.
 Outcome: path [N, depth + 1] (node indices from the root, -1 past the end), accepted [N] (draft
 tokens accepted), next_token [N], decisions [N, M] int8 (1: on the accepted path, 0: evaluated
 and not on it, -1: never evaluated) — the record a profiler or tree tuner replays.
 
 Relaxation (REFERENCE.md section 1). At a node whose target distribution is p, for a draft x let
-S_j be the sum of p over x's j nearest neighbours (j <= k). Take the largest j with
+S_j be the sum of p over x's j nearest neighbors (j <= k). Take the largest j with
 S_j <= bound — the rule's own bound: delta (LANTERN) or (lam - 1) * p(x) (LANTERN++), inclusive
 — and p~(x) = p(x) + S_j. S_j never decreases with j, so "largest j" is a count. lam = 1 or
-delta = 0 admit only neighbours of zero probability, so S_j = 0 and p~(x) = p(x) bit for bit;
+delta = 0 admit only neighbors of zero probability, so S_j = 0 and p~(x) = p(x) bit for bit;
 under LANTERN++ p(x) = 0 gives bound 0 and p~(x) stays 0.
 
 Greedy. As in the public LANTERN code, greedy runs without a logits processor: the target is
@@ -54,14 +54,14 @@ rejection sampling; the drafts are assumed drawn from q without replacement, in 
     a child accepted: continue from it with its own p and q; none accepted, or a leaf: the
     next token is drawn from the current (residual) p with uniforms[0].
 p~_x is the relaxed distribution of the LANTERN paper: p with x raised to p~(x) and the j
-neighbours whose mass moved set to 0 (its total-variation distance to p is S_j). How the public
+neighbors whose mass moved set to 0 (its total-variation distance to p is S_j). How the public
 code treats the residual after a relaxed rejection: its dynamic-tree path zeroes the target at
-x's first k + 1 neighbours (whatever j was), its static-tree path zeroes q there instead, and
+x's first k + 1 neighbors (whatever j was), its static-tree path zeroes q there instead, and
 both do it whenever some j >= 1 qualified, even with S_j = 0, which breaks lam = 1 == exact
 when filtered probabilities are zero. We take the residual of p~_x, which zeroes exactly the
-neighbours that lent mass and is p itself when S_j = 0, so lam = 1 and delta = 0 make the same
+neighbors that lent mass and is p itself when S_j = 0, so lam = 1 and delta = 0 make the same
 decisions as exact from the same random numbers. Like the public code we relax against the
-current residual p (later siblings see neighbour mass the earlier rejections left). A residual
+current residual p (later siblings see neighbor mass the earlier rejections left). A residual
 of zero mass (only through rounding, when p~_x == q) falls back to p~_x. The public code divides
 by the drafter's unconditional q(x); here q is renormalised over the untried siblings, which is
 what makes `exact` lossless for drafts drawn without replacement. Exactness needs each node's
@@ -75,12 +75,12 @@ import numpy as np
 from lantern.runtime.errors import LanternError
 
 # ---------------------------------------------------------------------------------------------
-# Rules: each one its own bound on the neighbour mass S_j a draft may borrow
+# Rules: each one its own bound on the neighbor mass S_j a draft may borrow
 
 
 def _check_k(k):
     if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or k < 0:
-        raise LanternError(f"k must be an integer >= 0 (neighbours per draft), got {k!r}")
+        raise LanternError(f"k must be an integer >= 0 (neighbors per draft), got {k!r}")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class Exact:
 
 @dataclass(frozen=True)
 class Lantern:
-    """LANTERN: borrow the mass of up to k neighbours while it stays <= delta (a probability)."""
+    """LANTERN: borrow the mass of up to k neighbors while it stays <= delta (a probability)."""
 
     k: int
     delta: float
@@ -119,7 +119,7 @@ class Lantern:
 
 @dataclass(frozen=True)
 class LanternPP:
-    """LANTERN++: borrow the mass of up to k neighbours while it stays <= (lam - 1) p(x)."""
+    """LANTERN++: borrow the mass of up to k neighbors while it stays <= (lam - 1) p(x)."""
 
     k: int
     lam: float
@@ -203,9 +203,9 @@ def _single(tree, tokens, outcome):
 # Greedy
 
 
-def accept_greedy_batch(tree, tokens, logits, rule, neighbours=None):
+def accept_greedy_batch(tree, tokens, logits, rule, neighbors=None):
     """Greedy acceptance over the whole tree for every image; see the module docstring."""
-    tokens, logits, neighbours = _check_inputs(tree, tokens, logits, rule, neighbours)
+    tokens, logits, neighbors = _check_inputs(tree, tokens, logits, rule, neighbors)
     N, M, V = logits.shape
     top = np.argmax(logits, axis=2)  # ties -> lowest id; NaN/+inf/all -inf rows caught below
     rowmax = _check_rows(tree, logits, top)
@@ -225,7 +225,7 @@ def accept_greedy_batch(tree, tokens, logits, rule, neighbours=None):
             if rows.size:
                 parents = level.parents[j]
                 ok[rows, j] = _relaxed_argmax(logits, rowmax, rows, parents, x[rows, j], parent_top[rows, j],
-                                              neighbours, rule)
+                                              neighbors, rule)
         accepted[:, level.nodes] = ok
         decisions[:, level.nodes] = np.where(live, 0, -1)
 
@@ -235,11 +235,11 @@ def accept_greedy_batch(tree, tokens, logits, rule, neighbours=None):
     return _outcome(tree, last, top[np.arange(N), last], decisions)
 
 
-def _relaxed_argmax(logits, rowmax, rows, parents, x, top, neighbours, rule):
+def _relaxed_argmax(logits, rowmax, rows, parents, x, top, neighbors, rule):
     """Per draft x at (image, parent row): with S_j > 0, does p~(x) make x the argmax?"""
     m = rowmax[rows, parents]
     wx = np.exp(logits[rows, parents, x] - m)  # weights relative to the row max: w(top) == 1
-    near = _neighbour_slice(neighbours, x, rule.k, logits.shape[2])
+    near = _neighbor_slice(neighbors, x, rule.k, logits.shape[2])
     cum = np.cumsum(np.exp(logits[rows[:, None], parents[:, None], near] - m[:, None]), axis=1)
     total = None
     if isinstance(rule, Lantern):  # delta bounds probabilities: S_j / Z <= delta <=> S_j <= delta Z
@@ -259,20 +259,20 @@ def _moved_mass(cum, bound):
     return j, np.where(j > 0, cum[np.arange(len(j)), np.maximum(j - 1, 0)], 0.0)
 
 
-def accept_greedy(tree, tokens, target_logits, rule, neighbours=None):
+def accept_greedy(tree, tokens, target_logits, rule, neighbors=None):
     """One image: tokens [M], target_logits [M, V]."""
     tokens, logits = _one_image(tree, tokens, target_logits)
-    return _single(tree, tokens[0], accept_greedy_batch(tree, tokens, logits, rule, neighbours))
+    return _single(tree, tokens[0], accept_greedy_batch(tree, tokens, logits, rule, neighbors))
 
 
 # ---------------------------------------------------------------------------------------------
 # Sampling
 
 
-def accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, uniforms, neighbours=None, *,
+def accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, uniforms, neighbors=None, *,
                           temperature=1.0, top_k=0, top_p=1.0):
     """Recursive rejection sampling down the tree for every image; see the module docstring."""
-    tokens, logits, neighbours = _check_inputs(tree, tokens, logits, rule, neighbours)
+    tokens, logits, neighbors = _check_inputs(tree, tokens, logits, rule, neighbors)
     check_filters(temperature, top_k, top_p)
     N, M, V = logits.shape
     _check_rows(tree, logits, np.argmax(logits, axis=2))
@@ -312,7 +312,7 @@ def accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, un
             decisions[n, c] = 0
             live = qx > 0  # a draft outside q's support was not drawn from it: skip it
             t, n, c, x, col, qx = t[live], n[live], c[live], x[live], col[live], qx[live]
-            pt, lent = _relax(p[n], x, rule, neighbours, V)
+            pt, lent = _relax(p[n], x, rule, neighbors, V)
             ok = uniforms[n, c] * qx < pt
             chosen[t[ok]] = c[ok]
             bad = ~ok
@@ -331,13 +331,13 @@ def accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, un
     return _outcome(tree, node, inverse_cdf_draw(p, uniforms[:, 0]), decisions)
 
 
-def _relax(p, x, rule, neighbours, vocab):
-    """(p~(x) [n], lent [n, k]: the neighbours whose mass moved, -1 elsewhere) against the rows'
+def _relax(p, x, rule, neighbors, vocab):
+    """(p~(x) [n], lent [n, k]: the neighbors whose mass moved, -1 elsewhere) against the rows'
     current p."""
     px = p[np.arange(len(x)), x]
     if not rule.relaxes:
         return px, np.zeros((len(x), 0), dtype=np.int64)
-    near = _neighbour_slice(neighbours, x, rule.k, vocab)
+    near = _neighbor_slice(neighbors, x, rule.k, vocab)
     cum = np.cumsum(np.take_along_axis(p, near, axis=1), axis=1)
     j, s = _moved_mass(cum, rule.bound(px, 1.0))
     lent = (np.arange(near.shape[1])[None, :] < j[:, None]) & (s[:, None] > 0)
@@ -377,7 +377,7 @@ def _draft_rows(q, tree, nodes):
     return np.divide(q, total, out=q, where=total > 0)
 
 
-def accept_sampling(tree, tokens, target_logits, draft_probs, rule, rng, neighbours=None, *,
+def accept_sampling(tree, tokens, target_logits, draft_probs, rule, rng, neighbors=None, *,
                     temperature=1.0, top_k=0, top_p=1.0):
     """One image, with a dense draft distribution draft_probs [M, V] and the uniforms drawn from
     `rng` up front (rng.random(M): index 0 draws the final token, index i decides node i)."""
@@ -391,7 +391,7 @@ def accept_sampling(tree, tokens, target_logits, draft_probs, rule, rng, neighbo
     vocab = logits.shape[2]
     ids = np.broadcast_to(np.arange(vocab), (1, tree.num_nodes, vocab))
     uniforms = rng.random((1, tree.num_nodes))
-    out = accept_sampling_batch(tree, tokens, logits, ids, draft_probs[None], rule, uniforms, neighbours,
+    out = accept_sampling_batch(tree, tokens, logits, ids, draft_probs[None], rule, uniforms, neighbors,
                                 temperature=temperature, top_k=top_k, top_p=top_p)
     return _single(tree, tokens[0], out)
 
@@ -453,7 +453,7 @@ def _one_image(tree, tokens, target_logits):
     return tokens[None], logits[None]
 
 
-def _check_inputs(tree, tokens, logits, rule, neighbours):
+def _check_inputs(tree, tokens, logits, rule, neighbors):
     if not isinstance(rule, (Exact, Lantern, LanternPP)):
         raise LanternError(f"rule must be Exact, Lantern or LanternPP, got {type(rule).__name__}")
     logits = np.asarray(logits)
@@ -473,23 +473,23 @@ def _check_inputs(tree, tokens, logits, rule, neighbours):
         n, i = (int(v) for v in bad[0])
         raise LanternError(f"token {int(tokens[n, i])} at node {i} (path {list(tree.paths[i])}) is "
                            f"outside the vocabulary [0, {vocab})")
-    if neighbours is not None:
-        neighbours = np.asarray(neighbours)
-        if neighbours.ndim != 2 or neighbours.shape[0] != vocab:
-            raise LanternError(f"neighbour table has shape {neighbours.shape}, expected ({vocab}, "
+    if neighbors is not None:
+        neighbors = np.asarray(neighbors)
+        if neighbors.ndim != 2 or neighbors.shape[0] != vocab:
+            raise LanternError(f"neighbor table has shape {neighbors.shape}, expected ({vocab}, "
                                f"Kn): one row per token of the {vocab}-token vocabulary")
-        if not np.issubdtype(neighbours.dtype, np.integer):
-            raise LanternError(f"neighbour table must hold integer token ids, got {neighbours.dtype}")
+        if not np.issubdtype(neighbors.dtype, np.integer):
+            raise LanternError(f"neighbor table must hold integer token ids, got {neighbors.dtype}")
     if rule.relaxes:
         if rule.k > vocab - 1:
             raise LanternError(f"k = {rule.k} is out of range [0, {vocab - 1}] for a "
                                f"{vocab}-token vocabulary")
-        if neighbours is None:
-            raise LanternError(f"mode {rule.name!r} with k = {rule.k} needs a neighbour table")
-        if rule.k > neighbours.shape[1]:
-            raise LanternError(f"k = {rule.k} exceeds the neighbour table's width "
-                               f"{neighbours.shape[1]}")
-    return tokens, logits, neighbours
+        if neighbors is None:
+            raise LanternError(f"mode {rule.name!r} with k = {rule.k} needs a neighbor table")
+        if rule.k > neighbors.shape[1]:
+            raise LanternError(f"k = {rule.k} exceeds the neighbor table's width "
+                               f"{neighbors.shape[1]}")
+    return tokens, logits, neighbors
 
 
 def _check_rows(tree, logits, top):
@@ -505,8 +505,8 @@ def _check_rows(tree, logits, top):
     return best
 
 
-def _neighbour_slice(neighbours, x, k, vocab):
-    near = np.asarray(neighbours[x, :k], dtype=np.int64)
+def _neighbor_slice(neighbors, x, k, vocab):
+    near = np.asarray(neighbors[x, :k], dtype=np.int64)
     if near.size and (near.min() < 0 or near.max() >= vocab):
-        raise LanternError(f"neighbour table holds ids outside the vocabulary [0, {vocab})")
+        raise LanternError(f"neighbor table holds ids outside the vocabulary [0, {vocab})")
     return near

@@ -32,12 +32,12 @@ def add_generation_options(p, tree=True):
     p.add_argument("--lam", type=float, default=2.0, help="LANTERN++ bound: p~(x) <= lam * p(x) (lam >= 1)")
     p.add_argument("--delta", type=float, default=0.1, help="LANTERN bound on the moved mass (0..1)")
     p.add_argument("--k", type=int, default=None,
-                   help="latent neighbours considered per draft token (default: 100, or all the table has)")
+                   help="latent neighbors considered per draft token (default: 100, or all the table has)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (> 1 enables CFG)")
+    p.add_argument("--cfg-scale", type=float, default=1.0, help="classifier-free guidance scale (> 1 enables CFG)")
     p.add_argument("--cfg-interval", type=int, default=-1, help="use CFG for the first N tokens only (-1: all)")
     p.add_argument("--seed", type=int, default=0)
     if tree:
@@ -54,7 +54,7 @@ def generation_settings(args):
     """The GenerationSettings the options name (validated: one line on bad values)."""
     return GenerationSettings(mode=args.mode, lam=args.lam, delta=args.delta, k=args.k, greedy=args.greedy,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              cfg_scale=args.cfg, cfg_interval=args.cfg_interval)
+                              cfg_scale=args.cfg_scale, cfg_interval=args.cfg_interval)
 
 
 def add_parser(sub, backend_loaders=None):

@@ -186,13 +186,14 @@ class Engine:
 class _Decoding:
     """One generate() call: the loop's state between steps. Tokens are kept as vocabulary ids
     (what the graphs take); acceptance works on image codes (the logits' image-token columns,
-    id = code + image_start), the space of the neighbour table."""
+    id = code + image_start), the space of the neighbor table."""
 
     def __init__(self, engine, plan, rule, sampler, cfg_scale, cfg_interval, rng, observer):
-        self.e, self.be, self.plan, self.tree = engine, engine.backend, plan, plan.tree
+        self.engine, self.backend, self.plan, self.tree = engine, engine.backend, plan, plan.tree
         self.rule, self.sampler, self.rng, self.observer = rule or acceptance.Exact(), sampler, rng, observer
         self.cfg, self.cfg_scale, self.cfg_interval = plan.prefix.cfg, cfg_scale, cfg_interval
-        self.N, self.B, self.rows = plan.images, plan.rows, plan.halves
+        self.N, self.B = plan.images, plan.rows
+        self.image_of_row = plan.halves  # [B]: the image each batch row belongs to (CFG: both halves)
         self.offset = plan.prefix.position_offset
         self.max_position = engine.manifest.max_positions - 1
         self.view = VocabularyView(engine.manifest.vocabulary, plan.prefix.forced)
@@ -212,8 +213,8 @@ class _Decoding:
 
     def call(self, regime):
         t = time.perf_counter()
-        out = self.be.run(self.plan.calls[regime])
-        self.be.synchronize()
+        out = self.backend.run(self.plan.calls[regime])
+        self.backend.synchronize()
         self.times["engine"] += time.perf_counter() - t
         self.engine_calls += 1
         return out
@@ -226,7 +227,7 @@ class _Decoding:
         """CFG-combined logits per image [N, T, columns of the vocabulary view] (float32) for the
         tokens at body indices token_index [N, T]; after cfg_interval tokens only the conditional
         logits count; forced tokens applied."""
-        logits = self.view.gather(self.be.numpy(logits)).astype(np.float32, copy=False)
+        logits = self.view.gather(self.backend.numpy(logits)).astype(np.float32, copy=False)
         if not self.cfg:
             out = logits[: self.N] if self.view.plain else logits[: self.N].copy()
         else:  # uncond + s * (cond - uncond), computed into a buffer kept per shape
@@ -247,7 +248,7 @@ class _Decoding:
         t0 = time.perf_counter()
         plan, C = self.plan, self.plan.prefix.tokens
         if "condition" in plan.calls:
-            self.be.copy(self.call("condition")["cond_embeds"], plan.calls["prefill"].feeds["cond_embeds"])
+            self.backend.copy(self.call("condition")["cond_embeds"], plan.calls["prefill"].feeds["cond_embeds"])
         out = self.call("prefill")
         plan.target_cache.append(plan.calls["prefill"], out, np.arange(self.B),
                                  np.broadcast_to(np.arange(C), (self.B, C)), np.full(self.B, C),
@@ -268,14 +269,14 @@ class _Decoding:
         real = np.arange(W)[None, :] < counts[:, None]  # [N, W]
         padded = np.zeros((self.B, W), dtype=np.int64)
         padded[:, : cols.shape[1]] = cols
-        self.be.gather(hidden, np.broadcast_to(np.arange(self.B)[:, None], (self.B, W)), padded,
+        self.backend.gather(hidden, np.broadcast_to(np.arange(self.B)[:, None], (self.B, W)), padded,
                        call.feeds["target_hidden"])
         ids = np.zeros((self.N, W), dtype=np.int64)
         ids[:, : tokens.shape[1]] = tokens
-        call.feeds["input_ids"][:] = np.where(real, ids, 0)[self.rows]
-        first = self.plan.target_cache.length - counts[self.rows] + 1
+        call.feeds["input_ids"][:] = np.where(real, ids, 0)[self.image_of_row]
+        first = self.plan.target_cache.length - counts[self.image_of_row] + 1
         call.feeds["position_ids"][:] = self.positions(first[:, None] + np.arange(W)[None, :])
-        call.block[:] = np.tril(np.ones((W, W), dtype=bool))[None] & real[self.rows][:, None, :] | np.eye(W, dtype=bool)
+        call.block[:] = np.tril(np.ones((W, W), dtype=bool))[None] & real[self.image_of_row][:, None, :] | np.eye(W, dtype=bool)
         self.pending = counts
 
     # -- one step ------------------------------------------------------------------------------
@@ -291,13 +292,13 @@ class _Decoding:
         call = plan.calls["draft0"]
         cache.mask_into(call)
         out = self.call("draft0")
-        rows = np.flatnonzero(active[self.rows])
+        rows = np.flatnonzero(active[self.image_of_row])
         cache.append(call, out, rows,
-                     np.broadcast_to(np.arange(call.tokens), (len(rows), call.tokens)), self.pending[self.rows[rows]])
+                     np.broadcast_to(np.arange(call.tokens), (len(rows), call.tokens)), self.pending[self.image_of_row[rows]])
         last = self.pending - 1
         self.take_candidates(out, [0], last[:, None])
         parent_ids = self.sampler.children(self.cand_ids[:, :1], self.cand_probs[:, :1], tree.levels[0].width, self.rng)
-        hidden, parent_cols = out["hidden_out"], last[self.rows][:, None]
+        hidden, parent_cols = out["hidden_out"], last[self.image_of_row][:, None]
         root_slot = plan.target_cache.length
         for level in tree.levels:
             self.node_tokens[:, level.nodes] = self.view.ids(parent_ids[:, level.slots, level.ranks])
@@ -307,8 +308,8 @@ class _Decoding:
             call = plan.calls[f"draft{level.depth}"]
             T = call.tokens
             cols = np.broadcast_to(parent_cols if level.depth == 1 else level.slots[None, :], (B, T))
-            self.be.gather(hidden, np.broadcast_to(np.arange(B)[:, None], (B, T)), cols, call.feeds["target_hidden"])
-            call.feeds["input_ids"][:] = self.node_tokens[:, level.nodes][self.rows]
+            self.backend.gather(hidden, np.broadcast_to(np.arange(B)[:, None], (B, T)), cols, call.feeds["target_hidden"])
+            call.feeds["input_ids"][:] = self.node_tokens[:, level.nodes][self.image_of_row]
             call.feeds["position_ids"][:] = self.positions(np.broadcast_to(root_slot[:, None] + level.depth, (B, T)))
             cache.mask_into(call, plan.scratch_ancestors[level.depth])
             out = self.call(call.regime)
@@ -322,8 +323,8 @@ class _Decoding:
     def take_candidates(self, out, nodes, cols):
         """The drafter's top-K (as view columns) of the conditional rows at columns cols [N, n]."""
         n = np.arange(self.N)[:, None]
-        self.cand_ids[:, nodes] = self.view.columns(self.be.numpy(out["topk_ids"])[n, cols])
-        self.cand_probs[:, nodes] = self.be.numpy(out["topk_probs"])[n, cols]
+        self.cand_ids[:, nodes] = self.view.columns(self.backend.numpy(out["topk_ids"])[n, cols])
+        self.cand_probs[:, nodes] = self.backend.numpy(out["topk_probs"])[n, cols]
 
     def force_drafts(self, level):
         """Where a depth's body index has a forced token, every draft there is that token, drawn
@@ -340,7 +341,7 @@ class _Decoding:
 
     def verify(self):
         call, tree, cache = self.plan.calls["verify"], self.tree, self.plan.target_cache
-        call.feeds["input_ids"][:] = self.node_tokens[self.rows]
+        call.feeds["input_ids"][:] = self.node_tokens[self.image_of_row]
         call.feeds["position_ids"][:] = self.positions(cache.length[:, None] + tree.depths[None, :])
         cache.mask_into(call)
         return self.call("verify")
@@ -359,8 +360,8 @@ class _Decoding:
         emit = np.minimum(outcome.accepted + 1, self.length - self.count[a])
         for i, n in enumerate(a):  # at most depth + 1 tokens per image
             self.tokens[n, self.count[n]: self.count[n] + emit[i]] = emitted[i, : emit[i]]
-        rows = np.flatnonzero(active[self.rows])
-        slot = np.searchsorted(a, self.rows[rows])  # each active row's image among the active ones
+        rows = np.flatnonzero(active[self.image_of_row])
+        slot = np.searchsorted(a, self.image_of_row[rows])  # each active row's image among the active ones
         cols = np.maximum(path[slot], 0)
         self.plan.target_cache.append(self.plan.calls["verify"], out, rows, cols, emit[slot])
         if self.tree.depth:
@@ -428,5 +429,5 @@ class _Decoding:
             "engine_seconds": self.times["engine"],
             "engine_calls": self.engine_calls,
             "host_overhead_seconds": total - self.times["engine"],
-            "backend": self.be.name,
+            "backend": self.backend.name,
         }

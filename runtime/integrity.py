@@ -197,10 +197,10 @@ def read_npy(path, what):
 
 
 def load_neighbors(path, vocab_size=None, k=None):
-    """The latent-neighbour table [V, k] (unsigned integers < V, nearest first) of an engine, or
+    """The latent-neighbor table [V, k] (unsigned integers < V, nearest first) of an engine, or
     one LanternError line saying it is damaged and to rebuild. vocab_size / k: what the manifest
     says (checked when given)."""
-    what = "neighbour table"
+    what = "neighbor table"
     table = read_npy(path, what)
     fix = f"; {REBUILD} (or `lantern-export neighbors`)"
     if table.ndim != 2 or table.shape[1] < 1:
@@ -214,5 +214,5 @@ def load_neighbors(path, vocab_size=None, k=None):
     if table.size and int(table.max()) >= table.shape[0]:
         raise LanternError(f"{path}: damaged {what}: index {int(table.max())} is outside the {table.shape[0]} codes{fix}")
     if (table == np.arange(table.shape[0], dtype=table.dtype)[:, None]).any():
-        raise LanternError(f"{path}: damaged {what}: a code lists itself as its own neighbour{fix}")
+        raise LanternError(f"{path}: damaged {what}: a code lists itself as its own neighbor{fix}")
     return table

@@ -7,7 +7,7 @@ engines/NAME/
   drafter.onnx      the drafter with CFG, filters and top-K in the graph (absent: `ar` only)
   commit.onnx       in-place engines: moves the accepted path's K/V inside the target's cache
   vq_decoder.onnx   code grid -> RGB in [-1, 1] (optional)
-  neighbors.npy     latent neighbours [codes, k] of every code, nearest first (optional)
+  neighbors.npy     latent neighbors [codes, k] of every code, nearest first (optional)
   *.onnx.data       external weights of a graph
   plans/KEY/*.plan  TensorRT plans built from the graphs by `lantern-export trt` (optional;
                     KEY = flavor and compute capabilities, e.g. tensorrt-rtx-SM89)
@@ -158,7 +158,7 @@ class Image:
 @dataclass(frozen=True)
 class Neighbors:
     file: str
-    k: int  # neighbours per code
+    k: int  # neighbors per code
     dtype: str
 
 
@@ -632,7 +632,7 @@ def _tuned_trees(data, where):
 
 def _check_consistency(m, r):
     """What the modes promise must be there: a drafter, a tree and candidates for speculative
-    modes, a neighbour table for relaxed ones; every graph's file listed."""
+    modes, a neighbor table for relaxed ones; every graph's file listed."""
     if "target" not in m.graphs:
         r.fail("graphs", "has no target graph")
     _check_static_cache(m, r)
@@ -672,7 +672,7 @@ def _check_consistency(m, r):
             r.fail("tree", f"{tree.name!r} needs {max(tree.widths)} children per node; the drafter returns {m.candidates}")
     if {"lantern", "lantern++"} & set(m.modes):
         if m.neighbors is None:
-            r.fail("neighbors", "is missing; modes lantern and lantern++ need a neighbour table")
+            r.fail("neighbors", "is missing; modes lantern and lantern++ need a neighbor table")
         if m.neighbors.file not in m.files:
             r.fail("neighbors.file", f"names {m.neighbors.file}, which `files` does not list")
     if m.condition.kind == "class" and "condition" not in m.graphs:

@@ -29,8 +29,8 @@ class Greedy:
         """The first `width` children of each parent: the drafter's top candidates, in rank order."""
         return ids[..., :width]
 
-    def accept(self, tree, tokens, logits, draft_ids, draft_probs, rule, rng, neighbours):
-        return acceptance.accept_greedy_batch(tree, tokens, logits, rule, neighbours)
+    def accept(self, tree, tokens, logits, draft_ids, draft_probs, rule, rng, neighbors):
+        return acceptance.accept_greedy_batch(tree, tokens, logits, rule, neighbors)
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,9 @@ class Sampling:
         best = np.take_along_axis(best, np.argsort(np.take_along_axis(keys, best, axis=-1), axis=-1, kind="stable"), -1)
         return np.take_along_axis(ids, best, axis=-1)
 
-    def accept(self, tree, tokens, logits, draft_ids, draft_probs, rule, rng, neighbours):
+    def accept(self, tree, tokens, logits, draft_ids, draft_probs, rule, rng, neighbors):
         uniforms = rng.random(tokens.shape)
-        return acceptance.accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, uniforms, neighbours,
+        return acceptance.accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, uniforms, neighbors,
                                                 temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
 

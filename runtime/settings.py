@@ -1,12 +1,12 @@
 """The generation settings: how tokens are chosen and accepted, one frozen value per request.
 
     s = GenerationSettings(mode="lantern++", lam=2.0, k=100, cfg_scale=4.0, top_k=2000)
-    s = s.resolve(engine.manifest, engine.directory)   # k checked against the neighbour table
+    s = s.resolve(engine.manifest, engine.directory)   # k checked against the neighbor table
     s.key            # 'lantern++_lam2_k100_t1-topk2000-topp1_cfg4'
     s.canonical()    # what a tuned tree is recorded under (only what changes acceptance or shapes)
 
 Validation happens once, on construction, with the one-line errors of the CLI and the Python
-API; `resolve` adds what only the engine knows (the modes it serves, its neighbour table's
+API; `resolve` adds what only the engine knows (the modes it serves, its neighbor table's
 width). The seed and the draft tree are not settings: an image depends on its own seed, and a
 tree changes speed, never the distribution. Requests with equal keys can share one batch.
 """
@@ -22,7 +22,7 @@ from lantern.runtime.sampling import sampler_for
 
 MODES = ("ar", "exact", "lantern", "lantern++")
 RELAXED = ("lantern", "lantern++")
-DEFAULT_K = 100  # neighbours per draft when k is not given (fewer where the table is narrower)
+DEFAULT_K = 100  # neighbors per draft when k is not given (fewer where the table is narrower)
 
 
 def _is_int(x):
@@ -34,7 +34,7 @@ class GenerationSettings:
     mode: str = "lantern++"
     lam: float = 2.0  # lantern++: p~(x) <= lam * p(x)
     delta: float = 0.1  # lantern: moved mass <= delta
-    k: Optional[int] = None  # neighbours per draft (lantern, lantern++); None: resolve() picks
+    k: Optional[int] = None  # neighbors per draft (lantern, lantern++); None: resolve() picks
     greedy: bool = False
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k filter
@@ -63,7 +63,7 @@ class GenerationSettings:
         return dataclasses.replace(self, **changes)
 
     def resolve(self, manifest, where="the engine"):
-        """These settings on an engine: its modes checked, k resolved against its neighbour table."""
+        """These settings on an engine: its modes checked, k resolved against its neighbor table."""
         if self.mode not in manifest.modes:
             raise LanternError(f"{where} serves modes {', '.join(manifest.modes)}, not {self.mode!r} "
                                f"(re-export with a drafter for speculative modes, with --vq for lantern/lantern++)")
@@ -73,7 +73,7 @@ class GenerationSettings:
         if self.k is None:
             return self.replace(k=min(DEFAULT_K, width))
         if _is_int(self.k) and self.k > width:
-            raise LanternError(f"k = {self.k} exceeds the engine's neighbour table ({width} per token); "
+            raise LanternError(f"k = {self.k} exceeds the engine's neighbor table ({width} per token); "
                                f"use k <= {width} or re-export with a larger --neighbors-k")
         return self
 

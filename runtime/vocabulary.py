@@ -1,5 +1,5 @@
 """The token space acceptance works in: the image codes, then any token a model's grammar forces
-(Lumina-mGPT's end-of-line and end-of-image). Logits, drafts and the neighbour table are mapped
+(Lumina-mGPT's end-of-line and end-of-image). Logits, drafts and the neighbor table are mapped
 into it once per step; for LlamaGen and Anole it is the image-token columns of the logits, a
 view with nothing to copy.
 
@@ -70,7 +70,7 @@ class VocabularyView:
         return np.where(inside, self.forced_column[np.clip(body_index, 0, len(self.forced_column) - 1)], -1)
 
     def neighbors(self, table):
-        """The neighbour table [codes, k] with rows for the forced columns (their neighbours have
+        """The neighbor table [codes, k] with rows for the forced columns (their neighbors have
         probability 0 wherever a forced token is drafted, so nothing is ever relaxed there)."""
         if table is None or self.plain:
             return table

@@ -36,7 +36,7 @@ def chameleon_engines(tmp_path_factory):
 def demo_engine(tmp_path_factory):
     """The README's main command, `lantern-export demo`, run once per session: its engine directory
     (the shipped demo model exported, checked and run) serves every test that needs a real engine
-    with a drafter, a neighbour table and a VQ decoder."""
+    with a drafter, a neighbor table and a VQ decoder."""
     from lantern.tools import export_cli
 
     out = tmp_path_factory.mktemp("demo") / "engine"

@@ -12,8 +12,8 @@ from lantern.runtime.tree import build_tree
 NEG = -np.inf
 
 
-def neighbour_table(rng, vocab, width=None):
-    """Random latent neighbours: each row a permutation of the other tokens."""
+def neighbor_table(rng, vocab, width=None):
+    """Random latent neighbors: each row a permutation of the other tokens."""
     width = vocab - 1 if width is None else width
     table = np.empty((vocab, width), dtype=np.int64)
     for v in range(vocab):
@@ -144,12 +144,12 @@ def small():
     logits = rng.normal(size=(tree.num_nodes, vocab))
     tokens = rng.integers(vocab, size=tree.num_nodes)
     q = filtered_probs(rng.normal(size=(tree.num_nodes, vocab)))
-    return tree, tokens, logits, q, neighbour_table(rng, vocab)
+    return tree, tokens, logits, q, neighbor_table(rng, vocab)
 
 
 def _greedy_error(small, words, rule=LanternPP(k=3, lam=2.0), **change):
     tree, tokens, logits, q, table = small
-    args = dict(tree=tree, tokens=tokens, target_logits=logits, rule=rule, neighbours=table)
+    args = dict(tree=tree, tokens=tokens, target_logits=logits, rule=rule, neighbors=table)
     args.update(change)
     with pytest.raises(LanternError) as e:
         accept_greedy(**args)
@@ -161,13 +161,13 @@ def _greedy_error(small, words, rule=LanternPP(k=3, lam=2.0), **change):
 def test_input_errors(small):
     tree, tokens, logits, q, table = small
     _greedy_error(small, ["k = 8", "[0, 7]"], rule=LanternPP(k=8, lam=2.0))
-    _greedy_error(small, ["k = 5", "width 4"], neighbours=table[:, :4], rule=Lantern(k=5, delta=0.1))
-    _greedy_error(small, ["shape (7, 7)", "(8, Kn)"], neighbours=table[:7])
-    _greedy_error(small, ["integer token ids"], neighbours=table.astype(float))
+    _greedy_error(small, ["k = 5", "width 4"], neighbors=table[:, :4], rule=Lantern(k=5, delta=0.1))
+    _greedy_error(small, ["shape (7, 7)", "(8, Kn)"], neighbors=table[:7])
+    _greedy_error(small, ["integer token ids"], neighbors=table.astype(float))
     bad = table.copy()
     bad[:, 0] = 8
-    _greedy_error(small, ["outside the vocabulary [0, 8)"], neighbours=bad)
-    _greedy_error(small, ["needs a neighbour table"], neighbours=None)
+    _greedy_error(small, ["outside the vocabulary [0, 8)"], neighbors=bad)
+    _greedy_error(small, ["needs a neighbor table"], neighbors=None)
     for value, what in [(np.nan, "NaN"), (np.inf, "+inf")]:
         broken = logits.copy()
         broken[4, 3] = value
@@ -245,7 +245,7 @@ def test_greedy_relaxed_matches_reference(rule):
     tree = build_tree("mc_sim_7b_63")
     rng = np.random.default_rng(7)
     vocab = 24
-    table = neighbour_table(rng, vocab)
+    table = neighbor_table(rng, vocab)
     relaxed_beyond_exact = 0
     for _ in range(40):
         logits = rng.normal(scale=1.0, size=(tree.num_nodes, vocab))
@@ -261,7 +261,7 @@ def test_greedy_monotone_in_lam_delta_k():
     tree = build_tree("naive_extend_57")
     rng = np.random.default_rng(3)
     vocab = 48
-    table = neighbour_table(rng, vocab, width=20)
+    table = neighbor_table(rng, vocab, width=20)
     grids = [
         [LanternPP(k=10, lam=lam) for lam in (1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0)],
         [Lantern(k=10, delta=d) for d in (0.0, 0.01, 0.03, 0.1, 0.2, 0.4, 1.0)],
@@ -280,13 +280,13 @@ def test_greedy_monotone_in_lam_delta_k():
 
 
 def filtered_case(rng, tree, vocab, keep=5):
-    """Logits with most tokens at -inf; every draft's nearest neighbours are zero-probability
+    """Logits with most tokens at -inf; every draft's nearest neighbors are zero-probability
     tokens first, so j >= 1 qualifies with S_j = 0 under lam = 1 / delta = 0."""
     logits = np.full((tree.num_nodes, vocab), NEG)
     for i in range(tree.num_nodes):
         allowed = rng.choice(vocab, size=keep, replace=False)
         logits[i, allowed] = rng.normal(size=keep)
-    table = neighbour_table(rng, vocab)
+    table = neighbor_table(rng, vocab)
     return logits, table
 
 
@@ -317,11 +317,11 @@ def uniform_row(vocab, allowed):
 
 def test_greedy_bound_is_inclusive():
     # root allows tokens 0..7 with p = 1/8 each; argmax (ties) = token 0; the draft is token 5.
-    # Neighbours of 5: 6 (p = 1/8), then 9 (p = 0). S_1 = S_2 = 1/8.
+    # Neighbors of 5: 6 (p = 1/8), then 9 (p = 0). S_1 = S_2 = 1/8.
     tree = build_tree("chain-1")
     vocab = 16
     logits = np.stack([uniform_row(vocab, range(8)), uniform_row(vocab, [3])])
-    table = neighbour_table(np.random.default_rng(0), vocab)
+    table = neighbor_table(np.random.default_rng(0), vocab)
     table[5, :3] = [6, 9, 10]
     tokens = np.array([1, 5])
     assert accept_greedy(tree, tokens, logits, Exact()).accept_length == 0
@@ -335,12 +335,12 @@ def test_greedy_bound_is_inclusive():
 
 
 def test_greedy_tie_after_raise_goes_to_lowest_id_and_zero_stays_zero():
-    # tokens 4 and 9 at p = 1/2, the draft x has p(x) = 0 and neighbour 9 first.
+    # tokens 4 and 9 at p = 1/2, the draft x has p(x) = 0 and neighbor 9 first.
     # lantern, delta = 1/2: p~(x) = 0 + 1/2 ties the max: accepted iff x < 4.
     tree = build_tree("chain-1")
     vocab = 12
     logits = np.stack([uniform_row(vocab, [4, 9]), uniform_row(vocab, [0])])
-    table = neighbour_table(np.random.default_rng(1), vocab)
+    table = neighbor_table(np.random.default_rng(1), vocab)
     for x, expected in [(2, 1), (6, 0)]:
         table[x, 0] = 9
         tokens = np.array([0, x])
@@ -351,14 +351,14 @@ def test_greedy_tie_after_raise_goes_to_lowest_id_and_zero_stays_zero():
 
 def test_sampling_bound_is_inclusive():
     # target at the root: p = 1/4 on tokens {1, 5, 6, 7}; draft x = 5 with q(5) = 3/4.
-    # neighbours of 5: 6 (p = 1/4), then 0 (p = 0). accept iff u * 3/4 < p~(5):
+    # neighbors of 5: 6 (p = 1/4), then 0 (p = 0). accept iff u * 3/4 < p~(5):
     # exact p~ = 1/4 (u < 1/3); at the bound p~ = 1/2 (u < 2/3).
     tree = build_tree("chain-1")
     vocab = 8
     logits = np.stack([uniform_row(vocab, [1, 5, 6, 7]), uniform_row(vocab, [2])])
     q = np.zeros((2, vocab))
     q[0, 5], q[0, 2] = 0.75, 0.25
-    table = neighbour_table(np.random.default_rng(2), vocab)
+    table = neighbor_table(np.random.default_rng(2), vocab)
     table[5, :2] = [6, 0]
     # uniforms are drawn up front, one per node: node 1 (the draft) is decided by the second
     seed = next(s for s in range(100) if 1 / 3 < np.random.default_rng(s).random(2)[1] < 2 / 3)
@@ -375,14 +375,14 @@ def test_sampling_bound_is_inclusive():
 
 
 def test_sampling_residual_after_relaxed_rejection():
-    # Rejected x = 5 that borrowed neighbour 6's mass: the residual is max(p~_x - q, 0) with
+    # Rejected x = 5 that borrowed neighbor 6's mass: the residual is max(p~_x - q, 0) with
     # p~_x = (p(5) + p(6) at 5, 0 at 6): token 6 can no longer be drawn, only 1 and 7.
     tree = build_tree("chain-1")
     vocab = 8
     logits = np.stack([uniform_row(vocab, [1, 5, 6, 7]), uniform_row(vocab, [2])])
     q = np.zeros((2, vocab))
     q[0, 5] = 1.0
-    table = neighbour_table(np.random.default_rng(2), vocab)
+    table = neighbor_table(np.random.default_rng(2), vocab)
     table[5, :2] = [6, 0]
     seen = {Exact(): set(), LanternPP(k=2, lam=2.0): set()}
     for seed in range(400):
@@ -576,7 +576,7 @@ RULES_UNDER_TEST = [Exact(), LanternPP(k=4, lam=3.0), Lantern(k=4, delta=0.2), L
 def test_batched_acceptance_equals_per_image(greedy):
     rng = np.random.default_rng(21)
     vocab, k, n = 20, 6, 5
-    table = neighbour_table(rng, vocab)
+    table = neighbor_table(rng, vocab)
     seen_lengths = set()
     for trial in range(40):
         tree = build_tree(["mc_sim_7b_63", "kary-3-3", "chain-4"][trial % 3])
@@ -609,7 +609,7 @@ def test_sparse_candidates_equal_the_dense_distribution():
     """Sampling acceptance over the drafter's sparse top-K equals the same q written densely."""
     rng = np.random.default_rng(5)
     vocab, k = 16, 5
-    table = neighbour_table(rng, vocab)
+    table = neighbor_table(rng, vocab)
     tree = build_tree("kary-2-3")
     for trial in range(60):
         rule = RULES_UNDER_TEST[trial % len(RULES_UNDER_TEST)]

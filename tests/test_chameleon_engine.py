@@ -81,7 +81,7 @@ def test_onnx_graphs_match_pytorch(engines, family):
 def test_generate_cli_takes_text_or_ids(engines, tmp_path, capsys):
     out = tmp_path / "text"
     assert run_main(["generate", engines["lumina_mgpt"], "--prompt", "a red cat", "--prompt", "a blue dog",
-                     "--grid", "4x4", "--mode", "lantern++", "--k", "8", "--cfg", "3", "--threads", "2",
+                     "--grid", "4x4", "--mode", "lantern++", "--k", "8", "--cfg-scale", "3", "--threads", "2",
                      "--out", str(out)]) == 0
     assert np.load(out / "tokens.npy").shape == (2, 16)
     assert (out / "image_001.png").read_bytes()[:4] == b"\x89PNG"

@@ -99,4 +99,4 @@ def test_a_corrupted_neighbor_table_is_one_line(demo_engine, tmp_path, capsys):
     (engine / "manifest.json").write_text(json.dumps(manifest))  # a table damaged before its hash was taken
     assert run_cli.main(["generate", str(engine), "--mode", "lantern++", "--classes", "0", "--threads", "1",
                          "--out", str(tmp_path / "out")]) == 2
-    assert "damaged neighbour table" in one_line(capsys)
+    assert "damaged neighbor table" in one_line(capsys)

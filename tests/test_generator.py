@@ -181,7 +181,7 @@ def test_exact_sampling_matches_the_target_distribution(small_vocab, mode):
 
 def test_cli_generate_writes_outputs(c2i, tmp_path, capsys):
     out = tmp_path / "gen"
-    assert run_main(["generate", c2i, "--mode", "lantern++", "--lam", "2", "--k", "8", "--cfg", "4", "--classes", "3,7",
+    assert run_main(["generate", c2i, "--mode", "lantern++", "--lam", "2", "--k", "8", "--cfg-scale", "4", "--classes", "3,7",
                      "--seed", "1", "--threads", "2", "--out", str(out)]) == 0
     tokens = np.load(out / "tokens.npy")
     assert tokens.shape == (2, 36)
@@ -257,7 +257,7 @@ def test_generation_runs_without_torch(c2i, tmp_path):
         "        if name.split('.')[0] == 'torch': raise ImportError('torch is blocked')\n"
         "sys.meta_path.insert(0, Block())\n"
         "from lantern.runtime.cli import main\n"
-        f"rc = main(['generate', {c2i!r}, '--classes', '1,2', '--cfg', '3', '--threads', '2', '--out', {str(tmp_path / 'o')!r}])\n"
+        f"rc = main(['generate', {c2i!r}, '--classes', '1,2', '--cfg-scale', '3', '--threads', '2', '--out', {str(tmp_path / 'o')!r}])\n"
         "assert 'torch' not in sys.modules\n"
         "sys.exit(rc)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

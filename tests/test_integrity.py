@@ -161,7 +161,7 @@ def test_a_damaged_npy_is_one_line(tmp_path, case):
     path = tmp_path / "nn.npy"
     path.write_bytes(damaged_headers()[case])
     with pytest.raises(LanternError) as e:
-        read_npy(path, "neighbour table")
+        read_npy(path, "neighbor table")
     assert "\n" not in str(e.value) and str(path) in str(e.value), str(e.value)
 
 

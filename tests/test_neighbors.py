@@ -1,4 +1,4 @@
-"""Codebook neighbours: agreement with a brute-force full distance matrix, exact tie order, dtype
+"""Codebook neighbors: agreement with a brute-force full distance matrix, exact tie order, dtype
 choice, and the `lantern-export neighbors` command (output written atomically, one-line errors)."""
 import numpy as np
 import pytest

@@ -56,7 +56,7 @@ def test_resolve_against_the_engine(c2i_engine):
     assert s.k == min(100, width)
     assert GenerationSettings(mode="lantern", k=3).resolve(engine.manifest).k == 3
     assert GenerationSettings(mode="exact").resolve(engine.manifest).k is None  # exact has no k
-    with pytest.raises(LanternError, match=f"k = {width + 1} exceeds the engine's neighbour table"):
+    with pytest.raises(LanternError, match=f"k = {width + 1} exceeds the engine's neighbor table"):
         GenerationSettings(mode="lantern", k=width + 1).resolve(engine.manifest)
 
 

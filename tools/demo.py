@@ -36,7 +36,7 @@ from lantern.tools import tune
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(lantern.export.__file__)), "demo_model")  # package data
 REPORT_FILES = ("report.json", "report.md", "*.png")
-DEFAULTS = dict(tree="mc_sim_7b_63", lam=5.0, k=20, cfg=3.0, temperature=1.0, top_k=0, per_class=2, seed=0)
+DEFAULTS = dict(tree="mc_sim_7b_63", lam=5.0, k=20, cfg_scale=3.0, temperature=1.0, top_k=0, per_class=2, seed=0)
 # The demo's tune run, cut to take ~10-20 s on a 2-core CPU: 8 calibration images (tune's default
 # 16), budget 32 and depth 5 (64 and 6), 3 timed repeats per call size (5), one loop run per tree
 # (3), batch sizes 1 and 8 only (the grid's 30 images use the batch-8 tree, the nearest tuned batch).
@@ -51,7 +51,7 @@ def add_parser(sub):
     p.add_argument("--tree", default=DEFAULTS["tree"])
     p.add_argument("--lam", type=float, default=DEFAULTS["lam"])
     p.add_argument("--k", type=int, default=DEFAULTS["k"])
-    p.add_argument("--cfg", type=float, default=DEFAULTS["cfg"])
+    p.add_argument("--cfg-scale", type=float, default=DEFAULTS["cfg_scale"])
     p.add_argument("--per-class", type=int, default=DEFAULTS["per_class"], help="images per class in the grid")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--threads", type=int, default=1,
@@ -95,7 +95,7 @@ def run(args):
     with open(os.path.join(args.model_dir, "classifier.json")) as f:
         class_names = json.load(f)["class_names"]
     classes = [c for c in range(len(class_names)) for _ in range(args.per_class)]
-    common = dict(classes=classes, cfg_scale=args.cfg, temperature=DEFAULTS["temperature"], top_k=DEFAULTS["top_k"],
+    common = dict(classes=classes, cfg_scale=args.cfg_scale, temperature=DEFAULTS["temperature"], top_k=DEFAULTS["top_k"],
                   seed=args.seed)
     tuned = None
     if not args.no_tune:
@@ -106,7 +106,7 @@ def run(args):
     if tuned is not None:
         runs.append(("lantern++ tuned", dict(lam=args.lam, k=args.k)))  # generate picks the tuned tree
     print(f"[{generating}/{steps}] generating {len(classes)} images ({args.per_class} per class) with "
-          + ", ".join(m for m, _ in runs) + f" (sampling, CFG {args.cfg}, tree {args.tree}"
+          + ", ".join(m for m, _ in runs) + f" (sampling, CFG {args.cfg_scale}, tree {args.tree}"
           + (", and the tuned tree" if tuned is not None else "") + ")")
     engine.generate(mode="exact", **{**common, "classes": classes[:2]})  # warm up the sessions
     results = {}
@@ -191,7 +191,7 @@ def _tune(engine, out, args, steps):
     engine directory. Returns a summary for the report."""
 
     settings = tune.tuning_settings(engine, GenerationSettings(
-        mode="lantern++", lam=args.lam, k=args.k, cfg_scale=args.cfg, temperature=DEFAULTS["temperature"],
+        mode="lantern++", lam=args.lam, k=args.k, cfg_scale=args.cfg_scale, temperature=DEFAULTS["temperature"],
         top_k=DEFAULTS["top_k"]))
     key = settings.key
     conds, note = tune.conditions(engine, TUNE["images"])
@@ -307,7 +307,7 @@ def reading(summary):
     if spec is None:
         return ""
     images, nodes = summary["settings"]["images"], summary["tree"]["nodes"]
-    cfg = summary["settings"].get("cfg", 1.0) > 1
+    cfg = summary["settings"].get("cfg_scale", 1.0) > 1
     return (
         f"A speculative step pays off when its mean accepted length exceeds its cost in AR steps. "
         f"At the batch ({images} images{', CFG' if cfg else ''}: {images * (2 if cfg else 1)} rows per call) a "

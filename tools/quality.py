@@ -65,7 +65,7 @@ def add_parser(sub):
     p = sub.add_parser("quality", help="speed vs quality sweep over quantization schemes and decoding methods "
                                        "(class accuracy, Fréchet distance and greedy agreement against fp32 ar)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("engine", help="engine directory with a drafter, neighbour table and VQ decoder")
+    p.add_argument("engine", help="engine directory with a drafter, neighbor table and VQ decoder")
     p.add_argument("--classifier", help="classifier .safetensors (default: the demo model's)")
     p.add_argument("--schemes", type=_schemes, default=list(QUANTIZED),
                    help="quantized copies of the engine to compare with it (default int8,int4; 'none': the engine "
@@ -73,9 +73,9 @@ def add_parser(sub):
     p.add_argument("--per-class", type=int, default=6, help="images per class and row (default 6)")
     p.add_argument("--lams", type=_floats, default=[5.0],
                    help="lantern++ λ values (default 5, the demo's; a wider sweep: 1,1.5,2,3,5)")
-    p.add_argument("--ks", type=_ints, default=[20], help="lantern++ / lantern neighbour counts k (default 20)")
+    p.add_argument("--ks", type=_ints, default=[20], help="lantern++ / lantern neighbor counts k (default 20)")
     p.add_argument("--deltas", type=_floats, default=[], help="lantern δ values (default none; e.g. 0.1,0.3)")
-    p.add_argument("--cfg", type=float, default=3.0)
+    p.add_argument("--cfg-scale", type=float, default=3.0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
@@ -200,7 +200,7 @@ def _sweep(args, out_dir, work):
     # one engine's latency), so rows differ only in the scheme and the method.
     plan = [(name, kw if kw["mode"] == "ar" else dict(kw, tree=reference.tree))
             for name, kw in methods(args.lams, args.ks, args.deltas)]
-    common = dict(cfg_scale=args.cfg, temperature=args.temperature, top_k=args.top_k)
+    common = dict(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k)
 
     def generate(engine, kw, role):
         """All images of one row, batch by batch: tokens, engine seconds, per-image stats."""
@@ -217,7 +217,7 @@ def _sweep(args, out_dir, work):
         return np.concatenate(tokens), seconds, {"mean_accepted_length": accepted / n, "steps_per_image": steps / n}
 
     def greedy(engine, kw):
-        r = engine.generate(classes=greedy_classes.tolist(), greedy=True, cfg_scale=args.cfg, **kw)
+        r = engine.generate(classes=greedy_classes.tolist(), greedy=True, cfg_scale=args.cfg_scale, **kw)
         bar.update(len(greedy_classes))
         return r.tokens
 
@@ -255,7 +255,7 @@ def _sweep(args, out_dir, work):
     start = time.perf_counter()
     rows, reference_feats, reference_seconds = [], None, None
     bar.set_description(f"{reference_scheme} greedy ar")
-    forced, greedy_ar = greedy_agreement(reference, engines, greedy_classes.tolist(), args.cfg)
+    forced, greedy_ar = greedy_agreement(reference, engines, greedy_classes.tolist(), args.cfg_scale)
     bar.update(len(greedy_classes))
     for scheme, engine in engines.items():
         for name, kw in plan:

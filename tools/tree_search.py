@@ -42,15 +42,15 @@ What is modelled, and what is assumed
   counted where ranks 0..r-1 were present beside it.
 * The bonus token: every step emits its accepted drafts plus one token from the target, so a
   tree yields E[accepted] + 1 tokens per step and AR yields 1.
-* Step cost (PLAN_V2 call regimes), for a tree of `nodes` tokens (root included), depth D and
+* Step cost (the step plan's call regimes), for a tree of `nodes` tokens (root included), depth D and
   n_d nodes at depth d: drafter(D + 1) [depth-0 call over last step's accepted pairs, padded]
   + sum over d = 1..D-1 of drafter(n_d) + D * draft_host + verify(nodes) + host(nodes). AR: one
   target call of T = 1 plus its host work (`ar_ms` when measured). Drafter calls at depth D are
   not made (the leaves' children are never drafted). Measure each term as the loop pays it:
   a call's wall time with its feeding and synchronisation, draft_host the loop's own work per
   drafter call (gathers, masks, cache commits), host the rest of a step (acceptance, commit).
-  Isolated engine calls plus one host figure underpredicted the pre-issue-8 loop's steps 2-4x
-  on the demo engine, mostly host work per drafter call.
+  Isolated engine calls plus one host figure can underpredict a loop's steps 2-4x (on the demo
+  engine, mostly host work per drafter call).
 * A batch's images advance unevenly and a call ends with its slowest image: with a generation
   (tokens per image, images per call) the search ranks trees by the call's tokens per second,
   steps estimated as the expected maximum over the images of a renewal count

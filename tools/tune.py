@@ -1,8 +1,8 @@
 """`lantern-run tune`: the static draft tree that is fastest on this machine, for given generation
-settings, measured on the engine itself (issue 10). `lantern-run whatif` runs the same search on a
+settings, measured on the engine itself. `lantern-run whatif` runs the same search on a
 latency model from a file (a planning aid; see lantern.tools.tree_report).
 
-  lantern-run tune ENGINE [--mode --lam --delta --k --greedy --temperature --top-k --top-p --cfg
+  lantern-run tune ENGINE [--mode --lam --delta --k --greedy --temperature --top-k --top-p --cfg-scale
                            --cfg-interval --seed --backend --threads] [--classes 3,7 | --caption F.npy]
                           [--budget 64] [--depth 6] [--images 16] [--batch 8] [--out DIR] [--dry-run]
 
@@ -22,8 +22,8 @@ latency model from a file (a planning aid; see lantern.tools.tree_report).
      phases over the steps run, the fastest of a few generations. What the engine-call curves
      do not explain (host work, and calls slower in the loop than alone: the graphs evict each
      other's weights from the caches) is fitted, by non-negative least squares, as a + b * nodes
-     per step plus c per drafter call (phase 1 found the pre-issue-8 loop spending most of a
-     small tree's step there). The AR step is the AR generation's measured step. The report
+     per step plus c per drafter call (a small tree's step can spend most of its time
+     there). The AR step is the AR generation's measured step. The report
      lists each tree's measured and modelled step.
 3. Search (tree_search.search: Sequoia's DP per depth limit, priced with the model, AR as a
    candidate) per batch size, ranked by a whole call's tokens per second (a batched call ends
@@ -43,7 +43,7 @@ changes only latency: one tree per batch size tuned, and generate takes the tune
 its image count. The backend is recorded and must match; the thread count and the machine are
 recorded in the entry, not matched (re-run tune after moving an engine to other hardware).
 
-Compiled plans (issue 10 item 7): where the engine records TensorRT plans (`Manifest.tensorrt`),
+Compiled plans: where the engine records TensorRT plans (`Manifest.tensorrt`),
 `plans_coverage` checks whether a tree's calls (StepPlan.shapes()) each get a profile of the
 plans, as the tensorrt backend assigns them. Tuning on the tensorrt backend keeps the search
 within its plans (AR and the trees they were built for); tuning on another backend reports a

@@ -12,7 +12,7 @@ verifying 58 tokens (root + 57 nodes) against 256 cached positions on 2 BLAS thr
 softmax, norms or activations). The goal is acceptance <= 5% of that step.
 
 Inputs are synthetic: logits ~ N(0, 2.5^2), a drafter that is a noisy copy of the target, a
-random neighbour table of the real shape [16384, 16383] uint16 (only its first k columns are
+random neighbor table of the real shape [16384, 16383] uint16 (only its first k columns are
 read). Two greedy cases: drafts sampled from the drafter (typical), and every draft its
 parent's argmax (all 57 nodes evaluated: the worst case).
 """

@@ -1,14 +1,14 @@
 """The compass: one image from the official LlamaGen eager PyTorch `generate()` against our ONNX
 Runtime `ar` on the same weights and CPU (fp32, and the int8 / int4 engines). Prints JSON.
 
-  python -m lantern.tools.bench.compass PATH/TO/LlamaGen [--threads 2] [--cfg 4] [--workdir DIR]
+  python -m lantern.tools.bench.compass PATH/TO/LlamaGen [--threads 2] [--cfg-scale 4] [--workdir DIR]
 
 PATH/TO/LlamaGen is a checkout of FoundationVision/LlamaGen (not part of this repository); its
 `autoregressive.models.gpt` and `autoregressive.models.generate` are imported from there.
 GPT-B, c2i, 256 image tokens, random weights (one checkpoint loaded into both), class 207,
 cfg 4, temperature 1, top-k 2000 (LlamaGen's sample_c2i defaults), torch with `threads`
 threads, ONNX Runtime with `threads` intra-op threads. Both sides get one short warm-up run.
-Goal (issue 13): ours >= 5x faster than eager.
+Goal: ours >= 5x faster than eager.
 
 torch's OpenMP threads spin-wait between ops; on a machine shared with other jobs a descheduled
 spinning thread stalls every barrier (a [2, 768] x [768, 2304] matmul took 12-30 ms instead of
@@ -42,7 +42,7 @@ def llamagen_seconds(checkout, state_dict, args):
     model.load_state_dict(state_dict, strict=True)
     model = model.to(dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[args.llamagen_dtype]).eval()
     classes = torch.tensor([args.cls])
-    sampling = dict(cfg_scale=args.cfg, temperature=1.0, top_k=args.top_k, top_p=1.0, sample_logits=True)
+    sampling = dict(cfg_scale=args.cfg_scale, temperature=1.0, top_k=args.top_k, top_p=1.0, sample_logits=True)
     torch.manual_seed(args.seed)
     generate(model, classes, 8, **sampling)  # warm up (allocations, first-call overheads)
     times = []
@@ -58,7 +58,7 @@ def ours_seconds(engine_dir, args):
     from lantern.runtime.generator import Engine
 
     engine = Engine(engine_dir, threads=args.threads)
-    options = dict(classes=[args.cls], mode="ar", cfg_scale=args.cfg, top_k=args.top_k, seed=args.seed)
+    options = dict(classes=[args.cls], mode="ar", cfg_scale=args.cfg_scale, top_k=args.top_k, seed=args.seed)
     engine.generate(**options)  # warm up
     return [engine.generate(**options).stats["seconds"] for _ in range(args.repeats)]
 
@@ -67,7 +67,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("llamagen", help="path to a FoundationVision/LlamaGen checkout")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cfg", type=float, default=4.0)
+    p.add_argument("--cfg-scale", type=float, default=4.0)
     p.add_argument("--top-k", type=int, default=2000)
     p.add_argument("--cls", type=int, default=207)
     p.add_argument("--seed", type=int, default=0)
@@ -104,7 +104,7 @@ def main(argv=None):
     report = {
         "benchmark": "one image: LlamaGen eager generate() vs lantern ar on ONNX Runtime CPU, same weights",
         "note": "timings from a shared 2-core machine (other jobs running)", "load_average": os.getloadavg(),
-        "model": "GPT-B", "random_weights": True, "image_tokens": 256, "cfg_scale": args.cfg, "top_k": args.top_k,
+        "model": "GPT-B", "random_weights": True, "image_tokens": 256, "cfg_scale": args.cfg_scale, "top_k": args.top_k,
         "threads": args.threads, "torch": torch.__version__, "llamagen_dtype": args.llamagen_dtype,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "llamagen_eager_seconds": round(base, 2),

@@ -8,7 +8,7 @@ reboot or a fresh copy); first_open_warm: no remembered digests, files in the pa
 written or read); later_open: the digests remembered (lantern.runtime.integrity). `--make
 gpt-xl` writes random bytes in the file sizes of a fp32 GPT-XL engine (schema 2: the target with
 its embeddings, the drafter with the target's head, the class table, the VQ decoder, a k = 1000
-neighbour table), sized from the models' parameter counts, and a manifest-style files record.
+neighbor table), sized from the models' parameter counts, and a manifest-style files record.
 """
 import argparse
 import json

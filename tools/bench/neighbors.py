@@ -1,4 +1,4 @@
-"""Benchmark the codebook neighbour table at LlamaGen's size: 16384 random unit codes of dimension
+"""Benchmark the codebook neighbor table at LlamaGen's size: 16384 random unit codes of dimension
 8, k = all (16383 per code). Prints one JSON object; the goal is < 60 s and < 2 GiB peak RSS on
 a 2-core machine.
 

@@ -92,7 +92,7 @@ def main(argv=None):
     p.add_argument("--tree", default="mc_sim_7b_63", help="tree of the `exact` generation (default mc_sim_7b_63)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--cfg", type=float, default=1.0, help="CFG scale of the generations (batch 2 rows when > 1)")
+    p.add_argument("--cfg-scale", type=float, default=1.0, help="CFG scale of the generations (batch 2 rows when > 1)")
     p.add_argument("--engine", help="reuse or create the engine here")
     p.add_argument("--plot", help="also draw the latency curve L(T) and L(T)/L(1) to this PNG")
     args = p.parse_args(argv)
@@ -117,11 +117,11 @@ def main(argv=None):
     for binding in (True, False):
         e = engine if binding else Engine(engine_dir, threads=args.threads, io_binding=False)
         generations["iobinding" if binding else "plain"] = {
-            mode: generation(e, mode, args.tree if mode != "ar" else None, args.cfg) for mode in ("ar", "exact")}
+            mode: generation(e, mode, args.tree if mode != "ar" else None, args.cfg_scale) for mode in ("ar", "exact")}
     report = {
         "benchmark": "lantern runtime, ONNX Runtime CPU",
         "model": args.model, "tree": args.tree, "threads": args.threads, "dtype": engine.manifest.dtype,
-        "cfg": args.cfg, "random_weights": True, "export_seconds": export_seconds, "context": context,
+        "cfg_scale": args.cfg_scale, "random_weights": True, "export_seconds": export_seconds, "context": context,
         "cache_capacity": capacity,
         "latency_ms": {str(T): round(1000 * v, 2) for T, v in curve.items()},
         "latency_ratio_vs_T1": {str(T): round(v / base, 2) for T, v in curve.items()},

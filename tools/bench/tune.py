@@ -1,4 +1,4 @@
-"""Benchmark of `lantern-run tune` (issue 10's goals) on an engine, in one run on one machine. Prints JSON.
+"""Benchmark of `lantern-run tune` on an engine, in one run on one machine. Prints JSON.
 
   python -m lantern.tools.bench.tune [--engine engines/demo] [--batch 8] [--images 8] [--repeats 3]
                                      [--threads 1] [--out bench_tune.json]
