@@ -25,6 +25,7 @@ import time
 import numpy as np
 from numpy.lib import format as npy
 
+from lantern.runtime.enginedir import inside
 from lantern.runtime.errors import LanternError
 
 REBUILD = "rebuild the engine with `lantern-export onnx`"
@@ -127,7 +128,7 @@ def verify_files(directory, files, cache="default"):
     try:
         stats = {}
         for name, entry in sorted(files.items()):  # sizes of all first: cheap and the commonest damage
-            path = os.path.join(directory, name)
+            path = inside(directory, name)  # no link followed out of the directory
             try:
                 st = os.stat(path)
             except FileNotFoundError:

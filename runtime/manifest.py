@@ -484,17 +484,12 @@ class Manifest:
         return _to_json(self)
 
     def write(self, directory):
-        """manifest.json in `directory`, atomically (written last by export)."""
-        path = os.path.join(directory, "manifest.json")
-        tmp = path + ".tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(self.to_json(), f, indent=2)
-                f.write("\n")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        """manifest.json in `directory`, atomically through a unique temporary name (written last
+        by export; commands that change an existing engine call it under its lock:
+        lantern.runtime.enginedir.update_manifest)."""
+        from lantern.runtime.enginedir import write_file
+
+        write_file(directory, "manifest.json", (json.dumps(self.to_json(), indent=2) + "\n").encode())
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -923,9 +918,11 @@ def read_manifest(directory, verify=True):
     path = os.path.join(directory, "manifest.json")
     if not os.path.isdir(directory):
         raise LanternError(f"{directory}: no such engine directory (build one with `lantern-export onnx`)")
+    from lantern.runtime.enginedir import load_json, open_file
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open_file(directory, "manifest.json", "r") as f:
+            data = load_json(f, path)
     except FileNotFoundError:
         raise LanternError(f"{directory}: no manifest.json; not an engine directory (build one with "
                            f"`lantern-export onnx`)") from None
@@ -944,10 +941,10 @@ def check_files(directory, manifest, verify=True):
     if verify:
         verify_files(directory, files)
         return
+    from lantern.runtime.enginedir import inside
+
     for name, entry in files.items():
-        file = os.path.join(directory, name)
-        if os.path.isabs(name) or os.path.normpath(name).startswith(".."):
-            raise LanternError(f"{directory}: manifest lists {name!r}, outside the engine directory; re-export it")
+        file = inside(directory, name)  # refuses names outside and links
         if not os.path.isfile(file):
             raise LanternError(f"{directory}: {name} is missing; re-export the engine with `lantern-export onnx`")
         if os.path.getsize(file) != entry["size"]:
