@@ -155,6 +155,7 @@ class Prompt:
         self.rows_of = chameleon_prompts
         self.style = manifest.condition.style
         self.grid = (manifest.image.grid_height, manifest.image.grid_width)
+        self.vocab_size = manifest.vocabulary.size
         self.tokenizer_path = None if manifest.condition.tokenizer is None else \
             os.path.join(directory, manifest.condition.tokenizer)
         self._tokenizer = None
@@ -183,6 +184,10 @@ class Prompt:
             ids = [self.tokenizer().encode(t) for t in texts]
         else:
             ids = self._ids(prompt_ids)
+            top = max(max(row) for row in ids)
+            if top >= self.vocab_size:
+                raise LanternError(f"prompt id {top} is outside the engine's vocabulary of {self.vocab_size} ids "
+                                   f"(0..{self.vocab_size - 1})")
             if self.style == "lumina_mgpt":
                 ids = [self.tokenizer().encode(self.rows_of.lumina_prompt_prefix(grid)) + row for row in ids]
         cond, uncond = (self.rows_of.anole_rows(ids) if self.style == "anole" else self.rows_of.lumina_rows(ids, grid))

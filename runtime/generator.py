@@ -17,6 +17,7 @@ One step (DESIGN.md "One decoding step"); `ar` is the same loop over the root-on
 Every call's shapes and buffers come from a StepPlan made once per (tree, prefix).
 """
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from lantern.runtime import accept as acceptance
 from lantern.runtime.backends import open_backend
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
+from lantern.runtime.memory import available_memory
 from lantern.runtime.manifest import read_manifest, settings_key, tuning_settings
 from lantern.runtime.plan import Call, StepPlan, estimate_bytes
 from lantern.runtime.sampling import sampler_for
@@ -34,6 +36,7 @@ from lantern.runtime.vocabulary import VocabularyView
 
 MODES = ("ar", "exact", "lantern", "lantern++")
 DEFAULT_K = 100
+DECODE_CHUNK = 8  # images per VQ decoder call
 
 
 @dataclass
@@ -57,21 +60,14 @@ class StepRecord:
     accepted: np.ndarray
 
 
-def available_memory():
-    """Bytes the OS can give this process now (Linux MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class Engine:
     """An engine directory opened on one backend. Holds no per-generation state but the last
-    step plan, which the next generation with the same tree and batch reuses."""
+    step plan, which the next generation with the same tree and batch reuses.
+
+    Threads: one Engine may be shared by several threads; its generate and decode calls are
+    serialised (a lock per Engine: the step plan's buffers and the backend's bound session are
+    used by one call at a time), so a second thread's call waits for the first and both return
+    what they would alone. For parallel generations open one Engine per worker."""
 
     def __init__(self, directory, backend="onnxruntime", threads=None, device=None, verify=True,
                  memory_limit=None, **backend_options):
@@ -92,6 +88,7 @@ class Engine:
                                             m.neighbors.k)
         self.memory_limit = memory_limit
         self._plan = None
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------
     def generate(self, *, classes=None, caption=None, caption_mask=None, prompt=None, prompt_ids=None, grid=None,
@@ -104,6 +101,12 @@ class Engine:
         must fit the drafter graph's candidates. Default: the tree `lantern-run tune` chose for
         these settings on this backend (manifest tuned_trees), else the one exported with.
         observer: called with a StepRecord after every step's acceptance."""
+        with self._lock:
+            return self._generate(classes, caption, caption_mask, prompt, prompt_ids, grid, mode, lam, delta, k,
+                                  greedy, temperature, top_k, top_p, cfg_scale, cfg_interval, seed, tree, observer)
+
+    def _generate(self, classes, caption, caption_mask, prompt, prompt_ids, grid, mode, lam, delta, k, greedy,
+                  temperature, top_k, top_p, cfg_scale, cfg_interval, seed, tree, observer):
         given = tree
         rule, tree = self._rule_and_tree(mode, lam, delta, k, tree)
         sampler = sampler_for(greedy, temperature, top_k, top_p)
@@ -119,15 +122,33 @@ class Engine:
             raise LanternError(f"seed must be an integer >= 0, got {seed!r}")
         prefix = self.condition.prefix(cfg_scale > 1.0, classes=classes, caption=caption, caption_mask=caption_mask,
                                        prompt=prompt, prompt_ids=prompt_ids, grid=grid)
+        self._check_positions(prefix)
+        source = "given" if given is not None else "exported"
         if given is None and mode != "ar":
             tuned = tuning_settings(mode, rule.k, lam, delta, greedy, temperature, top_k, top_p, cfg_scale,
                                     cfg_interval)
-            tree = self._tuned_tree(tuned, prefix.images) or tree
+            chosen = self._tuned_tree(tuned, prefix.images)
+            if chosen is not None:
+                tree, source = chosen, "tuned"
         settings = dict(cfg_scale=cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
                         top_k=sampler.top_k, top_p=sampler.top_p)
         plan = self._plan_for(tree, prefix, settings)
         run = _Decoding(self, plan, rule, sampler, cfg_scale, cfg_interval, np.random.default_rng(seed), observer)
-        return run.generate()
+        out = run.generate()
+        # what ran, when it is not what the request named: a tuned tree (or AR) in its place
+        out.stats.update(requested_mode=mode, tree_source=source)
+        return out
+
+    def _check_positions(self, prefix):
+        """Every token fed to the model (the prefix and all generated tokens but the last) needs a
+        position the model has (its RoPE table); positions past it would be clamped silently."""
+        limit = self.manifest.max_positions
+        need = int(prefix.positions.max()) + prefix.length  # the last fed token's position + 1
+        if need > limit:
+            h, w = prefix.grid
+            raise LanternError(f"the prompt ({prefix.tokens} tokens) and a {h}x{w} grid ({prefix.length} tokens "
+                               f"generated) need positions 0..{need - 1}; the model has {limit} (0..{limit - 1}): "
+                               f"use a shorter prompt or a smaller grid")
 
     def _rule_and_tree(self, mode, lam, delta, k, spec):
         if mode not in MODES:
@@ -196,9 +217,26 @@ class Engine:
         if "vq_decoder" not in self.manifest.graphs:
             raise LanternError(f"{self.directory} has no VQ decoder (export with --vq)")
         h, w = grid or (self.manifest.image.grid_height, self.manifest.image.grid_width)
-        codes = np.asarray(tokens, dtype=np.int64).reshape(-1, h, w)
-        image = self.backend.numpy(self.backend.run(Call("vq_decoder", "decode", {"codes": codes}))["image"])
-        return np.clip((image.transpose(0, 2, 3, 1) + 1) * 127.5 + 0.5, 0, 255).astype(np.uint8)
+        codes = np.asarray(tokens)
+        n_codes = self.manifest.vocabulary.codes
+        if codes.dtype == object or not np.issubdtype(codes.dtype, np.integer) or codes.size == 0 \
+                or codes.size % (h * w):
+            raise LanternError(f"decode takes integer VQ codes [N, {h * w}] ({h}x{w} grid), got {codes.dtype} "
+                               f"{list(codes.shape)}")
+        if codes.min() < 0 or codes.max() >= n_codes:
+            raise LanternError(f"decode: code {int(codes.max() if codes.max() >= n_codes else codes.min())} is "
+                               f"outside the codebook (0..{n_codes - 1})")
+        codes = codes.astype(np.int64).reshape(-1, h, w)
+        with self._lock:
+            images = None
+            for start in range(0, len(codes), DECODE_CHUNK):  # memory stays that of one chunk's activations
+                image = self.backend.numpy(self.backend.run(
+                    Call("vq_decoder", "decode", {"codes": codes[start:start + DECODE_CHUNK]}))["image"])
+                if images is None:
+                    images = np.empty((len(codes),) + image.shape[2:] + image.shape[1:2], dtype=np.uint8)
+                images[start:start + len(image)] = np.clip(
+                    (image.transpose(0, 2, 3, 1) + 1) * 127.5 + 0.5, 0, 255).astype(np.uint8)
+            return images
 
 
 class _Decoding:

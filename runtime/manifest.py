@@ -929,24 +929,58 @@ def read_manifest(directory, verify=True):
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LanternError(f"{path}: unreadable manifest ({e}); re-export the engine") from None
     manifest = _parse(data, path)
-    check_files(directory, manifest, verify)
-    return manifest
+    return check_files(directory, manifest, verify)
 
 
 def check_files(directory, manifest, verify=True):
-    """Sizes (and, with verify, sha256) of every file the manifest lists."""
-    from lantern.runtime.integrity import verify_files
+    """Sizes (and, with verify, sha256) of every file the manifest lists. Returns the manifest,
+    less what a damaged file that generation does not need belongs to (a tuned entry: its tree
+    or its report; one warning line each); every refusal names the cheapest repair."""
+    import sys
 
-    files = {name: {"size": f.size, "sha256": f.sha256} for name, f in manifest.files.items()}
-    if verify:
-        verify_files(directory, files)
-        return
+    retune = "run `lantern-run tune` again with these settings"
+    tuned = {}  # file -> the tuned entries it belongs to
+    for key, entry in manifest.tuned_trees.items():
+        folder = os.path.dirname(entry.report) + "/" if entry.report else None
+        for name in manifest.files:
+            if name in {t.file for t in entry.trees} or (folder and name.startswith(folder)):
+                tuned.setdefault(name, []).append(key)
+    plans = {p.file for entry in (manifest.tensorrt or {}).values() for p in entry.plans.values()}
+    groups = [(sorted(set(manifest.files) - set(tuned) - plans), None), (sorted(plans), _REBUILD_PLANS)]
+    groups += [([name], retune) for name in sorted(tuned)]
+    dropped = set()
+    for names, fix in groups:
+        if not names:
+            continue
+        try:
+            _check_group(directory, {n: manifest.files[n] for n in names}, verify, fix)
+        except LanternError as e:
+            if fix != retune:
+                raise
+            keys = tuned[names[0]]
+            print(f"lantern: warning: {e}; the tuned tree(s) {', '.join(keys)} are ignored until then",
+                  file=sys.stderr)
+            dropped |= set(keys)
+    if not dropped:
+        return manifest
+    gone = {name for name, keys in tuned.items() if set(keys) & dropped}
+    return manifest.replace(tuned_trees={k: v for k, v in manifest.tuned_trees.items() if k not in dropped},
+                            files={k: v for k, v in manifest.files.items() if k not in gone})
+
+
+def _check_group(directory, records, verify, fix):
     from lantern.runtime.enginedir import inside
+    from lantern.runtime.integrity import REBUILD, verify_files
 
+    fix = fix or REBUILD
+    files = {name: {"size": f.size, "sha256": f.sha256} for name, f in records.items()}
+    if verify:
+        verify_files(directory, files, fix=fix)
+        return
     for name, entry in files.items():
         file = inside(directory, name)  # refuses names outside and links
         if not os.path.isfile(file):
-            raise LanternError(f"{directory}: {name} is missing; re-export the engine with `lantern-export onnx`")
+            raise LanternError(f"{directory}: {name} is missing; {fix}")
         if os.path.getsize(file) != entry["size"]:
             raise LanternError(f"{directory}: {name} has {os.path.getsize(file)} bytes, the manifest says "
-                               f"{entry['size']}; the file was changed or truncated; re-export the engine")
+                               f"{entry['size']}; the file was changed or truncated; {fix}")
