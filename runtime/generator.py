@@ -29,7 +29,7 @@ from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
 from lantern.runtime.memory import available_memory
 from lantern.runtime.manifest import read_manifest, settings_key, tuning_settings
-from lantern.runtime.plan import Call, StepPlan, estimate_bytes
+from lantern.runtime.plan import Call, StepPlan, decode_bytes, estimate_bytes
 from lantern.runtime.sampling import sampler_for
 from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.vocabulary import VocabularyView
@@ -227,6 +227,11 @@ class Engine:
             raise LanternError(f"decode: code {int(codes.max() if codes.max() >= n_codes else codes.min())} is "
                                f"outside the codebook (0..{n_codes - 1})")
         codes = codes.astype(np.int64).reshape(-1, h, w)
+        need = decode_bytes(self.manifest, len(codes), DECODE_CHUNK, (h, w))
+        limit = self.memory_limit if self.memory_limit is not None else available_memory()
+        if limit is not None and need > 0.8 * limit:
+            raise LanternError(f"decoding {len(codes)} images needs about {need / 2**30:.2f} GiB, more than this "
+                               f"machine can give ({limit / 2**30:.2f} GiB available); decode fewer at a time")
         with self._lock:
             images = None
             for start in range(0, len(codes), DECODE_CHUNK):  # memory stays that of one chunk's activations
