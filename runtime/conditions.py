@@ -85,7 +85,9 @@ class ClassLabels:
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
             raise LanternError(f"class labels must be a non-empty list of integers; got {classes!r}")
         if ids.min() < 0 or ids.max() >= self.num_classes:
-            raise LanternError(f"class labels must be in [0, {self.num_classes - 1}]; got {ids.tolist()}")
+            bad = ids[(ids < 0) | (ids >= self.num_classes)]
+            raise LanternError(f"class labels must be in [0, {self.num_classes - 1}]; got {bad[:8].tolist()}"
+                               f"{f' and {bad.size - 8} more' if bad.size > 8 else ''}")
         if cfg and self.null_class is None:
             raise LanternError("this model has no null class, so it cannot run classifier-free guidance (use cfg 1)")
         ids = ids.astype(np.int64)

@@ -947,7 +947,7 @@ def check_files(directory, manifest, verify=True):
                 tuned.setdefault(name, []).append(key)
     plans = {p.file for entry in (manifest.tensorrt or {}).values() for p in entry.plans.values()}
     groups = [(sorted(set(manifest.files) - set(tuned) - plans), None), (sorted(plans), _REBUILD_PLANS)]
-    groups += [([name], retune) for name in sorted(tuned)]
+    groups += [(sorted(n for n, keys in tuned.items() if key in keys), retune) for key in manifest.tuned_trees]
     dropped = set()
     for names, fix in groups:
         if not names:
@@ -957,9 +957,11 @@ def check_files(directory, manifest, verify=True):
         except LanternError as e:
             if fix != retune:
                 raise
-            keys = tuned[names[0]]
-            print(f"lantern: warning: {e}; the tuned tree(s) {', '.join(keys)} are ignored until then",
-                  file=sys.stderr)
+            keys = sorted({k for n in names for k in tuned[n]} - dropped)
+            if not keys:
+                continue
+            print(f"lantern: warning: {e}; the tuned tree(s) {', '.join(keys)} are ignored until "
+                  f"`lantern-run tune` runs again with their settings", file=sys.stderr)
             dropped |= set(keys)
     if not dropped:
         return manifest

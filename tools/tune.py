@@ -562,10 +562,14 @@ def install(directory, chosen, report):
     temporary name; (3) the manifest is rewritten with the new entry and the new files' sizes and
     sha256, last. A crash at any point leaves a manifest that matches its files. Returns the entry."""
     key = report["key"]
-    with tempfile.TemporaryDirectory(prefix="lantern-tune-") as scratch:
-        # rendered outside the engine (matplotlib opens paths as given), copied in confined
-        report_names = write_report(scratch, report)
-        contents = {name: open(os.path.join(scratch, name), "rb").read() for name in report_names}
+    try:
+        with tempfile.TemporaryDirectory(prefix="lantern-tune-") as scratch:
+            # rendered outside the engine (matplotlib opens paths as given), copied in confined
+            report_names = write_report(scratch, report)
+            contents = {name: open(os.path.join(scratch, name), "rb").read() for name in report_names}
+    except OSError as e:
+        raise LanternError(f"cannot render the tune report in the temporary directory ({e.strerror}); free space "
+                           f"(or raise the file-size limit) and run again; {directory} was left as it was") from None
     with enginedir.locked(directory, "lantern-run tune"):
         m = read_manifest(directory)
         old = m.tuned_trees.get(key)
@@ -674,10 +678,13 @@ def run(args):
                           calibration_batch=args.batch, repeats=args.repeats, seed=args.seed, note=note,
                           threads=args.threads or os.cpu_count(), clock=clock)
     if args.out:
-        write_report(args.out, report)
-        for images, tree in chosen.items():
-            if tree.depth:
-                _write_json(os.path.join(args.out, f"tree-b{images}.json"), tree.to_json())
+        try:
+            write_report(args.out, report)
+            for images, tree in chosen.items():
+                if tree.depth:
+                    _write_json(os.path.join(args.out, f"tree-b{images}.json"), tree.to_json())
+        except OSError as e:
+            raise LanternError(f"{args.out}: cannot write the report ({e.strerror})") from None
     if args.dry_run:
         print("dry run: the engine directory was not changed")
         return 0
