@@ -48,6 +48,7 @@ import time
 import numpy as np
 
 from lantern.export import tensorrt_build as tb
+from lantern.runtime import enginedir
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import (PlanFile, PlanProfile, TensorRTPlans, describe_files, quantization_scheme,
@@ -219,14 +220,13 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
     if key in (manifest.tensorrt or {}) and not force:
         raise LanternError(f"{directory} already has plans/{key}; pass --force to rebuild them")
 
+    enginedir.check_writable(directory, "lantern-export trt")  # before the builds, not after them
+    enginedir.inside(directory, f"plans/{key}")  # a planted link there is refused before any work
+
     calls = call_shapes(manifest, batches, cfgs, tree_list)
     jobs = [(graph, graph_profiles(manifest, graph, calls[graph])) for graph in calls]
     bar = _progress(jobs, progress)
-    stage = tempfile.mkdtemp(prefix=".trt-", dir=directory)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes it private; plans are ordinary files
+    with enginedir.staging(directory, "trt") as stage:
         plans, records = {}, {}
         for graph, profiles in jobs:
             bar.set_description(f"{graph} ({len(profiles)} profile{'s' if len(profiles) > 1 else ''})")
@@ -235,8 +235,7 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
                 compute_capabilities=None if flavor == "tensorrt" else ccs, timing_cache=timing_cache,
                 workspace_bytes=workspace_bytes, tf32=tf32, progress=lambda phase, done, total: bar.set_postfix_str(
                     f"{phase} {done}/{total}"[:40], refresh=False))
-            with open(os.path.join(stage, f"{graph}.plan"), "wb") as f:
-                f.write(plan)
+            enginedir.write_file(stage, f"{graph}.plan", plan)
             records[graph] = record
             held = record["profiles"]  # the profiles as TensorRT holds them
             plans[graph] = PlanFile(file=f"plans/{key}/{graph}.plan", profiles=tuple(
@@ -246,45 +245,54 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
             flavor=flavor, version=trt.__version__, compute_capabilities=tuple(ccs), plans=plans, batches=batches,
             cfg=cfgs, trees=tuple(t.name for t in tree_list),
             builder={**records[jobs[0][0]]["builder"], "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
-        _commit(directory, manifest, key, entry, stage)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    finally:
         bar.close()
+        _commit(directory, manifest, key, entry, stage, force)
     return key, entry, records
 
 
-def _commit(directory, manifest, key, entry, stage):
-    """Move the staged plans to plans/KEY (an old build aside first) and rewrite the manifest;
-    undo it all if any step fails."""
-    plans_dir = os.path.join(directory, "plans")
-    final = os.path.join(plans_dir, key)
-    made_plans_dir = not os.path.isdir(plans_dir)
-    os.makedirs(plans_dir, exist_ok=True)
-    old = None
-    if os.path.lexists(final):
-        old = tempfile.mkdtemp(prefix=f".{key}.old-", dir=plans_dir)
-        os.rmdir(old)
-        os.rename(final, old)
-    try:
-        os.rename(stage, final)
-        prefix = f"plans/{key}/"
-        files = {name: rec for name, rec in manifest.files.items() if not name.startswith(prefix)}
-        files.update(describe_files(directory, [p.file for p in entry.plans.values()]))
-        builds = {k: v for k, v in (manifest.tensorrt or {}).items() if k != key}
-        builds[key] = entry
-        manifest.replace(tensorrt=builds, files=dict(sorted(files.items()))).write(directory)
-    except BaseException:
-        if os.path.isdir(final):
-            shutil.rmtree(final, ignore_errors=True)
+def _commit(directory, built_from, key, entry, stage, force):
+    """Under the engine's lock: re-read the manifest (a tune may have added an entry meanwhile),
+    check the graphs are still the ones the plans were built from, move the staged plans to
+    plans/KEY (an old build aside first) and write the merged manifest; undo it all if any step
+    fails."""
+    with enginedir.locked(directory, "lantern-export trt"):
+        manifest = read_manifest(directory, verify=True)
+        changed = sorted(g for g in set(manifest.graphs) | set(built_from.graphs)
+                         if manifest.graphs.get(g) != built_from.graphs.get(g)
+                         or manifest.files.get(manifest.graphs[g].file) != built_from.files.get(manifest.graphs[g].file))
+        if changed:
+            raise LanternError(f"{directory}: the graphs ({', '.join(changed)}) changed while the plans were built; "
+                               f"run `lantern-export trt` again")
+        if key in (manifest.tensorrt or {}) and not force:
+            raise LanternError(f"{directory} got plans/{key} from another build meanwhile; pass --force to rebuild them")
+        plans_dir = enginedir.inside(directory, "plans", kind="dir")
+        final = enginedir.inside(directory, f"plans/{key}", kind="dir")
+        made_plans_dir = not os.path.isdir(plans_dir)
+        enginedir.make_dirs(directory, "plans")
+        os.unlink(os.path.join(stage, enginedir.STAGE_OWNER))  # the plans directory holds plans only
+        old = None
+        if os.path.lexists(final):
+            old = tempfile.mkdtemp(prefix=f"{enginedir.STAGE_PREFIX}{key}.old-", dir=plans_dir)
+            os.rmdir(old)
+            os.rename(final, old)
+        try:
+            os.rename(stage, final)
+            prefix = f"plans/{key}/"
+            files = {name: rec for name, rec in manifest.files.items() if not name.startswith(prefix)}
+            files.update(describe_files(directory, [p.file for p in entry.plans.values()]))
+            builds = {k: v for k, v in (manifest.tensorrt or {}).items() if k != key}
+            builds[key] = entry
+            manifest.replace(tensorrt=builds, files=dict(sorted(files.items()))).write(directory)
+        except BaseException:
+            if os.path.isdir(final):
+                shutil.rmtree(final, ignore_errors=True)
+            if old is not None:
+                os.rename(old, final)
+            if made_plans_dir:
+                shutil.rmtree(plans_dir, ignore_errors=True)
+            raise
         if old is not None:
-            os.rename(old, final)
-        if made_plans_dir:
-            shutil.rmtree(plans_dir, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 class _NoBar:

@@ -107,11 +107,15 @@ def write_outputs(stage, tokens, stats, images=None):
     from lantern.runtime.outdir import write_file
     from lantern.runtime.png import write_png
 
-    with open(os.path.join(stage, "tokens.npy"), "wb") as f:
-        np.save(f, tokens, allow_pickle=False)
-    write_file(os.path.join(stage, "stats.json"), (json.dumps(stats, indent=2) + "\n").encode())
-    for i, image in enumerate(images if images is not None else []):
-        write_png(os.path.join(stage, f"image_{i:03d}.png"), image)
+    try:
+        with open(os.path.join(stage, "tokens.npy"), "wb") as f:
+            np.save(f, tokens, allow_pickle=False)
+        write_file(os.path.join(stage, "stats.json"), (json.dumps(stats, indent=2) + "\n").encode())
+        for i, image in enumerate(images if images is not None else []):
+            write_png(os.path.join(stage, f"image_{i:03d}.png"), image)
+    except OSError as e:  # a full disk or a file-size limit: the staged outputs are removed
+        raise LanternError(f"cannot write the outputs ({e.strerror}); free space (or raise the limit) and run "
+                           f"again") from None
 
 
 def run_generate(args):
@@ -129,7 +133,12 @@ def run_generate(args):
         images = engine.decode(result.tokens, result.grid) if "vq_decoder" in engine.manifest.graphs else None
         write_outputs(stage, result.tokens, result.stats, images)
     s = result.stats
-    print(f"{s['images']} images, mode {s['mode']}: {s['steps_per_image']:.1f} steps/image, "
+    if s["tree_source"] == "tuned":  # say so when the request's tree (or mode) was not what ran
+        ran = "AR, " if s["mode"] == "ar" else f"tree {s['tree']}, "
+        s_mode = f"{s['mode']} ({ran}tuned for mode {s['requested_mode']} with these settings)"
+    else:
+        s_mode = s["mode"]
+    print(f"{s['images']} images, mode {s_mode}: {s['steps_per_image']:.1f} steps/image, "
           f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_second']:.1f} tokens/s -> {args.out}")
     return 0
 

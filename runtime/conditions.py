@@ -85,7 +85,9 @@ class ClassLabels:
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
             raise LanternError(f"class labels must be a non-empty list of integers; got {classes!r}")
         if ids.min() < 0 or ids.max() >= self.num_classes:
-            raise LanternError(f"class labels must be in [0, {self.num_classes - 1}]; got {ids.tolist()}")
+            bad = ids[(ids < 0) | (ids >= self.num_classes)]
+            raise LanternError(f"class labels must be in [0, {self.num_classes - 1}]; got {bad[:8].tolist()}"
+                               f"{f' and {bad.size - 8} more' if bad.size > 8 else ''}")
         if cfg and self.null_class is None:
             raise LanternError("this model has no null class, so it cannot run classifier-free guidance (use cfg 1)")
         ids = ids.astype(np.int64)
@@ -155,6 +157,7 @@ class Prompt:
         self.rows_of = chameleon_prompts
         self.style = manifest.condition.style
         self.grid = (manifest.image.grid_height, manifest.image.grid_width)
+        self.vocab_size = manifest.vocabulary.size
         self.tokenizer_path = None if manifest.condition.tokenizer is None else \
             os.path.join(directory, manifest.condition.tokenizer)
         self._tokenizer = None
@@ -183,6 +186,10 @@ class Prompt:
             ids = [self.tokenizer().encode(t) for t in texts]
         else:
             ids = self._ids(prompt_ids)
+            top = max(max(row) for row in ids)
+            if top >= self.vocab_size:
+                raise LanternError(f"prompt id {top} is outside the engine's vocabulary of {self.vocab_size} ids "
+                                   f"(0..{self.vocab_size - 1})")
             if self.style == "lumina_mgpt":
                 ids = [self.tokenizer().encode(self.rows_of.lumina_prompt_prefix(grid)) + row for row in ids]
         cond, uncond = (self.rows_of.anole_rows(ids) if self.style == "anole" else self.rows_of.lumina_rows(ids, grid))

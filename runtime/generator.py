@@ -17,6 +17,7 @@ One step (DESIGN.md "One decoding step"); `ar` is the same loop over the root-on
 Every call's shapes and buffers come from a StepPlan made once per (tree, prefix).
 """
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -27,10 +28,13 @@ from lantern.runtime.backends import open_backend
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import read_manifest
-from lantern.runtime.plan import Call, StepPlan, estimate_bytes
+from lantern.runtime.memory import available_memory
+from lantern.runtime.plan import Call, StepPlan, decode_bytes, estimate_bytes
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.vocabulary import VocabularyView
+
+DECODE_CHUNK = 8  # images per VQ decoder call
 
 
 @dataclass
@@ -54,21 +58,14 @@ class StepRecord:
     accepted: np.ndarray
 
 
-def available_memory():
-    """Bytes the OS can give this process now (Linux MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class Engine:
     """An engine directory opened on one backend. Holds no per-generation state but the last
-    step plan, which the next generation with the same tree and batch reuses."""
+    step plan, which the next generation with the same tree and batch reuses.
+
+    Threads: one Engine may be shared by several threads; its generate and decode calls are
+    serialised (a lock per Engine: the step plan's buffers and the backend's bound session are
+    used by one call at a time), so a second thread's call waits for the first and both return
+    what they would alone. For parallel generations open one Engine per worker."""
 
     def __init__(self, directory, backend="onnxruntime", threads=None, device=None, verify=True,
                  memory_limit=None, **backend_options):
@@ -89,6 +86,7 @@ class Engine:
                                             m.neighbors.k)
         self.memory_limit = memory_limit
         self._plan = None
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------
     def generate(self, settings=None, *, classes=None, caption=None, caption_mask=None, prompt=None, prompt_ids=None,
@@ -105,6 +103,11 @@ class Engine:
             settings = GenerationSettings(**keywords)
         elif keywords:
             raise TypeError(f"generate() takes settings or its fields as keywords, not both ({', '.join(keywords)})")
+        with self._lock:
+            return self._generate(settings, classes, caption, caption_mask, prompt, prompt_ids, grid, seed, tree,
+                                  observer)
+
+    def _generate(self, settings, classes, caption, caption_mask, prompt, prompt_ids, grid, seed, tree, observer):
         settings = settings.resolve(self.manifest, self.directory)
         rule, sampler = settings.rule(), settings.sampler()
         given = tree
@@ -116,14 +119,32 @@ class Engine:
             raise LanternError(f"seed must be an integer >= 0, got {seed!r}")
         prefix = self.condition.prefix(settings.cfg, classes=classes, caption=caption, caption_mask=caption_mask,
                                        prompt=prompt, prompt_ids=prompt_ids, grid=grid)
+        self._check_positions(prefix)
+        source = "given" if given is not None else "exported"
         if given is None and settings.mode != "ar":
-            tree = self._tuned_tree(settings, prefix.images) or tree
+            chosen = self._tuned_tree(settings, prefix.images)
+            if chosen is not None:
+                tree, source = chosen, "tuned"
         feeds = dict(cfg_scale=settings.cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
                      top_k=sampler.top_k, top_p=sampler.top_p)
         plan = self._plan_for(tree, prefix, feeds)
         run = _Decoding(self, plan, rule, sampler, settings.cfg_scale, settings.cfg_interval,
                         np.random.default_rng(seed), observer)
-        return run.generate()
+        out = run.generate()
+        # what ran, when it is not what the request named: a tuned tree (or AR) in its place
+        out.stats.update(requested_mode=settings.mode, tree_source=source)
+        return out
+
+    def _check_positions(self, prefix):
+        """Every token fed to the model (the prefix and all generated tokens but the last) needs a
+        position the model has (its RoPE table); positions past it would be clamped silently."""
+        limit = self.manifest.max_positions
+        need = int(prefix.positions.max()) + prefix.length  # the last fed token's position + 1
+        if need > limit:
+            h, w = prefix.grid
+            raise LanternError(f"the prompt ({prefix.tokens} tokens) and a {h}x{w} grid ({prefix.length} tokens "
+                               f"generated) need positions 0..{need - 1}; the model has {limit} (0..{limit - 1}): "
+                               f"use a shorter prompt or a smaller grid")
 
     def _tree(self, spec):
         """The draft tree for a call: the exported one, or `spec` where it fits the drafter."""
@@ -178,9 +199,31 @@ class Engine:
         if "vq_decoder" not in self.manifest.graphs:
             raise LanternError(f"{self.directory} has no VQ decoder (export with --vq)")
         h, w = grid or (self.manifest.image.grid_height, self.manifest.image.grid_width)
-        codes = np.asarray(tokens, dtype=np.int64).reshape(-1, h, w)
-        image = self.backend.numpy(self.backend.run(Call("vq_decoder", "decode", {"codes": codes}))["image"])
-        return np.clip((image.transpose(0, 2, 3, 1) + 1) * 127.5 + 0.5, 0, 255).astype(np.uint8)
+        codes = np.asarray(tokens)
+        n_codes = self.manifest.vocabulary.codes
+        if codes.dtype == object or not np.issubdtype(codes.dtype, np.integer) or codes.size == 0 \
+                or codes.size % (h * w):
+            raise LanternError(f"decode takes integer VQ codes [N, {h * w}] ({h}x{w} grid), got {codes.dtype} "
+                               f"{list(codes.shape)}")
+        if codes.min() < 0 or codes.max() >= n_codes:
+            raise LanternError(f"decode: code {int(codes.max() if codes.max() >= n_codes else codes.min())} is "
+                               f"outside the codebook (0..{n_codes - 1})")
+        codes = codes.astype(np.int64).reshape(-1, h, w)
+        need = decode_bytes(self.manifest, len(codes), DECODE_CHUNK, (h, w))
+        limit = self.memory_limit if self.memory_limit is not None else available_memory()
+        if limit is not None and need > 0.8 * limit:
+            raise LanternError(f"decoding {len(codes)} images needs about {need / 2**30:.2f} GiB, more than this "
+                               f"machine can give ({limit / 2**30:.2f} GiB available); decode fewer at a time")
+        with self._lock:
+            images = None
+            for start in range(0, len(codes), DECODE_CHUNK):  # memory stays that of one chunk's activations
+                image = self.backend.numpy(self.backend.run(
+                    Call("vq_decoder", "decode", {"codes": codes[start:start + DECODE_CHUNK]}))["image"])
+                if images is None:
+                    images = np.empty((len(codes),) + image.shape[2:] + image.shape[1:2], dtype=np.uint8)
+                images[start:start + len(image)] = np.clip(
+                    (image.transpose(0, 2, 3, 1) + 1) * 127.5 + 0.5, 0, 255).astype(np.uint8)
+            return images
 
 
 class _Decoding:

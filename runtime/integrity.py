@@ -25,6 +25,7 @@ import time
 import numpy as np
 from numpy.lib import format as npy
 
+from lantern.runtime.enginedir import inside
 from lantern.runtime.errors import LanternError
 
 REBUILD = "rebuild the engine with `lantern-export onnx`"
@@ -97,57 +98,58 @@ class HashCache:
             pass  # an unwritable cache only costs time
 
 
-def _entry_error(directory, name, entry):
+def _entry_error(directory, name, entry, fix=REBUILD):
     if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
-        return f"{directory}: the manifest lists a file {name!r} outside the engine directory; {REBUILD}"
+        return f"{directory}: the manifest lists a file {name!r} outside the engine directory; {fix}"
     if not isinstance(entry, dict):
-        return f"{directory}: the manifest's entry for {name} is not a {{size, sha256}} record; {REBUILD}"
+        return f"{directory}: the manifest's entry for {name} is not a {{size, sha256}} record; {fix}"
     size, digest = entry.get("size"), entry.get("sha256")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        return f"{directory}: the manifest gives {name} no valid size ({size!r}); {REBUILD}"
+        return f"{directory}: the manifest gives {name} no valid size ({size!r}); {fix}"
     if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
-        return f"{directory}: the manifest gives {name} no valid sha256 ({digest!r}); {REBUILD}"
+        return f"{directory}: the manifest gives {name} no valid sha256 ({digest!r}); {fix}"
     return None
 
 
-def verify_files(directory, files, cache="default"):
+def verify_files(directory, files, cache="default", fix=REBUILD):
     """Check every file of `files` (manifest['files']: {name: {"size", "sha256"}}) in `directory`:
     present, a regular file, of that size and that sha256. Raises LanternError saying which file
     and what to rebuild; returns None when all match.
 
-    cache: "default" (the user cache file), a path, or None (hash everything every time)."""
+    cache: "default" (the user cache file), a path, or None (hash everything every time).
+    fix: the repair the messages name (the cheapest for these files)."""
     directory = os.fspath(directory)
     if not isinstance(files, dict) or not files:
-        raise LanternError(f"{directory}: the manifest lists no files (expected {{name: {{size, sha256}}}}); {REBUILD}")
+        raise LanternError(f"{directory}: the manifest lists no files (expected {{name: {{size, sha256}}}}); {fix}")
     for name, entry in files.items():
-        problem = _entry_error(directory, name, entry)
+        problem = _entry_error(directory, name, entry, fix)
         if problem:
             raise LanternError(problem)
     memory = HashCache(default_cache_path() if cache == "default" else cache)
     try:
         stats = {}
         for name, entry in sorted(files.items()):  # sizes of all first: cheap and the commonest damage
-            path = os.path.join(directory, name)
+            path = inside(directory, name)  # no link followed out of the directory
             try:
                 st = os.stat(path)
             except FileNotFoundError:
-                raise LanternError(f"{directory}: {name} is missing; {REBUILD}") from None
+                raise LanternError(f"{directory}: {name} is missing; {fix}") from None
             except OSError as e:
-                raise LanternError(f"{directory}: cannot read {name} ({e.strerror}); {REBUILD}") from None
+                raise LanternError(f"{directory}: cannot read {name} ({e.strerror}); {fix}") from None
             if not os.path.isfile(path):
-                raise LanternError(f"{directory}: {name} is not a regular file; {REBUILD}")
+                raise LanternError(f"{directory}: {name} is not a regular file; {fix}")
             if st.st_size != entry["size"]:
                 raise LanternError(f"{directory}: {name} has {st.st_size} bytes, the manifest says {entry['size']} "
-                                   f"(changed or truncated); {REBUILD}")
+                                   f"(changed or truncated); {fix}")
             stats[name] = (path, st)
         for name, (path, st) in stats.items():
             try:
                 digest = memory.digest(path, st)
             except OSError as e:
-                raise LanternError(f"{directory}: cannot read {name} ({e.strerror}); {REBUILD}") from None
+                raise LanternError(f"{directory}: cannot read {name} ({e.strerror}); {fix}") from None
             if digest != files[name]["sha256"]:
                 raise LanternError(f"{directory}: {name} does not match its sha256 in the manifest (the file is "
-                                   f"corrupted or was changed, or the manifest was edited); {REBUILD}")
+                                   f"corrupted or was changed, or the manifest was edited); {fix}")
     finally:
         memory.save()
 

@@ -291,17 +291,12 @@ class Manifest:
         return _to_json(self)
 
     def write(self, directory):
-        """manifest.json in `directory`, atomically (written last by export)."""
-        path = os.path.join(directory, "manifest.json")
-        tmp = path + ".tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(self.to_json(), f, indent=2)
-                f.write("\n")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        """manifest.json in `directory`, atomically through a unique temporary name (written last
+        by export; commands that change an existing engine call it under its lock:
+        lantern.runtime.enginedir.update_manifest)."""
+        from lantern.runtime.enginedir import write_file
+
+        write_file(directory, "manifest.json", (json.dumps(self.to_json(), indent=2) + "\n").encode())
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
@@ -730,33 +725,71 @@ def read_manifest(directory, verify=True):
     path = os.path.join(directory, "manifest.json")
     if not os.path.isdir(directory):
         raise LanternError(f"{directory}: no such engine directory (build one with `lantern-export onnx`)")
+    from lantern.runtime.enginedir import load_json, open_file
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open_file(directory, "manifest.json", "r") as f:
+            data = load_json(f, path)
     except FileNotFoundError:
         raise LanternError(f"{directory}: no manifest.json; not an engine directory (build one with "
                            f"`lantern-export onnx`)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LanternError(f"{path}: unreadable manifest ({e}); re-export the engine") from None
     manifest = _parse(data, path)
-    check_files(directory, manifest, verify)
-    return manifest
+    return check_files(directory, manifest, verify)
 
 
 def check_files(directory, manifest, verify=True):
-    """Sizes (and, with verify, sha256) of every file the manifest lists."""
-    from lantern.runtime.integrity import verify_files
+    """Sizes (and, with verify, sha256) of every file the manifest lists. Returns the manifest,
+    less what a damaged file that generation does not need belongs to (a tuned entry: its tree
+    or its report; one warning line each); every refusal names the cheapest repair."""
+    import sys
 
-    files = {name: {"size": f.size, "sha256": f.sha256} for name, f in manifest.files.items()}
+    retune = "run `lantern-run tune` again with these settings"
+    tuned = {}  # file -> the tuned entries it belongs to
+    for key, entry in manifest.tuned_trees.items():
+        folder = os.path.dirname(entry.report) + "/" if entry.report else None
+        for name in manifest.files:
+            if name in {t.file for t in entry.trees} or (folder and name.startswith(folder)):
+                tuned.setdefault(name, []).append(key)
+    plans = {p.file for entry in (manifest.tensorrt or {}).values() for p in entry.plans.values()}
+    groups = [(sorted(set(manifest.files) - set(tuned) - plans), None), (sorted(plans), _REBUILD_PLANS)]
+    groups += [(sorted(n for n, keys in tuned.items() if key in keys), retune) for key in manifest.tuned_trees]
+    dropped = set()
+    for names, fix in groups:
+        if not names:
+            continue
+        try:
+            _check_group(directory, {n: manifest.files[n] for n in names}, verify, fix)
+        except LanternError as e:
+            if fix != retune:
+                raise
+            keys = sorted({k for n in names for k in tuned[n]} - dropped)
+            if not keys:
+                continue
+            print(f"lantern: warning: {e}; the tuned tree(s) {', '.join(keys)} are ignored until "
+                  f"`lantern-run tune` runs again with their settings", file=sys.stderr)
+            dropped |= set(keys)
+    if not dropped:
+        return manifest
+    gone = {name for name, keys in tuned.items() if set(keys) & dropped}
+    return manifest.replace(tuned_trees={k: v for k, v in manifest.tuned_trees.items() if k not in dropped},
+                            files={k: v for k, v in manifest.files.items() if k not in gone})
+
+
+def _check_group(directory, records, verify, fix):
+    from lantern.runtime.enginedir import inside
+    from lantern.runtime.integrity import REBUILD, verify_files
+
+    fix = fix or REBUILD
+    files = {name: {"size": f.size, "sha256": f.sha256} for name, f in records.items()}
     if verify:
-        verify_files(directory, files)
+        verify_files(directory, files, fix=fix)
         return
     for name, entry in files.items():
-        file = os.path.join(directory, name)
-        if os.path.isabs(name) or os.path.normpath(name).startswith(".."):
-            raise LanternError(f"{directory}: manifest lists {name!r}, outside the engine directory; re-export it")
+        file = inside(directory, name)  # refuses names outside and links
         if not os.path.isfile(file):
-            raise LanternError(f"{directory}: {name} is missing; re-export the engine with `lantern-export onnx`")
+            raise LanternError(f"{directory}: {name} is missing; {fix}")
         if os.path.getsize(file) != entry["size"]:
             raise LanternError(f"{directory}: {name} has {os.path.getsize(file)} bytes, the manifest says "
-                               f"{entry['size']}; the file was changed or truncated; re-export the engine")
+                               f"{entry['size']}; the file was changed or truncated; {fix}")

@@ -176,10 +176,17 @@ class StepPlan:
                 for regime, call in self.calls.items()}
 
 
+# ONNX Runtime's CPU arena keeps a call's intermediates in regions that grow by powers of two and
+# are kept: measured 2.4-2.6x the live working memory below (tiny engine, 200 and 800 images with
+# CFG; tests/test_reliability.py checks the estimate against a measured peak).
+ARENA = 3
+
+
 def estimate_bytes(manifest, tree, prefix, itemsize):
     """Bytes a generation holds at its peak, from shapes alone (before anything is allocated):
     caches and feed buffers, the largest call's outputs and working memory (attention scores and
-    softmax, the MLP), and the host's acceptance work on a step's logits. Weights not included."""
+    softmax, the MLP; ARENA times what is live), and the host's acceptance work on a step's
+    logits. Weights not included."""
     _, prefix, target_slots, drafter_slots = cache_layout(manifest, prefix, tree)
     m, B, C, N = manifest, prefix.rows, prefix.tokens, prefix.images
     M = tree.num_nodes
@@ -197,7 +204,22 @@ def estimate_bytes(manifest, tree, prefix, itemsize):
         feeds = B * T * (capacity + T + 16)
         scores = 3 * 4 * B * shape.query_heads * T * (capacity + T)
         mlp = 3 * itemsize * B * T * shape.ffn_hidden
+        mlp += 8 * 4 * B * T * shape.dim  # a layer's other activations (norms, q/k/v, RoPE, residuals)
         held += outputs + feeds  # bound outputs and feed buffers stay allocated per call
         peak = max(peak, scores + mlp)
     acceptance = 4 * N * M * m.vocabulary.codes + 8 * 6 * N * m.vocabulary.codes
-    return held + peak + acceptance
+    return held + ARENA * peak + acceptance
+
+
+def decode_bytes(manifest, images, chunk, grid=None):
+    """Bytes Engine.decode adds for `images` decoded `chunk` at a time: the uint8 images it
+    returns and one chunk's float output and working memory (a few activations of the VQ
+    decoder's full-resolution stage, ARENA times)."""
+    h, w = grid or (manifest.image.grid_height, manifest.image.grid_width)
+    image = manifest.image
+    down = image.pixels // image.grid_width if image.pixels else 16
+    pixels = h * w * down * down
+    config = (manifest.vq or {}).get("config") or {}
+    channels = int(config.get("ch", 128)) * int((config.get("decoder_ch_mult") or [1])[0])
+    n = min(images, chunk)
+    return images * pixels * 3 + n * pixels * 3 * 4 + ARENA * 4 * 4 * n * pixels * channels

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lantern.runtime.enginedir import load_json
 from lantern.runtime.errors import LanternError
 
 MAX_DEPTH = 16  # longest path; positions past + 16 at most per step
@@ -224,7 +225,7 @@ def _preset(text):
 def _read_json(text):
     try:
         with open(text, encoding="utf-8") as f:
-            return json.load(f)
+            return load_json(f, f"tree file {text}")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LanternError(f"cannot read tree file {text}: {e}") from None
 

@@ -225,13 +225,28 @@ def test_retuning_replaces_the_entry_and_an_interruption_leaves_a_valid_engine(c
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tune, "write_report", fail)
+    monkeypatch.setattr(tune, "write_report", fail)  # the report is rendered before the engine is touched
     with pytest.raises(OSError):
         install_trees(d, report, {1: build_tree("chain-3", name="d"), 2: root_only()})
+    assert [t.name for t in read_manifest(d, verify=True).tuned_trees[key].trees] == ["c", "ar"]
+    monkeypatch.undo()
+    written = []
+
+    def full_at_the_report(directory, name, data):  # the disk fills up once the trees are written
+        if name.endswith("report.json"):
+            raise LanternError("no space left")
+        written.append(name)
+        return real_write(directory, name, data)
+
+    real_write = tune.enginedir.write_file
+    monkeypatch.setattr(tune.enginedir, "write_file", full_at_the_report)
+    with pytest.raises(LanternError):
+        install_trees(d, report, {1: build_tree("chain-3", name="d"), 2: root_only()})
+    assert f"tuned/{key}.b1.json" in written
     m = read_manifest(d, verify=True)  # still opens, every listed file matches
     assert key not in m.tuned_trees  # the old entry was unlisted before anything was overwritten
     assert Engine(d, threads=1).generate(classes=[1], **SETTINGS).stats["tree"] == m.tree["name"]
-    assert not [n for n in os.listdir(d) if n.endswith(".tmp")]
+    assert not [n for n in os.listdir(d) if n.endswith(".tmp") or n.startswith(".lantern-tmp")]
 
 
 @pytest.mark.parametrize("change, words", [

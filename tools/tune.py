@@ -56,12 +56,15 @@ import datetime
 import json
 import os
 import platform
+import tempfile
 import time
 
 import numpy as np
 
+from lantern.runtime import enginedir
 from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import TunedSettings, TunedTree, describe_files, read_manifest
+from lantern.runtime.outdir import write_file
 from lantern.runtime.plan import StepPlan
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import MAX_WIDTH, build_tree, root_only
@@ -472,12 +475,13 @@ def fit_table(fit, host):
 # Writing
 
 
+def _json_bytes(data):
+    return (json.dumps(data, indent=1) + "\n").encode()
+
+
 def _write_json(path, data):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    """A file outside any engine directory (--out), atomically."""
+    write_file(path, _json_bytes(data))
 
 
 def write_report(directory, report, chosen=None):
@@ -494,9 +498,7 @@ def write_report(directory, report, chosen=None):
                                  os.path.join(directory, f"latency-b{images}.png"),
                                  title=f"latency model ({images} image(s) per call) and predicted speedup")
         names.append(f"latency-b{images}.png")
-    with open(os.path.join(directory, "report.md.tmp"), "w", encoding="utf-8") as f:
-        f.write(markdown(report))
-    os.replace(os.path.join(directory, "report.md.tmp"), os.path.join(directory, "report.md"))
+    write_file(os.path.join(directory, "report.md"), markdown(report).encode())
     return names
 
 
@@ -542,47 +544,59 @@ def _counts(data):
 
 
 def install(directory, chosen, report):
-    """Record the trees tuned for report["settings"] in the engine directory, never leaving it
-    half written: (1) if an entry for these settings exists, the manifest is rewritten without it
-    and its files (the engine falls back to its exported tree meanwhile); (2) the trees and the
-    report are written, each file atomically; (3) the manifest is rewritten with the new entry
-    and the new files' sizes and sha256, last. An interruption leaves a manifest that matches
-    its files. Returns the entry."""
+    """Record the trees tuned for report["settings"] in the engine directory, under the engine's
+    lock (lantern.runtime.enginedir) so concurrent tunes and plan builds each keep their entries:
+    the manifest is re-read under the lock; (1) if an entry for these settings exists, the
+    manifest is rewritten without it and its files (the engine falls back to its exported tree
+    meanwhile); (2) the trees and the report are written, each file atomically under a unique
+    temporary name; (3) the manifest is rewritten with the new entry and the new files' sizes and
+    sha256, last. A crash at any point leaves a manifest that matches its files. Returns the entry."""
     key = report["key"]
-    m = read_manifest(directory)
-    old = m.tuned_trees.get(key)
-    old_files = set()
-    if old is not None:
-        old_files = {t.file for t in old.trees if t.file} | _report_files(m, old)
-        m = m.replace(tuned_trees={k: v for k, v in m.tuned_trees.items() if k != key},
-                      files={k: v for k, v in m.files.items() if k not in old_files})
+    try:
+        with tempfile.TemporaryDirectory(prefix="lantern-tune-") as scratch:
+            # rendered outside the engine (matplotlib opens paths as given), copied in confined
+            report_names = write_report(scratch, report)
+            contents = {name: open(os.path.join(scratch, name), "rb").read() for name in report_names}
+    except OSError as e:
+        raise LanternError(f"cannot render the tune report in the temporary directory ({e.strerror}); free space "
+                           f"(or raise the file-size limit) and run again; {directory} was left as it was") from None
+    with enginedir.locked(directory, "lantern-run tune"):
+        m = read_manifest(directory)
+        old = m.tuned_trees.get(key)
+        old_files = set()
+        if old is not None:
+            old_files = {t.file for t in old.trees if t.file} | _report_files(m, old)
+            m = m.replace(tuned_trees={k: v for k, v in m.tuned_trees.items() if k != key},
+                          files={k: v for k, v in m.files.items() if k not in old_files})
+            m.write(directory)
+        trees, names = [], []
+        for images, tree in sorted(chosen.items()):
+            predicted = {k: report["batches"][str(images)]["chosen"][k]
+                         for k in ("tokens_per_step", "step_ms", "tokens_per_s", "speedup_vs_ar")}
+            file = None
+            if tree.depth:
+                file = f"tuned/{key}.b{images}.json"
+                enginedir.write_file(directory, file, _json_bytes(tree.to_json()))
+                names.append(file)
+            trees.append(TunedTree(images=images, file=file, name=tree.name if tree.depth else "ar",
+                                   nodes=tree.num_nodes, depth=tree.depth, predicted=predicted))
+        report_dir = f"tuned/{key}"
+        for name, data in contents.items():
+            enginedir.write_file(directory, f"{report_dir}/{name}", data)
+            names.append(f"{report_dir}/{name}")
+        measured = {"threads": report["threads"], "clock": report["clock"], "machine": report["machine"]}
+        entry = TunedSettings(settings=GenerationSettings.from_canonical(report["settings"]),
+                              backend=report["backend"], trees=tuple(trees),
+                              report=f"{report_dir}/report.json", measured=measured)
+        files = {k: v for k, v in m.files.items() if k not in names}
+        files.update(describe_files(directory, names))
+        m = m.replace(tuned_trees={**m.tuned_trees, key: entry}, files=dict(sorted(files.items())))
         m.write(directory)
-    os.makedirs(os.path.join(directory, "tuned"), exist_ok=True)
-    trees, names = [], []
-    for images, tree in sorted(chosen.items()):
-        predicted = {k: report["batches"][str(images)]["chosen"][k]
-                     for k in ("tokens_per_step", "step_ms", "tokens_per_s", "speedup_vs_ar")}
-        file = None
-        if tree.depth:
-            file = f"tuned/{key}.b{images}.json"
-            _write_json(os.path.join(directory, file), tree.to_json())
-            names.append(file)
-        trees.append(TunedTree(images=images, file=file, name=tree.name if tree.depth else "ar", nodes=tree.num_nodes,
-                               depth=tree.depth, predicted=predicted))
-    report_dir = f"tuned/{key}"
-    names += [f"{report_dir}/{n}" for n in write_report(os.path.join(directory, report_dir), report)]
-    measured = {"threads": report["threads"], "clock": report["clock"], "machine": report["machine"]}
-    entry = TunedSettings(settings=GenerationSettings.from_canonical(report["settings"]), backend=report["backend"], trees=tuple(trees),
-                          report=f"{report_dir}/report.json", measured=measured)
-    files = {k: v for k, v in m.files.items() if k not in names}
-    files.update(describe_files(directory, names))
-    m = m.replace(tuned_trees={**m.tuned_trees, key: entry}, files=dict(sorted(files.items())))
-    m.write(directory)
-    for name in old_files - set(names):
-        try:
-            os.remove(os.path.join(directory, name))
-        except OSError:
-            pass
+        for name in old_files - set(names):
+            try:
+                os.remove(enginedir.inside(directory, name))
+            except (OSError, LanternError):
+                pass
     return entry
 
 
@@ -642,6 +656,8 @@ def run(args):
     mask = _load_npy(args.caption_mask, "caption mask") if args.caption_mask else None
     prompt_ids = _load_npy(args.prompt_ids, "prompt ids") if args.prompt_ids else None
     conds, note = conditions(engine, args.images, args.classes, caption, mask, args.prompt, prompt_ids)
+    if not args.dry_run:  # before minutes of measurements, not after them
+        enginedir.check_writable(args.engine, "lantern-run tune")
     batches = sorted({1, args.batch})
     device = args.device or ("cuda" if args.backend == "tensorrt" else "cpu")  # as generate's
     clock = default_clock(args.threads, device) if args.clock == "auto" else args.clock
@@ -652,10 +668,13 @@ def run(args):
                           calibration_batch=args.batch, repeats=args.repeats, seed=args.seed, note=note,
                           threads=args.threads or os.cpu_count(), clock=clock)
     if args.out:
-        write_report(args.out, report)
-        for images, tree in chosen.items():
-            if tree.depth:
-                _write_json(os.path.join(args.out, f"tree-b{images}.json"), tree.to_json())
+        try:
+            write_report(args.out, report)
+            for images, tree in chosen.items():
+                if tree.depth:
+                    _write_json(os.path.join(args.out, f"tree-b{images}.json"), tree.to_json())
+        except OSError as e:
+            raise LanternError(f"{args.out}: cannot write the report ({e.strerror})") from None
     if args.dry_run:
         print("dry run: the engine directory was not changed")
         return 0
