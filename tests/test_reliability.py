@@ -214,7 +214,7 @@ def test_trt_during_a_tune_keeps_the_tuned_entry(c2i_engine, report, tmp_path):
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'lantern[tensorrt-rtx]')")
     d = copy(c2i_engine, tmp_path)
     trt = subprocess.Popen([PYTHON, "-m", "lantern.export.cli", "trt", d, "--compute-capability", "89", "--batch", "1",
-                            "--cfg", "off", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            "2", "4", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + TIMEOUT
         while not [n for n in os.listdir(d) if n.startswith(enginedir.STAGE_PREFIX)]:  # trt read its manifest
@@ -222,6 +222,7 @@ def test_trt_during_a_tune_keeps_the_tuned_entry(c2i_engine, report, tmp_path):
             time.sleep(0.05)
         writer = start_writer(tmp_path, d, 2, report)
         assert finish(writer)[0] == 0
+        assert trt.poll() is None  # the tune landed while trt was building from the manifest it read first
         code, out, err = finish(trt)
         assert code == 0, err
     finally:
