@@ -277,3 +277,107 @@ def load_json(f, where):
         if deepest <= MAX_JSON_DEPTH:
             return data
     raise LanternError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels; not a file lantern writes")
+
+
+# ONNX protobuf field numbers (onnx.proto3): the paths to every TensorProto a graph holds.
+_MODEL_GRAPH, _GRAPH_NODE, _GRAPH_INITIALIZER, _GRAPH_SPARSE = 7, 1, 5, 15
+_NODE_ATTRIBUTE, _ATTR_T, _ATTR_G, _ATTR_TENSORS, _ATTR_GRAPHS, _ATTR_SPARSE, _ATTR_SPARSES = 5, 5, 6, 10, 11, 22, 23
+_SPARSE_VALUES, _SPARSE_INDICES = 1, 2
+_TENSOR_EXTERNAL_DATA, _ENTRY_KEY, _ENTRY_VALUE = 13, 1, 2
+
+
+def _fields(buf, start, end):
+    """(field number, wire type, value) of one protobuf message; length-delimited values as
+    (offset, end) into buf, never copied."""
+    pos = start
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+        elif wire == 1:
+            value, pos = None, pos + 8
+        elif wire == 5:
+            value, pos = None, pos + 4
+        elif wire == 2:
+            length, pos = _varint(buf, pos)
+            value, pos = (pos, pos + length), pos + length
+        else:
+            raise ValueError(f"wire type {wire}")
+        if pos > end:
+            raise ValueError("truncated message")
+        yield number, wire, value
+
+
+def _varint(buf, pos):
+    shift = result = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("bad varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _tensor_locations(buf, span, out):
+    for number, wire, value in _fields(buf, *span):
+        if number == _TENSOR_EXTERNAL_DATA and wire == 2:
+            entry = {n: bytes(buf[v[0]:v[1]]).decode("utf-8", "replace") for n, w, v in _fields(buf, *value) if w == 2}
+            if entry.get(_ENTRY_KEY) == "location":
+                out.add(entry.get(_ENTRY_VALUE, ""))
+
+
+def _graph_locations(buf, span, out, depth=0):
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError("subgraphs nested too deep")
+
+    def sparse(v):
+        for n, w, part in _fields(buf, *v):
+            if n in (_SPARSE_VALUES, _SPARSE_INDICES) and w == 2:
+                _tensor_locations(buf, part, out)
+
+    for number, wire, value in _fields(buf, *span):
+        if wire != 2:
+            continue
+        if number == _GRAPH_INITIALIZER:
+            _tensor_locations(buf, value, out)
+        elif number == _GRAPH_SPARSE:
+            sparse(value)
+        elif number == _GRAPH_NODE:
+            for n, w, attr in _fields(buf, *value):
+                if n != _NODE_ATTRIBUTE or w != 2:
+                    continue
+                for a, aw, v in _fields(buf, *attr):
+                    if aw != 2:
+                        continue
+                    if a in (_ATTR_T, _ATTR_TENSORS):
+                        _tensor_locations(buf, v, out)
+                    elif a in (_ATTR_G, _ATTR_GRAPHS):
+                        _graph_locations(buf, v, out, depth + 1)
+                    elif a in (_ATTR_SPARSE, _ATTR_SPARSES):
+                        sparse(v)
+
+
+def onnx_external_files(directory, name):
+    """The external-data locations every tensor of the ONNX file `name` (graph, subgraphs and
+    constants) names, read from its protobuf without the onnx package. LanternError if the file
+    is not a readable ONNX model."""
+    import mmap
+
+    with open_file(directory, name) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise LanternError(f"{directory}: {name} is empty, not an ONNX model")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            out = set()
+            try:
+                for number, wire, value in _fields(buf, 0, size):
+                    if number == _MODEL_GRAPH and wire == 2:
+                        _graph_locations(buf, value, out)
+            except ValueError as e:
+                raise LanternError(f"{directory}: {name} is not a readable ONNX model ({e}); re-export the "
+                                   f"engine") from None
+    return out

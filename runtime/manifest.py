@@ -736,7 +736,23 @@ def read_manifest(directory, verify=True):
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LanternError(f"{path}: unreadable manifest ({e}); re-export the engine") from None
     manifest = _parse(data, path)
-    return check_files(directory, manifest, verify)
+    manifest = check_files(directory, manifest, verify)
+    _check_external_data(directory, manifest)
+    return manifest
+
+
+def _check_external_data(directory, manifest):
+    """Every external-data file a graph names must be one the manifest lists (so it was
+    confined and hashed): ONNX Runtime and TensorRT open whatever path a graph gives."""
+    from lantern.runtime.enginedir import onnx_external_files
+
+    for name, g in manifest.graphs.items():
+        base = os.path.dirname(g.file)
+        for location in sorted(onnx_external_files(directory, g.file)):
+            listed = os.path.normpath(os.path.join(base, location)).replace(os.sep, "/")
+            if os.path.isabs(location) or listed not in manifest.files:
+                raise LanternError(f"{directory}: {g.file} reads external data from {location!r}, which the "
+                                   f"manifest does not list; re-export the engine with `lantern-export onnx`")
 
 
 def check_files(directory, manifest, verify=True):

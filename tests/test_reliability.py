@@ -215,7 +215,7 @@ def test_trt_during_a_tune_keeps_the_tuned_entry(c2i_engine, report, tmp_path):
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'lantern[tensorrt-rtx]')")
     d = copy(c2i_engine, tmp_path)
     trt = subprocess.Popen([PYTHON, "-m", "lantern.export.cli", "trt", d, "--compute-capability", "89", "--batch", "1",
-                            "--cfg", "off", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            "2", "4", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + TIMEOUT
         while not [n for n in os.listdir(d) if n.startswith(enginedir.STAGE_PREFIX)]:  # trt read its manifest
@@ -223,6 +223,7 @@ def test_trt_during_a_tune_keeps_the_tuned_entry(c2i_engine, report, tmp_path):
             time.sleep(0.05)
         writer = start_writer(tmp_path, d, 2, report)
         assert finish(writer)[0] == 0
+        assert trt.poll() is None  # the tune landed while trt was building from the manifest it read first
         code, out, err = finish(trt)
         assert code == 0, err
     finally:
@@ -279,7 +280,7 @@ def test_a_damaged_tune_report_degrades_with_a_warning_and_says_re_tune(c2i_engi
 
 
 def generation_argv(s):
-    return ["--mode", s["mode"], "--lam", str(s["lam"]), "--k", str(s["k"]), "--cfg", str(s["cfg_scale"])]
+    return ["--mode", s["mode"], "--lam", str(s["lam"]), "--k", str(s["k"]), "--cfg-scale", str(s["cfg_scale"])]
 
 
 def _read_only(directory, argv):
@@ -528,3 +529,29 @@ def test_a_tuned_choice_is_said_in_the_summary_and_stats(c2i_engine, report, tmp
     assert (stats["mode"], stats["requested_mode"], stats["tree_source"]) == ("ar", "exact", "tuned")
     out = Engine(d, threads=1).generate(classes=[1], mode="exact", greedy=True, tree="chain-1")
     assert (out.stats["tree_source"], out.stats["tree"]) == ("given", "chain-1")
+
+
+@pytest.mark.parametrize("location", ["unlisted.bin", "../outside.bin"])
+def test_external_data_the_manifest_does_not_list_is_refused(c2i_engine, tmp_path, location):
+    onnx = pytest.importorskip("onnx")
+    from lantern.runtime.manifest import sha256
+
+    d = copy(c2i_engine, tmp_path)
+    model = onnx.load(os.path.join(d, "target.onnx"))
+    onnx.save_model(model, os.path.join(d, "scratch.onnx"), save_as_external_data=True, location="weights.bin",
+                    size_threshold=0)
+    os.replace(os.path.join(d, "weights.bin"), os.path.join(d, location))
+    model = onnx.load(os.path.join(d, "scratch.onnx"), load_external_data=False)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = location
+    onnx.save_model(model, os.path.join(d, "target.onnx"))
+    os.remove(os.path.join(d, "scratch.onnx"))
+    m = json.loads(open(os.path.join(d, "manifest.json")).read())  # the manifest agrees on target.onnx itself
+    m["files"]["target.onnx"] = {"size": os.path.getsize(os.path.join(d, "target.onnx")),
+                                 "sha256": sha256(os.path.join(d, "target.onnx"))}
+    open(os.path.join(d, "manifest.json"), "w").write(json.dumps(m))
+    with pytest.raises(LanternError) as err:
+        Engine(d, threads=1)
+    assert f"reads external data from {location!r}, which the manifest does not list" in one_line(err)

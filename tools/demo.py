@@ -159,7 +159,11 @@ def run(args):
                          / (ar_single["verify"] / ar_single["steps_per_image"]),
                          "accepted_histogram": s.get("accepted_histogram", []),
                          "acceptance_per_depth": acceptance_per_depth(s.get("accepted_histogram", [])),
-                         "image": f"{name}.png", "phase_seconds": s["phase_seconds"]})
+                         "image": f"{name}.png", "phase_seconds": s["phase_seconds"],
+                         # a tuned tree that is AR, or the preset itself, runs what an earlier row ran
+                         "same_run_as": next((q["mode"] for q in rows if (q["ran"], q["tree"], q["tree_batch1"])
+                                              == (s["mode"], s["tree"], single_trees[mode])), None),
+                         "ran": s["mode"]})
         tree = engine.tree
         if quantized is not None:
             for mode, r in quantized.pop("generations").items():
@@ -333,7 +337,8 @@ def _print_table(rows):
         tree = r["tree"] if r["tree"] == r["tree_batch1"] else f"{r['tree']}/{r['tree_batch1']}"
         print(f"{r['mode']:15s} {tree[:13]:13s} {r['steps_per_image']:9.1f} {r['mean_accepted_length']:9.2f} | "
               f"{r['step_cost_vs_ar']:14.1f}x {r['batch_seconds']:7.2f} {r['speedup_batch']:7.2f}x | "
-              f"{r['step_cost_vs_ar_batch1']:16.1f}x {r['latency_batch1_seconds']:7.3f} {r['speedup_batch1']:7.2f}x")
+              f"{r['step_cost_vs_ar_batch1']:16.1f}x {r['latency_batch1_seconds']:7.3f} {r['speedup_batch1']:7.2f}x"
+              + (f"  (the same run as {r['same_run_as']})" if r.get("same_run_as") else ""))
 
 
 def _plots(report_dir, rows):
@@ -386,6 +391,10 @@ def _markdown(report_dir, summary, class_names):
                      f"{r['step_cost_vs_ar']:.1f}x | {r['batch_seconds']:.2f} | {r['speedup_batch']:.2f}x | "
                      f"{r['step_cost_vs_ar_batch1']:.1f}x | {r['latency_batch1_seconds']:.3f} | "
                      f"{r['speedup_batch1']:.2f}x |")
+    same = [f"`{r['mode']}` ran what `{r['same_run_as']}` ran (mode {r['ran']}, tree {r['tree']})"
+            for r in rows if r.get("same_run_as")]
+    if same:
+        lines += ["", "Same runs: " + "; ".join(same) + " (the tuner chose that for these settings)."]
     lines += ["", summary["reading"], ""]
     tuned = summary.get("tuned")
     if tuned:
