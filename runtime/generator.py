@@ -29,6 +29,7 @@ from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import read_manifest, settings_key, tuning_settings
 from lantern.runtime.plan import Call, StepPlan, estimate_bytes
 from lantern.runtime.sampling import sampler_for
+from lantern.runtime.streams import RandomStreams, image_seeds
 from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.vocabulary import VocabularyView
 
@@ -103,7 +104,9 @@ class Engine:
         tree: another draft tree for this call (preset name, JSON file or paths); its widest node
         must fit the drafter graph's candidates. Default: the tree `lantern-run tune` chose for
         these settings on this backend (manifest tuned_trees), else the one exported with.
-        observer: called with a StepRecord after every step's acceptance."""
+        observer: called with a StepRecord after every step's acceptance.
+        seed: an int s (image i gets seed s + i) or one int per image; an image's tokens depend on
+        its own seed and settings only, never on the images beside it (lantern.runtime.streams)."""
         given = tree
         rule, tree = self._rule_and_tree(mode, lam, delta, k, tree)
         sampler = sampler_for(greedy, temperature, top_k, top_p)
@@ -115,10 +118,9 @@ class Engine:
             raise LanternError(f"cfg scale must be a finite number >= 0 (<= 1 turns CFG off), got {cfg_scale!r}")
         if isinstance(cfg_interval, bool) or not isinstance(cfg_interval, (int, np.integer)) or cfg_interval < -1:
             raise LanternError(f"cfg interval must be an integer >= -1 (-1: CFG for every token), got {cfg_interval!r}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise LanternError(f"seed must be an integer >= 0, got {seed!r}")
         prefix = self.condition.prefix(cfg_scale > 1.0, classes=classes, caption=caption, caption_mask=caption_mask,
                                        prompt=prompt, prompt_ids=prompt_ids, grid=grid)
+        seeds = image_seeds(seed, prefix.images)
         if given is None and mode != "ar":
             tuned = tuning_settings(mode, rule.k, lam, delta, greedy, temperature, top_k, top_p, cfg_scale,
                                     cfg_interval)
@@ -126,7 +128,8 @@ class Engine:
         settings = dict(cfg_scale=cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
                         top_k=sampler.top_k, top_p=sampler.top_p)
         plan = self._plan_for(tree, prefix, settings)
-        run = _Decoding(self, plan, rule, sampler, cfg_scale, cfg_interval, np.random.default_rng(seed), observer)
+        streams = RandomStreams(seeds, plan.tree.num_nodes, self.manifest.candidates if plan.tree.depth else 0)
+        run = _Decoding(self, plan, rule, sampler, cfg_scale, cfg_interval, streams, observer)
         return run.generate()
 
     def _rule_and_tree(self, mode, lam, delta, k, spec):
@@ -206,9 +209,9 @@ class _Decoding:
     (what the graphs take); acceptance works on image codes (the logits' image-token columns,
     id = code + image_start), the space of the neighbour table."""
 
-    def __init__(self, engine, plan, rule, sampler, cfg_scale, cfg_interval, rng, observer):
+    def __init__(self, engine, plan, rule, sampler, cfg_scale, cfg_interval, streams, observer):
         self.e, self.be, self.plan, self.tree = engine, engine.backend, plan, plan.tree
-        self.rule, self.sampler, self.rng, self.observer = rule or acceptance.Exact(), sampler, rng, observer
+        self.rule, self.sampler, self.streams, self.observer = rule or acceptance.Exact(), sampler, streams, observer
         self.cfg, self.cfg_scale, self.cfg_interval = plan.prefix.cfg, cfg_scale, cfg_interval
         self.N, self.B, self.rows = plan.images, plan.rows, plan.halves
         self.offset = plan.prefix.position_offset
@@ -271,7 +274,7 @@ class _Decoding:
                                  np.broadcast_to(np.arange(C), (self.B, C)), np.full(self.B, C),
                                  visible=plan.prefix.key_visible)
         logits = self.combined_logits(out["logits"][:, -1:], np.zeros((self.N, 1), dtype=np.int64))[:, 0]
-        self.tokens[:, 0] = self.view.ids(self.sampler.draw(logits, self.rng))
+        self.tokens[:, 0] = self.view.ids(self.sampler.draw(logits, self.streams.first()))
         self.count[:] = 1
         if self.tree.depth:  # the first pair: the last prefix token's hidden state with the first image token
             self.set_pending(out["hidden"], np.full((self.B, 1), C - 1), self.tokens[:, :1], np.ones(self.N, np.int64))
@@ -297,8 +300,9 @@ class _Decoding:
         self.pending = counts
 
     # -- one step ------------------------------------------------------------------------------
-    def draft(self, active):
-        """Fill node_tokens (the root and the tree's drafts) and every node's candidates."""
+    def draft(self, active, race):
+        """Fill node_tokens (the root and the tree's drafts) and every node's candidates; race
+        [N, M, K]: the uniforms that draw each node's children."""
         tree, plan, N, B = self.tree, self.plan, self.N, self.B
         self.node_tokens[:, 0] = self.tokens[np.arange(N), self.count - 1]
         if not tree.depth:
@@ -314,7 +318,8 @@ class _Decoding:
                      np.broadcast_to(np.arange(call.tokens), (len(rows), call.tokens)), self.pending[self.rows[rows]])
         last = self.pending - 1
         self.take_candidates(out, [0], last[:, None])
-        parent_ids = self.sampler.children(self.cand_ids[:, :1], self.cand_probs[:, :1], tree.levels[0].width, self.rng)
+        parent_ids = self.sampler.children(self.cand_ids[:, :1], self.cand_probs[:, :1], tree.levels[0].width,
+                                           race[:, :1])
         hidden, parent_cols = out["hidden_out"], last[self.rows][:, None]
         root_slot = plan.target_cache.length
         for level in tree.levels:
@@ -334,7 +339,7 @@ class _Decoding:
                         np.tile(plan.scratch + level.nodes - 1, B))
             self.take_candidates(out, level.nodes, np.arange(T)[None, :])
             parent_ids = self.sampler.children(self.cand_ids[:, level.nodes], self.cand_probs[:, level.nodes],
-                                               tree.levels[level.depth].width, self.rng)
+                                               tree.levels[level.depth].width, race[:, level.nodes])
             hidden = out["hidden_out"]
 
     def take_candidates(self, out, nodes, cols):
@@ -363,11 +368,11 @@ class _Decoding:
         cache.mask_into(call)
         return self.call("verify")
 
-    def accept(self, active, out):
+    def accept(self, active, out, uniforms):
         logits = self.combined_logits(out["logits"], self.count[:, None] + self.tree.depths[None, :])
         a = slice(None) if active.all() else np.flatnonzero(active)  # no copy of the logits while all run
         return self.sampler.accept(self.tree, self.view.columns(self.node_tokens[a]), logits[a], self.cand_ids[a],
-                                   self.cand_probs[a], self.rule, self.rng, self.neighbors)
+                                   self.cand_probs[a], self.rule, uniforms[a], self.neighbors)
 
     def commit(self, active, outcome, out):
         a = np.flatnonzero(active)
@@ -401,11 +406,12 @@ class _Decoding:
         while (active := self.count < self.length).any():
             steps[active] += 1
             t0 = time.perf_counter()
-            self.draft(active)
+            draws = self.streams.step()
+            self.draft(active, draws.race)
             t1 = time.perf_counter()
             out = self.verify()
             t2 = time.perf_counter()
-            outcome = self.accept(active, out)
+            outcome = self.accept(active, out, draws.accept)
             t3 = time.perf_counter()
             self.commit(active, outcome, out)
             t4 = time.perf_counter()
