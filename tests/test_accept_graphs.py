@@ -169,13 +169,13 @@ def onnx_graph(tmp_path_factory):
     export_acceptance(tree, columns, CODES, VOCAB, path)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    return tree, columns, ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    return tree, columns, ort.InferenceSession(path, options, providers=["CPUExecutionProvider"]), path
 
 
 @pytest.mark.parametrize("rule", [acceptance.Exact(), acceptance.LanternPP(k=6, lam=3.0),
                                   acceptance.Lantern(k=4, delta=0.2)], ids=lambda r: r.name)
 def test_the_onnx_graph_on_onnx_runtime_equals_the_numpy_rules(onnx_graph, rule):
-    tree, columns, session = onnx_graph
+    tree, columns, session, _ = onnx_graph
     rng = np.random.default_rng(7)
     checked = 0
     for case in range(24):
@@ -188,3 +188,19 @@ def test_the_onnx_graph_on_onnx_runtime_equals_the_numpy_rules(onnx_graph, rule)
         assert_outcome(got, want, f"case {case}")
         checked += 1
     assert checked >= 16
+
+
+@pytest.mark.parametrize("cc", ["SM89", "SM120"])
+def test_tensorrt_rtx_builds_the_acceptance_graph(onnx_graph, tmp_path, cc):
+    """The graph parses and builds for RTX GPUs on this CPU (no float64, no int8 constants, ties
+    without ArgMax); running it needs a GPU."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'lantern[tensorrt-rtx]')")
+    from lantern.export import tensorrt_build as tb
+
+    tree, columns, _, path = onnx_graph
+    M, S = tree.num_nodes, len(columns)
+    shapes = {"logits": (2, M, VOCAB), "cond_rows": (1,), "uncond_rows": (1,), "count": (1,), "forced_columns": (30,),
+              "tokens": (1, M), "neighbours": (S, 6)}
+    plan, record = tb.build_plan(path, [tb.exact_profile(shapes)], flavor="tensorrt-rtx", compute_capabilities=[cc])
+    assert len(plan) == record["plan_bytes"] > 0
+    assert set(record["io"]["outputs"]) == set(OUTPUTS)
