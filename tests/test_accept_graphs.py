@@ -204,3 +204,13 @@ def test_tensorrt_rtx_builds_the_acceptance_graph(onnx_graph, tmp_path, cc):
     plan, record = tb.build_plan(path, [tb.exact_profile(shapes)], flavor="tensorrt-rtx", compute_capabilities=[cc])
     assert len(plan) == record["plan_bytes"] > 0
     assert set(record["io"]["outputs"]) == set(OUTPUTS)
+
+
+def test_the_device_acceptance_section_runs_and_agrees_on_the_cpu():
+    """gpu_check's device-path section (tools/bench_device_step.device_acceptance) on the CPU at
+    a small vocabulary: the module and the numpy host path decide the same."""
+    from lantern.tools.bench_device_step import device_acceptance
+
+    results = device_acceptance("cpu", batches=(1, 3), repeats=1, vocab=256, table=32)
+    assert len(results) == 6 and all(r["same_outcome"] for r in results)
+    assert all(r["device_path"]["bytes_device_to_host"] < r["host_path"]["bytes_device_to_host"] for r in results)

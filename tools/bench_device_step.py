@@ -44,37 +44,99 @@ def host_accept(tree, raw, images, scale, tokens, rule, neighbours):
     return acceptance.accept_greedy_batch(tree, tokens, logits, rule, neighbours)
 
 
-def bench(tree, images, cfg, rule, session, repeats, rng):
+def make_case(tree, images, cfg, rule, rng, vocab=VOCAB, table=TABLE):
+    """Random verification logits [rows, nodes, vocab] with drafts that are often the parent's
+    argmax, a neighbour table, and the acceptance graph's feeds (numpy)."""
     rows = 2 * images if cfg > 1 else images
     M = tree.num_nodes
-    raw = rng.normal(size=(rows, M, VOCAB)).astype(np.float32) * 3
-    neighbours = np.stack([rng.permutation(VOCAB)[:TABLE] for _ in range(64)])[rng.integers(0, 64, VOCAB)]
+    raw = rng.normal(size=(rows, M, vocab)).astype(np.float32) * 3
+    neighbours = np.stack([rng.permutation(vocab)[:table] for _ in range(64)])[rng.integers(0, 64, vocab)]
     neighbours = neighbours.astype(np.int64)
     top = raw[:images].argmax(axis=2)
     parents = np.maximum(tree.parents, 0)
-    tokens = np.where(rng.random((images, M)) < 0.6, top[:, parents], rng.integers(0, VOCAB, (images, M)))
+    tokens = np.where(rng.random((images, M)) < 0.6, top[:, parents], rng.integers(0, vocab, (images, M)))
     cond_rows = np.arange(images)
     feeds = dict(logits=raw, cond_rows=cond_rows, uncond_rows=cond_rows + images if cfg > 1 else cond_rows,
                  cfg_scale=np.array([cfg], np.float32), cfg_interval=np.array([-1]),
                  count=np.ones(images, np.int64), forced_columns=np.full(2048, -1, np.int64), tokens=tokens,
                  neighbours=neighbours, k=np.array([rule.k]), lam=np.array([getattr(rule, "lam", 1.0)], np.float32),
                  delta=np.array([getattr(rule, "delta", 0.0)], np.float32))
-    outputs = ["accepted", "next_token", "path"]
-    host = median_ms(lambda: host_accept(tree, raw, images, cfg, tokens, rule, neighbours), repeats)
-    device = median_ms(lambda: session.run(outputs, feeds), repeats)
-    want = host_accept(tree, raw, images, cfg, tokens, rule, neighbours)
-    got = session.run(outputs, feeds)
-    agree = bool(np.array_equal(got[0], want.accepted) and np.array_equal(got[1], want.next_token))
-    outcome_bytes = images * 8 * (2 + tree.depth + 1)
+    return feeds
+
+
+def _record(tree, images, cfg, rule, feeds, host_ms, device_ms, same):
+    outcome_bytes = images * 8 * (2 + tree.depth + 1)  # accepted, next token, path
     return {
-        "tree": tree.name, "nodes": M, "images": images, "cfg": cfg, "mode": "ar" if not tree.depth else rule.name,
-        "host_path": {"bytes_device_to_host": raw.nbytes, "bytes_host_to_device": tokens.nbytes, "syncs": 1,
-                      "launches": 0, "accept_ms": round(host, 3)},
-        "device_path": {"bytes_device_to_host": outcome_bytes, "bytes_host_to_device": tokens.nbytes + 8 * images,
-                        "syncs": 1, "launches": 1, "accept_ms": round(device, 3)},
-        "device_over_host": round(device / host, 2),
-        "same_outcome": agree,
+        "tree": tree.name, "nodes": tree.num_nodes, "images": images, "cfg": cfg,
+        "mode": "ar" if not tree.depth else rule.name,
+        "host_path": {"bytes_device_to_host": feeds["logits"].nbytes, "bytes_host_to_device": feeds["tokens"].nbytes,
+                      "syncs": 1, "launches": 0, "accept_ms": round(host_ms, 3)},
+        "device_path": {"bytes_device_to_host": outcome_bytes,
+                        "bytes_host_to_device": feeds["tokens"].nbytes + feeds["count"].nbytes,
+                        "syncs": 1, "launches": 1, "accept_ms": round(device_ms, 3)},
+        "device_over_host": round(device_ms / host_ms, 2),
+        "same_outcome": same,
     }
+
+
+def _host(tree, images, cfg, rule, feeds):
+    return host_accept(tree, feeds["logits"], images, cfg, feeds["tokens"], rule, feeds["neighbours"])
+
+
+def bench(tree, images, cfg, rule, session, repeats, rng):
+    feeds = make_case(tree, images, cfg, rule, rng)
+    outputs = ["accepted", "next_token", "path"]
+    host = median_ms(lambda: _host(tree, images, cfg, rule, feeds), repeats)
+    device = median_ms(lambda: session.run(outputs, feeds), repeats)
+    want, got = _host(tree, images, cfg, rule, feeds), session.run(outputs, feeds)
+    same = bool(np.array_equal(got[0], want.accepted) and np.array_equal(got[1], want.next_token))
+    return _record(tree, images, cfg, rule, feeds, host, device, same)
+
+
+def device_acceptance(device, batches=(1, 8), repeats=10, cfg=4.0, tree_name="mc_sim_7b_63", vocab=VOCAB,
+                      table=TABLE):
+    """gpu_check's device-path section: per step, the host path (verification logits copied to
+    the host, numpy acceptance) against the acceptance module run on `device` where the logits
+    are (the node tokens go up, the outcome comes back), timed with the device synchronised;
+    one record per tree, rule and batch."""
+    import torch
+
+    from lantern.export.accept_graphs import INPUTS, GreedyAcceptance
+
+    def sync():
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+
+    rng = np.random.default_rng(0)
+    results = []
+    for tree in (root_only(), build_tree(tree_name)):
+        module = GreedyAcceptance(tree, np.arange(vocab), vocab).to(device)
+        table = min(table, vocab - 1)
+        rules = [acceptance.Exact()] if not tree.depth else [acceptance.Exact(),
+                                                             acceptance.LanternPP(k=min(100, table), lam=2.0)]
+        for rule in rules:
+            for images in batches:
+                feeds = make_case(tree, images, cfg, rule, rng, vocab, table)
+                on_device = {k: torch.as_tensor(v).to(device) for k, v in feeds.items()}
+                logits = on_device["logits"]
+
+                def host_step():
+                    copied = {**feeds, "logits": logits.cpu().numpy()}
+                    return _host(tree, images, cfg, rule, copied)
+
+                def device_step():
+                    step = {**on_device, "tokens": torch.as_tensor(feeds["tokens"]).to(device)}
+                    with torch.no_grad():
+                        out = module(*(step[name] for name in INPUTS))
+                    return [o.cpu().numpy() for o in out[:3]]
+
+                host = median_ms(lambda: (sync(), host_step()), repeats)
+                dev = median_ms(lambda: (sync(), device_step()), repeats)
+                want, got = host_step(), device_step()
+                same = bool(np.array_equal(got[0], want.accepted) and np.array_equal(got[1], want.next_token)
+                            and np.array_equal(got[2], want.path))
+                results.append(dict(_record(tree, images, cfg, rule, feeds, host, dev, same), device=str(device)))
+    return results
 
 
 def main(argv=None):
