@@ -237,6 +237,10 @@ def main(argv=None):
         emit(report, "gpt_export_seconds", round(time.perf_counter() - t, 1), args.out)
     for label, engine_dir in targets:
         check_engine_dir(label, engine_dir, report, args.out, tokens, batches, args.repeats, args.cpu_threads)
+    if torch.cuda.is_available():  # acceptance on the device vs logits to the host, GPT-B shapes
+        from lantern.tools.bench.device_step import device_acceptance
+
+        emit(report, "device_acceptance", device_acceptance("cuda", batches, max(args.repeats, 10)), args.out)
     print(json.dumps(report, indent=2))
     return 0
 
