@@ -382,40 +382,6 @@ def _json_stats(stats):
     return {k: stats[k] for k in keep if k in stats}
 
 
-def container_memory_limit(cgroup_file="/proc/self/cgroup", cgroup_root="/sys/fs/cgroup"):
-    """Bytes this process may still use under its cgroup's memory limit (v2 memory.max, v1
-    memory.limit_in_bytes, minus current usage), or None outside a limited container."""
-    try:
-        with open(cgroup_file) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    candidates = []
-    for line in lines:
-        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        path = path.strip("/")
-        if hierarchy == "0" and controllers == "":  # cgroup v2: the process's own group, else the root
-            for d in (os.path.join(cgroup_root, path), cgroup_root):
-                candidates.append((d, "memory.max", "memory.current"))
-        elif "memory" in controllers.split(","):  # cgroup v1
-            for d in (os.path.join(cgroup_root, "memory", path), os.path.join(cgroup_root, "memory")):
-                candidates.append((d, "memory.limit_in_bytes", "memory.usage_in_bytes"))
-    for directory, limit_file, usage_file in candidates:
-        limit, usage = _read_int(os.path.join(directory, limit_file)), _read_int(os.path.join(directory, usage_file))
-        if limit is not None and limit < 2**60:  # v1 writes "no limit" as a huge number, v2 as "max"
-            return max(limit - (usage or 0), 0)
-    return None
-
-
-def _read_int(path):
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
 def read_api_key(path):
     try:
         with open(path) as f:

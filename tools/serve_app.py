@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from lantern.runtime.errors import LanternError
-from lantern.tools.image_service import Cancelled, ImageService, RequestError, container_memory_limit, error_response
+from lantern.tools.image_service import Cancelled, ImageService, RequestError, error_response
 from lantern.tools.serve import ServeOptions
 
 logger = logging.getLogger("ray.serve")
@@ -30,8 +30,9 @@ class ImageDeployment:
         from lantern.runtime.generator import Engine
 
         device = "cuda" if options.backend == "tensorrt" else None
-        engine = Engine(engine_dir, backend=options.backend, threads=options.threads, device=device,
-                        memory_limit=container_memory_limit())
+        # The Engine refuses a batch its memory headroom cannot hold (MemAvailable and the
+        # container's cgroup limit), before any work: that request gets a 503 with the reason.
+        engine = Engine(engine_dir, backend=options.backend, threads=options.threads, device=device)
         self.service = ImageService(engine, max_batch=options.max_batch,
                                     max_images_per_request=options.max_images_per_request,
                                     max_body_bytes=options.max_body_bytes)
