@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from lantern.runtime.errors import LanternError
+from lantern.runtime.settings import GenerationSettings
 
 DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_model")
 REPORT_FILES = ("report.json", "report.md", "*.png")
@@ -187,14 +188,15 @@ def _tune(engine, out, args, steps):
     engine directory. Returns a summary for the report."""
     from lantern.tools import tune
 
-    settings = dict(mode="lantern++", lam=args.lam, k=args.k, cfg_scale=args.cfg,
-                    temperature=DEFAULTS["temperature"], top_k=DEFAULTS["top_k"])
-    kwargs, _, key = tune.generation_settings(engine, **settings)
+    settings = tune.tuning_settings(engine, GenerationSettings(
+        mode="lantern++", lam=args.lam, k=args.k, cfg_scale=args.cfg, temperature=DEFAULTS["temperature"],
+        top_k=DEFAULTS["top_k"]))
+    key = settings.key
     conds, note = tune.conditions(engine, TUNE["images"])
     print(f"[3/{steps}] tuning the draft tree for this machine ({key}: {TUNE['images']} calibration images, "
           f"budget {TUNE['budget']}, depth {TUNE['depth']}, batches {', '.join(map(str, TUNE['batches']))})")
     t = time.perf_counter()
-    report, chosen = tune.tune(engine, kwargs, conds, budget=TUNE["budget"], depth=TUNE["depth"],
+    report, chosen = tune.tune(engine, settings, conds, budget=TUNE["budget"], depth=TUNE["depth"],
                                batches=TUNE["batches"], repeats=TUNE["repeats"], loop_runs=TUNE["loop_runs"],
                                seed=args.seed, note=note, threads=args.threads,
                                clock=tune.default_clock(args.threads, "cpu"), log=lambda *a: None)

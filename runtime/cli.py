@@ -8,6 +8,7 @@ import sys
 import numpy as np
 
 from lantern.runtime.errors import LanternError, cli_main
+from lantern.runtime.settings import MODES, GenerationSettings
 
 
 def _classes(text):
@@ -26,7 +27,7 @@ def _grid(text):
 
 
 def add_generation_options(p, backends=("onnxruntime",), tree=True):
-    p.add_argument("--mode", default="lantern++", choices=("ar", "exact", "lantern", "lantern++"))
+    p.add_argument("--mode", default="lantern++", choices=MODES)
     p.add_argument("--lam", type=float, default=2.0, help="LANTERN++ bound: p~(x) <= lam * p(x) (lam >= 1)")
     p.add_argument("--delta", type=float, default=0.1, help="LANTERN bound on the moved mass (0..1)")
     p.add_argument("--k", type=int, default=None,
@@ -48,10 +49,11 @@ def add_generation_options(p, backends=("onnxruntime",), tree=True):
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
 
 
-def generation_kwargs(args):
-    return dict(mode=args.mode, lam=args.lam, delta=args.delta, k=args.k, greedy=args.greedy,
-                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, cfg_scale=args.cfg,
-                cfg_interval=args.cfg_interval, seed=args.seed, tree=args.tree)
+def generation_settings(args):
+    """The GenerationSettings the options name (validated: one line on bad values)."""
+    return GenerationSettings(mode=args.mode, lam=args.lam, delta=args.delta, k=args.k, greedy=args.greedy,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              cfg_scale=args.cfg, cfg_interval=args.cfg_interval)
 
 
 def add_parser(sub, backend_loaders=None):
@@ -121,7 +123,8 @@ def run_generate(args):
     with OutputDirectory(args.out, force=args.force) as stage:
         engine = open_engine(args)
         result = engine.generate(classes=args.classes, caption=caption, caption_mask=mask, prompt=args.prompt,
-                                 prompt_ids=prompt_ids, grid=args.grid, **generation_kwargs(args))
+                                 prompt_ids=prompt_ids, grid=args.grid, settings=generation_settings(args),
+                                 seed=args.seed, tree=args.tree)
         images = engine.decode(result.tokens, result.grid) if "vq_decoder" in engine.manifest.graphs else None
         write_outputs(stage, result.tokens, result.stats, images)
     s = result.stats

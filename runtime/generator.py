@@ -26,14 +26,11 @@ from lantern.runtime import accept as acceptance
 from lantern.runtime.backends import open_backend
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import read_manifest, settings_key, tuning_settings
+from lantern.runtime.manifest import read_manifest
 from lantern.runtime.plan import Call, StepPlan, estimate_bytes
-from lantern.runtime.sampling import sampler_for
+from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.vocabulary import VocabularyView
-
-MODES = ("ar", "exact", "lantern", "lantern++")
-DEFAULT_K = 100
 
 
 @dataclass
@@ -94,70 +91,55 @@ class Engine:
         self._plan = None
 
     # ------------------------------------------------------------------------------------------
-    def generate(self, *, classes=None, caption=None, caption_mask=None, prompt=None, prompt_ids=None, grid=None,
-                 mode="lantern++", lam=2.0, delta=0.1, k=None, greedy=False, temperature=1.0, top_k=0, top_p=1.0,
-                 cfg_scale=1.0, cfg_interval=-1, seed=0, tree=None, observer=None):
+    def generate(self, settings=None, *, classes=None, caption=None, caption_mask=None, prompt=None, prompt_ids=None,
+                 grid=None, seed=0, tree=None, observer=None, **keywords):
         """Generate one image per class (c2i), caption row (t2i) or prompt (Chameleon family:
         text, or the tokenizer's ids without special tokens; grid = (rows, columns) of codes for
         Lumina-mGPT). Returns a Generation.
+        settings: a GenerationSettings, or its fields as keywords (mode=, lam=, k=, cfg_scale=, ...).
         tree: another draft tree for this call (preset name, JSON file or paths); its widest node
         must fit the drafter graph's candidates. Default: the tree `lantern-run tune` chose for
         these settings on this backend (manifest tuned_trees), else the one exported with.
         observer: called with a StepRecord after every step's acceptance."""
+        if settings is None:
+            settings = GenerationSettings(**keywords)
+        elif keywords:
+            raise TypeError(f"generate() takes settings or its fields as keywords, not both ({', '.join(keywords)})")
+        settings = settings.resolve(self.manifest, self.directory)
+        rule, sampler = settings.rule(), settings.sampler()
         given = tree
-        rule, tree = self._rule_and_tree(mode, lam, delta, k, tree)
-        sampler = sampler_for(greedy, temperature, top_k, top_p)
-        if not greedy and not tree.contiguous:
+        tree = root_only() if settings.mode == "ar" else self._tree(tree)
+        if not settings.greedy and not tree.contiguous:
             raise LanternError(f"tree {tree.name!r} skips child ranks; sampling needs every node's children to "
                                f"be ranks 0..w-1 (drafts drawn without replacement in rank order)")
-        if not (isinstance(cfg_scale, (int, float)) and not isinstance(cfg_scale, bool) and np.isfinite(cfg_scale)
-                and cfg_scale >= 0):
-            raise LanternError(f"cfg scale must be a finite number >= 0 (<= 1 turns CFG off), got {cfg_scale!r}")
-        if isinstance(cfg_interval, bool) or not isinstance(cfg_interval, (int, np.integer)) or cfg_interval < -1:
-            raise LanternError(f"cfg interval must be an integer >= -1 (-1: CFG for every token), got {cfg_interval!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             raise LanternError(f"seed must be an integer >= 0, got {seed!r}")
-        prefix = self.condition.prefix(cfg_scale > 1.0, classes=classes, caption=caption, caption_mask=caption_mask,
+        prefix = self.condition.prefix(settings.cfg, classes=classes, caption=caption, caption_mask=caption_mask,
                                        prompt=prompt, prompt_ids=prompt_ids, grid=grid)
-        if given is None and mode != "ar":
-            tuned = tuning_settings(mode, rule.k, lam, delta, greedy, temperature, top_k, top_p, cfg_scale,
-                                    cfg_interval)
-            tree = self._tuned_tree(tuned, prefix.images) or tree
-        settings = dict(cfg_scale=cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
-                        top_k=sampler.top_k, top_p=sampler.top_p)
-        plan = self._plan_for(tree, prefix, settings)
-        run = _Decoding(self, plan, rule, sampler, cfg_scale, cfg_interval, np.random.default_rng(seed), observer)
+        if given is None and settings.mode != "ar":
+            tree = self._tuned_tree(settings, prefix.images) or tree
+        feeds = dict(cfg_scale=settings.cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
+                     top_k=sampler.top_k, top_p=sampler.top_p)
+        plan = self._plan_for(tree, prefix, feeds)
+        run = _Decoding(self, plan, rule, sampler, settings.cfg_scale, settings.cfg_interval,
+                        np.random.default_rng(seed), observer)
         return run.generate()
 
-    def _rule_and_tree(self, mode, lam, delta, k, spec):
-        if mode not in MODES:
-            raise LanternError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
-        if mode not in self.manifest.modes:
-            raise LanternError(f"{self.directory} serves modes {', '.join(self.manifest.modes)}, not {mode!r} "
-                               f"(re-export with a drafter for speculative modes, with --vq for lantern/lantern++)")
-        if mode == "ar":
-            return None, root_only()
-        rule = acceptance.Exact()
-        if mode != "exact":
-            width = self.neighbors.shape[1]
-            k = min(DEFAULT_K, width) if k is None else k
-            if isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k > width:
-                raise LanternError(f"k = {k} exceeds the engine's neighbour table ({width} per token); "
-                                   f"use k <= {width} or re-export with a larger --neighbors-k")
-            rule = acceptance.rule_for(mode, k=k, delta=delta, lam=lam)
+    def _tree(self, spec):
+        """The draft tree for a call: the exported one, or `spec` where it fits the drafter."""
         if spec is None:
-            return rule, self.tree
+            return self.tree
         tree = build_tree(spec)
         if tree.max_width > self.manifest.candidates:
             raise LanternError(f"tree {tree.name!r} needs {tree.max_width} children per node but the exported "
                                f"drafter returns {self.manifest.candidates} candidates; re-export with --candidates "
                                f"{tree.max_width} or pick a narrower tree")
-        return rule, tree
+        return tree
 
     def _tuned_tree(self, settings, images):
         """The tree tuned for these settings on this backend, for the tuned batch nearest `images`;
         root_only() where the tuner found AR fastest; None if untuned."""
-        entry = self.manifest.tuned_trees.get(settings_key(settings))
+        entry = self.manifest.tuned_trees.get(settings.key)
         if entry is None or entry.backend != self.backend.name:
             return None
         chosen = entry.tree_for(images)
@@ -169,11 +151,11 @@ class Engine:
                                f"{self.manifest.candidates} candidates in rank order; run `lantern-run tune` again")
         return tree
 
-    def _plan_for(self, tree, prefix, settings):
+    def _plan_for(self, tree, prefix, feeds):
         """The step plan for this tree and batch: the last one when it fits (its bound buffers are
         reused), else a new one, once the estimate says the machine can hold it."""
         if self._plan is not None and self._plan.tree == tree and self._plan.fits(prefix):
-            self._plan.reset(prefix, settings)
+            self._plan.reset(prefix, feeds)
             return self._plan
         if self._plan is not None and hasattr(self.backend, "release"):
             self.backend.release(self._plan)
@@ -185,7 +167,7 @@ class Engine:
                 f"tree {tree.name!r} ({tree.num_nodes} nodes) for {prefix.images} image(s)"
                 f"{' with CFG' if prefix.cfg else ''} needs about {need / 2**30:.2f} GiB, more than this machine "
                 f"can give ({limit / 2**30:.2f} GiB available); use a smaller tree or fewer images per call")
-        plan = StepPlan(self.manifest, self.backend, tree, prefix, settings)
+        plan = StepPlan(self.manifest, self.backend, tree, prefix, feeds)
         self.backend.bind(plan)
         self._plan = plan
         return plan

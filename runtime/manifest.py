@@ -21,7 +21,7 @@ Every file is listed in `files` with its size and sha256: sizes are checked on e
 hashes when asked (`read_manifest(..., verify=True)`, `lantern-export check`).
 
 `tuned_trees` (optional) records the draft trees `lantern-run tune` chose on this engine:
-{settings key: TunedSettings}. The key (`settings_key`) names the generation settings that
+{settings key: TunedSettings}. The key (`GenerationSettings.key`) names the generation settings that
 change acceptance: the mode and its relaxation (lam or delta, k), greedy or sampling with its
 temperature/top-k/top-p, and the CFG scale and interval (CFG on or off also changes the rows
 every call carries). Each entry holds one TunedTree per batch size tuned for (latency depends
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lantern.runtime.errors import LanternError
+from lantern.runtime.settings import MODES, RELAXED, GenerationSettings
 
 SCHEMA_VERSION = 2
-MODES = ("ar", "exact", "lantern", "lantern++")
 PROMPT_STYLES = ("anole", "lumina_mgpt")
 DTYPES = ("fp32", "fp16", "bf16")
 
@@ -382,9 +382,9 @@ class TunedTree:
 
 @dataclass(frozen=True)
 class TunedSettings:
-    """Trees tuned for one set of generation settings (`settings` is `tuning_settings`'s dict)."""
+    """Trees tuned for one set of generation settings (resolved; the file holds their canonical form)."""
 
-    settings: dict
+    settings: GenerationSettings
     backend: str  # the backend whose latency was measured; the trees are used on it only
     trees: tuple  # TunedTree per tuned batch size, ascending
     report: Optional[str] = None  # the tuner's report.json (listed in `files`)
@@ -393,58 +393,6 @@ class TunedSettings:
     def tree_for(self, images):
         """The TunedTree of the tuned batch nearest `images` on a log scale (ties: the smaller)."""
         return min(self.trees, key=lambda t: (abs(math.log(t.images / images)), t.images))
-
-
-def _number(x):
-    """A setting's number as a key fragment: 5.0 -> '5', 0.95 -> '0.95' (repr: no rounding)."""
-    x = float(x)
-    return str(int(x)) if x.is_integer() else repr(x)
-
-
-def tuning_settings(mode, k=None, lam=None, delta=None, greedy=False, temperature=1.0, top_k=0, top_p=1.0,
-                    cfg_scale=1.0, cfg_interval=-1):
-    """The generation settings a tuned tree is chosen for, canonical: only what changes the
-    acceptance statistics or the calls' shapes (k resolved, parameters of other modes and of
-    greedy's unused filters dropped, CFG off as scale 1). Numbers as JSON keeps them."""
-    s = {"mode": mode}
-    if mode == "lantern++":
-        s["lam"] = float(lam)
-    if mode == "lantern":
-        s["delta"] = float(delta)
-    if mode in ("lantern", "lantern++"):
-        s["k"] = int(k)
-    if greedy:
-        s["sampling"] = "greedy"
-    else:
-        s.update(sampling="sample", temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
-    cfg = cfg_scale > 1.0
-    s["cfg_scale"] = float(cfg_scale) if cfg else 1.0
-    s["cfg_interval"] = int(cfg_interval) if cfg else -1
-    return s
-
-
-_SETTINGS_FIELDS = {"mode", "lam", "delta", "k", "sampling", "temperature", "top_k", "top_p", "cfg_scale",
-                    "cfg_interval"}
-
-
-def settings_key(s):
-    """A file-name-safe key for tuning_settings' dict, e.g. 'lantern++_lam5_k20_t1-topk0-topp1_cfg3'."""
-    parts = [s["mode"]]
-    if "lam" in s:
-        parts.append(f"lam{_number(s['lam'])}")
-    if "delta" in s:
-        parts.append(f"delta{_number(s['delta'])}")
-    if "k" in s:
-        parts.append(f"k{s['k']}")
-    if s["sampling"] == "greedy":
-        parts.append("greedy")
-    else:
-        parts.append(f"t{_number(s['temperature'])}-topk{s['top_k']}-topp{_number(s['top_p'])}")
-    if s["cfg_scale"] > 1.0:
-        parts.append(f"cfg{_number(s['cfg_scale'])}" + (f"-first{s['cfg_interval']}" if s["cfg_interval"] >= 0 else ""))
-    else:
-        parts.append("nocfg")
-    return "_".join(parts)
 
 
 @dataclass(frozen=True)
@@ -501,6 +449,8 @@ class Manifest:
 
 
 def _to_json(value):
+    if isinstance(value, GenerationSettings):
+        return value.canonical()
     if isinstance(value, TunedSettings):  # its trees are keyed by batch size in the file
         data = {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
         data["trees"] = {str(t.images): {k: v for k, v in _to_json(t).items() if k != "images"} for t in value.trees}
@@ -776,20 +726,26 @@ def _profile(r, graph):
 
 
 def _tuned_settings(r):
-    """tuning_settings' dict, typed and canonical (what tune wrote), or one LanternError line."""
+    """The GenerationSettings of a tuned-tree entry, in the canonical form tune writes, or one
+    LanternError line."""
     mode = r.get("mode", str, check=lambda v: v in MODES[1:], why=f"one of {', '.join(MODES[1:])}")
     sampling = r.get("sampling", str, check=lambda v: v in ("greedy", "sample"), why="'greedy' or 'sample'")
     sample = sampling == "sample"
-    relaxed = mode in ("lantern", "lantern++")
-    settings = tuning_settings(
-        mode, k=r.get("k", int, not relaxed, lambda v: v >= 0, "an integer >= 0"),
+    relaxed = mode in RELAXED
+    values = dict(
+        k=r.get("k", int, not relaxed, lambda v: v >= 0, "an integer >= 0"),
         lam=r.get("lam", float, mode != "lantern++"), delta=r.get("delta", float, mode != "lantern"),
-        greedy=not sample, temperature=r.get("temperature", float, not sample),
+        temperature=r.get("temperature", float, not sample),
         top_k=r.get("top_k", int, not sample, lambda v: v >= 0, "an integer >= 0"),
         top_p=r.get("top_p", float, not sample), cfg_scale=r.get("cfg_scale", float, check=lambda v: v >= 0),
         cfg_interval=r.get("cfg_interval", int, check=lambda v: v >= -1, why="an integer >= -1"))
-    if settings != r.data:
-        r.fail("", f"is {r.data!r}, not in the canonical form lantern-run tune writes ({settings!r})")
+    try:
+        settings = GenerationSettings(mode=mode, greedy=not sample,
+                                      **{name: v for name, v in values.items() if v is not None})
+    except LanternError as e:
+        r.fail("", str(e))
+    if settings.canonical() != r.data:
+        r.fail("", f"is {r.data!r}, not in the canonical form lantern-run tune writes ({settings.canonical()!r})")
     return settings
 
 
@@ -801,7 +757,7 @@ def _tuned_trees(data, where):
     for key in r.data:
         e = r.obj(key)
         settings = _tuned_settings(e.obj("settings"))
-        expected = settings_key(settings)
+        expected = settings.key
         if expected != key:
             e.fail("", f"is keyed {key!r} but its settings make the key {expected!r}")
         trees = []
@@ -872,8 +828,8 @@ def _check_consistency(m, r):
         r.fail("graphs", "has no condition graph for a class-conditional engine")
     tuned = _Reader({}, f"{r.where}: tuned_trees", "run `lantern-run tune` again (or delete the entry)")
     for key, entry in m.tuned_trees.items():
-        if entry.settings["mode"] not in m.modes:
-            tuned.fail(key, f"is for mode {entry.settings['mode']!r}, which the engine does not serve")
+        if entry.settings.mode not in m.modes:
+            tuned.fail(key, f"is for mode {entry.settings.mode!r}, which the engine does not serve")
         files = [t.file for t in entry.trees if t.file is not None] + ([entry.report] if entry.report else [])
         for name in files:
             if name not in m.files:

@@ -10,8 +10,8 @@ import pytest
 
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
-from lantern.runtime.manifest import (PlanFile, PlanProfile, TensorRTPlans, read_manifest, settings_key, sha256,
-                                      tuning_settings)
+from lantern.runtime.manifest import PlanFile, PlanProfile, TensorRTPlans, read_manifest, sha256
+from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, root_only
 from lantern.tools import tune
 from lantern.tools.run_cli import main as run_main
@@ -24,9 +24,8 @@ SETTINGS = dict(mode="lantern++", lam=3.0, k=8, cfg_scale=2.0)
 def tuned_report(c2i_engine):
     """One small tune run on the tiny c2i engine (batches 1 and 2), shared by the tests below."""
     engine = Engine(c2i_engine, threads=1)
-    kwargs, _, _ = tune.generation_settings(engine, **SETTINGS)
     conds, note = tune.conditions(engine, 4)
-    return tune.tune(engine, kwargs, conds, budget=10, depth=3, batches=(1, 2), repeats=1, loop_runs=1, note=note,
+    return tune.tune(engine, GenerationSettings(**SETTINGS), conds, budget=10, depth=3, batches=(1, 2), repeats=1, loop_runs=1, note=note,
                      threads=1, log=lambda *a: None)
 
 
@@ -147,15 +146,15 @@ def test_tune_measures_a_latency_model_per_batch(c2i_engine, tuned_report):
 
 
 def test_settings_key_names_what_changes_acceptance():
-    s = tuning_settings("lantern++", k=20, lam=5, delta=0.3, greedy=False, cfg_scale=3.0)
-    assert settings_key(s) == "lantern++_lam5_k20_t1-topk0-topp1_cfg3"
-    assert "delta" not in s  # another mode's parameter is not part of it
-    g = tuning_settings("lantern", k=8, delta=0.25, greedy=True, temperature=0.7, top_k=5, cfg_scale=0.5)
-    assert settings_key(g) == "lantern_delta0.25_k8_greedy_nocfg"  # greedy ignores the filters; CFG off
-    assert settings_key(tuning_settings("exact", cfg_scale=4, cfg_interval=100)) == \
-        "exact_t1-topk0-topp1_cfg4-first100"
-    assert settings_key(tuning_settings("lantern++", k=20, lam=5.5)) != settings_key(tuning_settings("lantern++", k=20,
-                                                                                                      lam=5))
+    s = GenerationSettings("lantern++", k=20, lam=5, delta=0.3, greedy=False, cfg_scale=3.0)
+    assert s.key == "lantern++_lam5_k20_t1-topk0-topp1_cfg3"
+    assert "delta" not in s.canonical()  # another mode's parameter is not part of it
+    g = GenerationSettings("lantern", k=8, delta=0.25, greedy=True, temperature=0.7, top_k=5, cfg_scale=0.5)
+    assert g.key == "lantern_delta0.25_k8_greedy_nocfg"  # greedy ignores the filters; CFG off
+    assert GenerationSettings("exact", cfg_scale=4, cfg_interval=100).key == "exact_t1-topk0-topp1_cfg4-first100"
+    assert GenerationSettings("lantern++", k=20, lam=5.5).key != GenerationSettings("lantern++", k=20, lam=5).key
+    for one in (s, g, GenerationSettings("exact", cfg_scale=4, cfg_interval=100)):  # the form the manifest keeps
+        assert GenerationSettings.from_canonical(one.canonical()).canonical() == one.canonical()
 
 
 def install_trees(engine_dir, report, chosen):
@@ -171,7 +170,8 @@ def test_install_and_generate_use_the_tuned_trees(c2i_engine, tuned_report, tmp_
     entry = install_trees(d, report, chosen)
     m = read_manifest(d, verify=True)  # sizes and sha256 of every listed file, the new ones included
     key = report["key"]
-    assert key == settings_key(tuning_settings("lantern++", k=8, lam=3.0, cfg_scale=2.0))
+    assert key == GenerationSettings("lantern++", k=8, lam=3.0, cfg_scale=2.0).key
+    assert key == "lantern++_lam3_k8_t1-topk0-topp1_cfg2"
     assert m.tuned_trees[key] == entry and m.tree == before.tree
     assert entry.trees[0].file == f"tuned/{key}.b1.json" and entry.trees[1].file is None
     for name in [entry.trees[0].file, entry.report, f"tuned/{key}/report.md", f"tuned/{key}/latency-b2.png"]:
@@ -191,9 +191,9 @@ def test_install_and_generate_use_the_tuned_trees(c2i_engine, tuned_report, tmp_
     assert engine.generate(classes=[1], **SETTINGS, greedy=True).stats["tree"] == before.tree["name"]
     # k left to its default resolves as tune resolves it: k 8 is not the default (min(100, table))
     assert engine.generate(classes=[1], **{**SETTINGS, "k": None}).stats["tree"] == before.tree["name"]
-    _, settings, key = tune.generation_settings(engine, **{**SETTINGS, "k": None})
-    assert settings["k"] == min(100, engine.neighbors.shape[1]) != 8
-    install_trees(d, {**report, "key": key, "settings": settings}, {1: build_tree("chain-1", name="default-k"),
+    settings = tune.tuning_settings(engine, GenerationSettings(**{**SETTINGS, "k": None}))
+    assert settings.k == min(100, engine.neighbors.shape[1]) != 8
+    install_trees(d, {**report, "key": settings.key, "settings": settings.canonical()}, {1: build_tree("chain-1", name="default-k"),
                                                                       2: root_only()})
     engine = Engine(d, threads=1)
     assert engine.generate(classes=[1], **{**SETTINGS, "k": None}).stats["tree"] == "default-k"
@@ -326,7 +326,8 @@ def test_cli_dry_run_and_errors(c2i_engine, t2i_engine, tmp_path, capsys):
     assert "exact_greedy_nocfg" in text and "dry run" in text and "(obs)" in text
     assert open(os.path.join(d, "manifest.json")).read() == manifest
     report = json.loads((out / "report.json").read_text())
-    assert report["settings"] == tuning_settings("exact", greedy=True) and (out / "report.md").exists()
+    assert report["settings"] == {"mode": "exact", "sampling": "greedy", "cfg_scale": 1.0, "cfg_interval": -1}
+    assert (out / "report.md").exists()
     assert run_main(["tune", t2i_engine, "--classes", "1"]) == 2
     assert "give --caption, not --classes" in capsys.readouterr().err
     # for real: the entry lands in the manifest and `generate` without --tree follows it
@@ -347,8 +348,7 @@ def test_caption_engine_without_captions_uses_blank_ones(t2i_engine):
     assert "blank" in note and len(conds) == 3
     c = engine.manifest.condition
     assert all(x["caption"].shape == (c.tokens, c.caption_dim) and not x["caption"].any() for x in conds)
-    kwargs, _, _ = tune.generation_settings(engine, mode="exact", greedy=True)
-    counts, runs = tune.calibrate(engine, kwargs, build_tree("kary-2-2"), conds, batch=2)
+    counts, runs = tune.calibrate(engine, GenerationSettings(mode="exact", greedy=True), build_tree("kary-2-2"), conds, batch=2)
     assert [r["images"] for r in runs] == [2, 1] and counts.steps > 0
 
 

@@ -33,6 +33,7 @@ import time
 import numpy as np
 
 from lantern.runtime.generator import Engine
+from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import MAX_WIDTH, build_tree, root_only
 from lantern.tools import tree_report, tune
 from lantern.tools.tree_search import LatencyModel, TreeTable, expected_accept_length, search
@@ -46,17 +47,17 @@ def load():
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def run_tree(engine, kwargs, tree, classes_per_call, seed):
+def run_tree(engine, settings, tree, classes_per_call, seed):
     """One measurement: generate() per entry of classes_per_call; totals over the calls, on the
     wall clock and in this process's CPU time (steady while other processes share the cores)."""
     out = {"seconds": 0.0, "loop_seconds": 0.0, "cpu_seconds": 0.0, "loop_cpu_seconds": 0.0, "tokens": 0,
            "images": 0, "row_steps": 0, "accepted_drafts": 0}
     for i, classes in enumerate(classes_per_call):
-        mode = "ar" if tree.depth == 0 else kwargs["mode"]
+        ar = tree.depth == 0
         timer = tune.StepTimer("cpu")
         cpu = time.process_time()
-        g = engine.generate(classes=classes, **{**kwargs, "mode": mode}, tree=None if mode == "ar" else tree,
-                            seed=seed + i, observer=timer)
+        g = engine.generate(classes=classes, settings=settings.replace(mode="ar") if ar else settings,
+                            tree=None if ar else tree, seed=seed + i, observer=timer)
         out["cpu_seconds"] += time.process_time() - cpu
         out["loop_cpu_seconds"] += timer.step_ms * (len(timer.times) + 1) / 1000.0
         s = g.stats
@@ -86,7 +87,7 @@ def summarise(runs):
             "runs": len(runs)}
 
 
-def measure_speed(engine, kwargs, trees, batch, images, repeats, seed):
+def measure_speed(engine, settings, trees, batch, images, repeats, seed):
     """{batch size: {tree name: summary}} for one image per call and `batch` per call."""
     m = engine.manifest
     n_cls = m.condition.num_classes
@@ -94,7 +95,7 @@ def measure_speed(engine, kwargs, trees, batch, images, repeats, seed):
     out = {}
     for size, calls in layouts.items():
         for name, tree in trees[size].items():  # warm-up: plans made and sessions touched once per tree
-            run_tree(engine, kwargs, tree, calls[:1], seed)
+            run_tree(engine, settings, tree, calls[:1], seed)
         # a tuned tree equal to AR or a preset is the same configuration: measured once, shared
         same = {name: next(n for n, t in trees[size].items() if t.paths == tree.paths)
                 for name, tree in trees[size].items()}
@@ -103,7 +104,7 @@ def measure_speed(engine, kwargs, trees, batch, images, repeats, seed):
         for rep in range(repeats):
             random.Random(rep).shuffle(order)
             for name in order:
-                runs[name].append(run_tree(engine, kwargs, trees[size][name], calls, seed + 100 * rep))
+                runs[name].append(run_tree(engine, settings, trees[size][name], calls, seed + 100 * rep))
         out[size] = {name: {**summarise(runs[same[name]]), "measured_as": same[name]} for name in trees[size]}
     return out
 
@@ -136,10 +137,11 @@ def main(argv=None):
               "load_average_start": load(), "machine": tune.machine(),
               "note": "shared 2-core machine: other processes run concurrently; medians over shuffled repeats"}
     engine = Engine(args.engine, threads=args.threads)
-    kwargs, settings, key = tune.generation_settings(engine, **SETTINGS)
+    settings = tune.tuning_settings(engine, GenerationSettings(**SETTINGS))
+    key = settings.key
     conds, note = tune.conditions(engine, 16)
     t0 = time.perf_counter()
-    report, chosen = tune.tune(engine, kwargs, conds, budget=args.budget, depth=args.depth, batches=(1, args.batch),
+    report, chosen = tune.tune(engine, settings, conds, budget=args.budget, depth=args.depth, batches=(1, args.batch),
                                calibration_batch=args.batch, note=note, threads=args.threads, clock=args.clock,
                                log=lambda *a: None)
     result["tune_seconds"] = time.perf_counter() - t0
@@ -159,7 +161,7 @@ def main(argv=None):
         t = {"ar": root_only(), "tuned": chosen[size]}
         t.update({name: build_tree(name) for name in PRESETS if build_tree(name).max_width <= K})
         trees[size] = t
-    speed = measure_speed(engine, kwargs, trees, args.batch, args.images, args.repeats, seed=1000)
+    speed = measure_speed(engine, settings, trees, args.batch, args.images, args.repeats, seed=1000)
     result["speed"] = {}
     for size, rows in speed.items():
         latency = LatencyModel.from_json(report["batches"][str(size)]["latency_model"])
@@ -207,7 +209,7 @@ def main(argv=None):
     equal = []
     for nodes in budgets:
         dp = dp_tree(p, nodes, args.depth, K)
-        runs = [run_tree(engine, kwargs, dp, calls, 5000 + 100 * r) for r in range(args.repeats)]
+        runs = [run_tree(engine, settings, dp, calls, 5000 + 100 * r) for r in range(args.repeats)]
         dp_len = summarise(runs)["tokens_per_step"]
         fitting = {n: big[n]["tokens_per_step"] for n in PRESETS
                    if n in big and trees[args.batch][n].num_nodes <= nodes}

@@ -36,7 +36,7 @@ latency model from a file (a planning aid; see lantern.tools.tree_report).
    the tuned tree for these settings on this backend unless a tree is given. --out DIR writes
    a copy of the report and trees there as well.
 
-"The settings it was tuned for" (runtime.manifest.tuning_settings): mode; lam (lantern++) or delta
+"The settings it was tuned for" (GenerationSettings.canonical): mode; lam (lantern++) or delta
 (lantern) and k; greedy, or sampling with its temperature, top-k and top-p; the CFG scale (off
 below 1) and interval. These change the acceptance table or the rows each call carries. The batch
 changes only latency: one tree per batch size tuned, and generate takes the tuned batch nearest
@@ -61,9 +61,9 @@ import time
 import numpy as np
 
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import (TunedSettings, TunedTree, describe_files, read_manifest, settings_key,
-                                      tuning_settings)
+from lantern.runtime.manifest import TunedSettings, TunedTree, describe_files, read_manifest
 from lantern.runtime.plan import StepPlan
+from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import MAX_WIDTH, build_tree, root_only
 from lantern.tools import tree_report
 from lantern.tools.latency import CLOCKS, default_condition, draft_latency, verify_latency
@@ -81,22 +81,12 @@ GUESS = [[0.45, 0.15, 0.08, 0.05, 0.03, 0.02, 0.015, 0.01]]  # shapes the calibr
 # Inputs
 
 
-def generation_settings(engine, mode="lantern++", lam=2.0, delta=0.1, k=None, greedy=False, temperature=1.0, top_k=0,
-                        top_p=1.0, cfg_scale=1.0, cfg_interval=-1):
-    """(generate's keyword arguments, the canonical settings dict, its key). k is resolved as
-    generate resolves it, so the key is the one generate looks up."""
-    from lantern.runtime.generator import DEFAULT_K
-
-    if mode == "ar":
+def tuning_settings(engine, settings):
+    """The GenerationSettings a tree is tuned for on this engine (mode checked, k resolved as
+    generate resolves it, so its key is the one generate looks up)."""
+    if settings.mode == "ar":
         raise LanternError("mode 'ar' drafts nothing, so there is no tree to tune; pick exact, lantern or lantern++")
-    if mode not in engine.manifest.modes:
-        raise LanternError(f"{engine.directory} serves modes {', '.join(engine.manifest.modes)}, not {mode!r}")
-    if mode in ("lantern", "lantern++") and k is None:
-        k = min(DEFAULT_K, engine.neighbors.shape[1])
-    kwargs = dict(mode=mode, lam=lam, delta=delta, k=k, greedy=greedy, temperature=temperature, top_k=top_k,
-                  top_p=top_p, cfg_scale=cfg_scale, cfg_interval=cfg_interval)
-    settings = tuning_settings(mode, k, lam, delta, greedy, temperature, top_k, top_p, cfg_scale, cfg_interval)
-    return kwargs, settings, settings_key(settings)
+    return settings.resolve(engine.manifest, engine.directory)
 
 
 DEFAULT_PROMPTS = ("a photo of a cat", "a red car on a city street", "a bowl of fruit on a wooden table",
@@ -196,13 +186,13 @@ class StepTimer:
         return 1000.0 * float(np.mean(self.times)) if self.times else float("nan")
 
 
-def calibrate(engine, kwargs, tree, conds, batch, seed=0, clock="wall"):
+def calibrate(engine, settings, tree, conds, batch, seed=0, clock="wall"):
     """AcceptanceCounts from generations of `conds` in calls of `batch` images with `tree`, and
     per call (images, ms per loop step, steps)."""
     counts, runs = AcceptanceCounts(), []
     for i, call in enumerate(batched(conds, batch)):
         timer = StepTimer(clock, counts)
-        g = engine.generate(**call, **kwargs, seed=seed + i, tree=tree, observer=timer)
+        g = engine.generate(**call, settings=settings, seed=seed + i, tree=tree, observer=timer)
         runs.append({"images": g.stats["images"], "step_ms": timer.step_ms, "steps": len(timer.times) + 1})
     return counts, runs
 
@@ -247,10 +237,10 @@ def nnls(X, y):
     return best
 
 
-def call_latency(engine, kwargs, images, budget, depth, repeats=5, seed=0, clock="wall"):
+def call_latency(engine, settings, images, budget, depth, repeats=5, seed=0, clock="wall"):
     """(verify_ms, draft_ms): engine calls alone for `images` images, timed through real step
     plans at a mid-generation cache length, the fastest of `repeats` runs per size."""
-    cfg = kwargs["cfg_scale"]
+    cfg = settings.cfg_scale
     prefix = engine.condition.prefix(cfg > 1, **default_condition(engine, 1))
     context = prefix.tokens + engine.manifest.image.tokens // 2  # mid-generation
     verify = verify_latency(engine, latency_sizes(budget), images, cfg, context, repeats, seed, "min", clock)
@@ -259,17 +249,17 @@ def call_latency(engine, kwargs, images, budget, depth, repeats=5, seed=0, clock
     return {T: 1000 * s for T, s in verify.items()}, {w: 1000 * s for w, s in draft.items()}
 
 
-def loop_step_ms(engine, call, kwargs, trees, runs=3, seed=0, clock="wall"):
+def loop_step_ms(engine, call, settings, trees, runs=3, seed=0, clock="wall"):
     """{tree paths: the loop's milliseconds per step} for each tree (root_only(): AR), as it pays:
     the mean over a whole generation of `call`'s images, the fastest of `runs` generations. The
     trees take turns, so a change in what else runs on the machine touches them alike."""
     best = {tree.paths: np.inf for tree in trees}
     for r in range(runs):
         for tree in trees:
-            mode = "ar" if tree.depth == 0 else kwargs["mode"]
+            ar = tree.depth == 0
             timer = StepTimer(clock)
-            engine.generate(**call, **{**kwargs, "mode": mode}, seed=seed + r, tree=None if mode == "ar" else tree,
-                            observer=timer)
+            engine.generate(**call, settings=settings.replace(mode="ar") if ar else settings, seed=seed + r,
+                            tree=None if ar else tree, observer=timer)
             best[tree.paths] = min(best[tree.paths], timer.step_ms)
     return best
 
@@ -381,15 +371,15 @@ def machine():
     return info
 
 
-def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, batches=(1,), calibration_batch=None,
+def tune(engine, settings, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, batches=(1,), calibration_batch=None,
          width=None, repeats=5, loop_runs=3, rounds=3, seed=0, note="", threads=None, clock="wall", log=print):
-    """Calibrate, measure and search for generate() settings `kwargs` (generation_settings) on
+    """Calibrate, measure and search for the GenerationSettings `settings` on
     the conditions `conds`. Returns (report dict, {batch: chosen Tree}; root_only() for AR).
     clock: "wall", or "cpu" (this process's CPU time: steady on a shared machine, and equal to
     wall time only for a single-threaded CPU backend; see `default_clock`)."""
     m = engine.manifest
     K = m.candidates
-    _, settings, key = generation_settings(engine, **kwargs)
+    settings = tuning_settings(engine, settings)
     for name, value, low, high in (("budget", budget, 2, 4096), ("depth", depth, 1, 16)):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise LanternError(f"--{name} must be an integer in {low}..{high}, got {value!r}")
@@ -400,7 +390,7 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
     calib = build_tree(calibration_tree(GUESS, nodes, depth, width), name=f"calibration-{nodes}-d{depth}-w{width}")
     calibration_batch = calibration_batch or max(batches)
     t0 = time.perf_counter()
-    counts, calib_runs = calibrate(engine, kwargs, calib, conds, calibration_batch, seed, clock)
+    counts, calib_runs = calibrate(engine, settings, calib, conds, calibration_batch, seed, clock)
     p = acceptance_vectors(counts, depth=depth, width=min(K, max(width, counts.extent()[1])))
     log(f"[1/3] calibration: {len(conds)} images in calls of {calibration_batch}, tree {calib.name} "
         f"({calib.num_nodes} nodes, depth {calib.depth}, {width} ranks per opened node): {counts.steps} image-steps, "
@@ -408,19 +398,19 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
     log("acceptance p[depth, rank] (observations):")
     log(tree_report.acceptance_table(p, counts))
 
-    cfg = kwargs["cfg_scale"] > 1
+    cfg = settings.cfg
     per_batch, chosen = {}, {}
     on_plans = engine.backend.name == "tensorrt"  # its calls must fall in the plans' profiles
     for images in batches:
         t0 = time.perf_counter()
         generation = (m.image.tokens - 1, images)  # the first token comes from the prefill
-        verify_ms, draft_ms = call_latency(engine, kwargs, images, budget, depth, repeats, seed, clock)
+        verify_ms, draft_ms = call_latency(engine, settings, images, budget, depth, repeats, seed, clock)
         call = batched(repeat_to(conds, images), images)[0]
-        engine.generate(**call, **kwargs, seed=seed, tree="chain-1")  # warm the sessions on loop-sized calls
+        engine.generate(**call, settings=settings, seed=seed, tree="chain-1")  # warm the sessions on loop-sized calls
         trees = fit_trees(K, budget, depth, calib)
         full = [r["step_ms"] for r in calib_runs if r["images"] == images]  # the calibration's own steps
         run = [t for t in trees if not (full and t == calib)]
-        ms = loop_step_ms(engine, call, kwargs, [root_only()] + run, loop_runs, seed, clock)
+        ms = loop_step_ms(engine, call, settings, [root_only()] + run, loop_runs, seed, clock)
         ar_ms = ms[root_only().paths]
         measured = [(t, float(min(full)), "calibration") if full and t == calib else (t, ms[t.paths], "generation")
                     for t in trees]
@@ -442,7 +432,7 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
             if tree.depth == 0 or any(t.paths == tree.paths for t, _, _ in measured):
                 break
             # measured in turns with AR again: AR's step is the fastest of all its runs
-            ms = loop_step_ms(engine, call, kwargs, [root_only(), tree], loop_runs, seed, clock)
+            ms = loop_step_ms(engine, call, settings, [root_only(), tree], loop_runs, seed, clock)
             ar_ms = min(ar_ms, ms[root_only().paths])
             measured.append((tree, ms[tree.paths], "chosen"))
         report = tree_report.build_report(result, p, latency, min(K, MAX_WIDTH), counts, calibration=calib,
@@ -457,7 +447,7 @@ def tune(engine, kwargs, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, b
         log(f"[3/3] search for {images} image(s) per call (budget {budget}, depth {depth}, {K} candidates):")
         log(tree_report.format_report(report))
         log(f"  compiled plans: {report['plans']}")
-    report = {"key": key, "settings": settings, "engine": os.path.abspath(engine.directory),
+    report = {"key": settings.key, "settings": settings.canonical(), "engine": os.path.abspath(engine.directory),
               "backend": engine.backend.name, "threads": threads, "clock": clock, "machine": machine(),
               "conditions": note,
               "calibration": {"tree": calib.to_json(), "nodes": calib.num_nodes, "depth": calib.depth, "width": width,
@@ -582,7 +572,7 @@ def install(directory, chosen, report):
     report_dir = f"tuned/{key}"
     names += [f"{report_dir}/{n}" for n in write_report(os.path.join(directory, report_dir), report)]
     measured = {"threads": report["threads"], "clock": report["clock"], "machine": report["machine"]}
-    entry = TunedSettings(settings=report["settings"], backend=report["backend"], trees=tuple(trees),
+    entry = TunedSettings(settings=GenerationSettings.from_canonical(report["settings"]), backend=report["backend"], trees=tuple(trees),
                           report=f"{report_dir}/report.json", measured=measured)
     files = {k: v for k, v in m.files.items() if k not in names}
     files.update(describe_files(directory, names))
@@ -640,15 +630,14 @@ def add_parser(sub, backend_loaders=None):
 
 
 def run(args):
-    from lantern.runtime.cli import _load_npy, open_engine
+    from lantern.runtime.cli import _load_npy, generation_settings, open_engine
 
     for name, value in (("--images", args.images), ("--batch", args.batch), ("--repeats", args.repeats)):
         if value < 1:
             raise LanternError(f"{name} must be >= 1, got {value}")
     engine = open_engine(args)
-    kwargs, _, key = generation_settings(
-        engine, args.mode, args.lam, args.delta, args.k, args.greedy, args.temperature, args.top_k, args.top_p,
-        args.cfg, args.cfg_interval)
+    settings = tuning_settings(engine, generation_settings(args))
+    key = settings.key
     caption = _load_npy(args.caption, "caption features") if args.caption else None
     mask = _load_npy(args.caption_mask, "caption mask") if args.caption_mask else None
     prompt_ids = _load_npy(args.prompt_ids, "prompt ids") if args.prompt_ids else None
@@ -659,7 +648,7 @@ def run(args):
     print(f"tuning {key} on {args.engine} ({engine.backend.name}, {args.threads or os.cpu_count()} thread(s), "
           f"{clock} clock)")
     print(f"conditions: {note}")
-    report, chosen = tune(engine, kwargs, conds, budget=args.budget, depth=args.depth, batches=batches,
+    report, chosen = tune(engine, settings, conds, budget=args.budget, depth=args.depth, batches=batches,
                           calibration_batch=args.batch, repeats=args.repeats, seed=args.seed, note=note,
                           threads=args.threads or os.cpu_count(), clock=clock)
     if args.out:
