@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lantern.runtime.generator import Engine
-from lantern.tools.image_service import Cancelled, ImageService, RequestError, container_memory_limit
+from lantern.tools.image_service import Cancelled, ImageService, RequestError
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def body(**fields):
 def direct(service, request):
     """The same request as one Engine.generate call on an engine of its own."""
     engine = Engine(service.engine.directory, threads=1)
-    return engine.generate(**request.condition, **request.settings, seed=request.seed,
+    return engine.generate(request.settings, **request.condition, seed=request.seed,
                            tree=service.tree_for(request)).tokens
 
 
@@ -38,7 +38,7 @@ def test_batched_greedy_images_equal_direct_generation(service, mode):
 
 
 def test_sampling_images_equal_direct_generation_whatever_else_is_queued(service):
-    settings = {"mode": "lantern++", "lam": 2, "k": 8, "temperature": 1.0, "cfg": 2.0}
+    settings = {"mode": "lantern++", "lam": 2, "k": 8, "temperature": 1.0, "cfg_scale": 2.0}
     mine = service.parse(body(classes=[1, 2], seed=11, settings=settings))
     others = [service.parse(body(classes=[c], seed=0, settings=settings)) for c in (3, 4)]
     alone = service.run([mine])[0].tokens
@@ -77,7 +77,8 @@ def test_n_repeats_each_condition(service):
     (b"[1, 2]", 400, "JSON object"),
     (body(classes=[1], colour="red"), 400, "unknown request field"),
     (body(classes=[1], settings={"mode": "lantern++", "beam": 4}), 400, "unknown setting"),
-    (body(classes=[1], settings={"mode": "beam"}), 400, "serves modes"),
+    (body(classes=[1], settings={"mode": "beam"}), 400, "unknown mode"),
+    (body(classes=[1], settings={"mode": "lantern", "delta": 2}), 400, "delta"),
     (body(classes=[10]), 400, "class labels must be in [0, 9]"),
     (body(classes=[-1]), 400, "class labels must be in"),
     (body(classes="3"), 400, "class labels"),
@@ -127,22 +128,3 @@ def test_describe_says_what_the_engine_serves(service):
     d = service.describe()
     assert d["condition"] == "class" and d["num_classes"] == 10 and d["batch_sizes"] == [1, 2, 4]
     assert set(d["modes"]) == {"ar", "exact", "lantern", "lantern++"} and d["tree"] == "mc_sim_7b_63"
-
-
-def test_container_memory_limit_reads_cgroups(tmp_path):
-    def write(path, text):
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(text)
-
-    root = tmp_path / "sys"
-    write("cgroup-v1", "12:cpu:/\n5:memory:/docker/abc\n")
-    write("sys/memory/docker/abc/memory.limit_in_bytes", "1073741824\n")
-    write("sys/memory/docker/abc/memory.usage_in_bytes", "73741824\n")
-    assert container_memory_limit(tmp_path / "cgroup-v1", root) == 1_000_000_000  # limit minus usage
-    write("cgroup-v2", "0::/job\n")
-    write("sys/job/memory.max", "max\n")
-    assert container_memory_limit(tmp_path / "cgroup-v2", root) is None  # v2 without a limit
-    write("sys/job/memory.max", "2000\n")
-    write("sys/job/memory.current", "500\n")
-    assert container_memory_limit(tmp_path / "cgroup-v2", root) == 1500
-    assert container_memory_limit(tmp_path / "missing", root) is None

@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (the dev and serve extras hold it)")
 
 from lantern.runtime.generator import Engine  # noqa: E402
+from lantern.runtime.settings import GenerationSettings  # noqa: E402
 from lantern.tools.serve import ServeOptions  # noqa: E402
 from lantern.tools.serve_client import post, request  # noqa: E402
 
@@ -59,13 +60,11 @@ def images(url, payload, key=KEY, timeout=60):
 
 
 GREEDY = {"mode": "lantern++", "greedy": True, "lam": 3, "k": 8}
-SAMPLING = {"mode": "lantern++", "lam": 2, "k": 8, "cfg": 2.0}
+SAMPLING = {"mode": "lantern++", "lam": 2, "k": 8, "cfg_scale": 2.0}
 
 
 def expected(engine, classes, settings, seed):
-    kwargs = dict(mode=settings["mode"], greedy=settings.get("greedy", False), lam=float(settings["lam"]),
-                  k=settings["k"], cfg_scale=settings.get("cfg", 1.0), seed=seed)
-    return engine.generate(classes=classes, **kwargs).tokens
+    return engine.generate(GenerationSettings(**settings), classes=classes, seed=seed).tokens
 
 
 def test_health_and_engine_routes(server):
@@ -102,7 +101,7 @@ def test_many_clients_at_once_each_get_their_own_images(server, engine):
 
 @pytest.mark.parametrize("payload, key, status, words", [
     (b"{nope", KEY, 400, "not JSON"),
-    ({"classes": [1], "settings": {"mode": "beam"}}, KEY, 400, "serves modes"),
+    ({"classes": [1], "settings": {"mode": "beam"}}, KEY, 400, "unknown mode"),
     ({"classes": [1], "settings": {"beam": 4}}, KEY, 400, "unknown setting"),
     ({"classes": [12]}, KEY, 400, "class labels must be in"),
     ({"classes": [1], "caption": [[0.0] * 24] * 30_000}, KEY, 413, "limit"),

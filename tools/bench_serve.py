@@ -96,7 +96,7 @@ def run(args):
     from lantern.tools.serve import ServeOptions
     from lantern.tools.serve_app import build_app
 
-    settings = {"mode": args.mode, "greedy": True, "cfg": args.cfg, "lam": args.lam, "k": args.k}
+    settings = {"mode": args.mode, "greedy": True, "cfg_scale": args.cfg, "lam": args.lam, "k": args.k}
     engine = Engine(args.engine, threads=1)
     classes = np.arange(engine.manifest.condition.num_classes)
     direct = engine.generate(classes=classes, mode=args.mode, greedy=True, cfg_scale=args.cfg, lam=args.lam,

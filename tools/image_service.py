@@ -11,7 +11,7 @@ A request is a condition (class labels, caption features or prompts), generation
 and a response form. `run` groups requests by their settings key, so one generate call never
 mixes settings, pads each group to one of the engine's batch sizes (static shapes: a size with
 TensorRT plans where the engine has them) and splits the images back. A request's images equal
-`Engine.generate(<its condition>, <its settings>, seed=<its seed>, tree=service.tree_for(request))`
+`Engine.generate(<its settings>, <its condition>, seed=<its seed>, tree=service.tree_for(request))`
 whatever it was batched with: the draft tree is pinned per settings key (the tree tuned for the
 max batch, else the exported one) so the padded size never changes it.
 
@@ -20,6 +20,7 @@ random numbers from one stream, so sampling requests are not batched with each o
 as its own call, unpadded); greedy requests draw no random numbers and are batched and padded.
 """
 import base64
+import dataclasses
 import json
 import os
 import threading
@@ -29,30 +30,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lantern.runtime import accept as acceptance
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import settings_key, tuning_settings
 from lantern.runtime.png import encode_png
-from lantern.runtime.sampling import sampler_for
+from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, root_only
 
 MAX_BODY_BYTES = 4 * 2**20  # caption features of a few images as JSON numbers fit easily
 CONDITION_FIELDS = ("classes", "caption", "caption_mask", "prompt", "prompt_ids", "grid")
 REQUEST_FIELDS = CONDITION_FIELDS + ("n", "seed", "settings", "response")
-SETTINGS = {  # name in a request -> (Engine.generate argument, type check, default)
-    "mode": ("mode", str, "lantern++"),
-    "lam": ("lam", float, 2.0),
-    "delta": ("delta", float, 0.1),
-    "k": ("k", int, None),
-    "greedy": ("greedy", bool, False),
-    "temperature": ("temperature", float, 1.0),
-    "top_k": ("top_k", int, 0),
-    "top_p": ("top_p", float, 1.0),
-    "cfg": ("cfg_scale", float, 1.0),
-    "cfg_interval": ("cfg_interval", int, -1),
-}
+# JSON type of each GenerationSettings field in a request
+SETTINGS = {"mode": str, "lam": float, "delta": float, "k": int, "greedy": bool, "temperature": float, "top_k": int,
+            "top_p": float, "cfg_scale": float, "cfg_interval": int}
 RESPONSES = ("json", "png")
-DEFAULT_K = 100  # as Engine.generate: 100 neighbours, or all the table has
 
 
 class RequestError(LanternError):
@@ -73,7 +62,7 @@ class ImageRequest:
     condition: dict  # Engine.generate's condition arguments, one entry per image
     images: int
     seed: int
-    settings: dict  # Engine.generate's settings arguments
+    settings: GenerationSettings  # resolved against the engine
     key: str  # requests with equal keys may share a generate call
     response: str
     cancelled: threading.Event = field(default_factory=threading.Event, compare=False)
@@ -138,7 +127,7 @@ class ImageService:
             "batch_sizes": list(self.sizes),
             "max_images_per_request": self.max_images,
             "images": "vq_decoder" in m.graphs,
-            "settings": {name: default for name, (_, _, default) in SETTINGS.items()},
+            "settings": dataclasses.asdict(GenerationSettings()),
         }
 
     # -- requests ---------------------------------------------------------------------------------
@@ -170,7 +159,7 @@ class ImageService:
         if isinstance(condition.get("prompt"), str):
             condition["prompt"] = [condition["prompt"]]
         try:  # the engine's own checks of the condition (kinds, class range, caption shape)
-            prefix = self.engine.condition.prefix(settings["cfg_scale"] > 1.0, **condition)
+            prefix = self.engine.condition.prefix(settings.cfg, **condition)
         except LanternError as e:
             raise RequestError(400, str(e)) from None
         except (TypeError, ValueError, OverflowError) as e:
@@ -184,8 +173,9 @@ class ImageService:
             raise RequestError(400, "this engine has no VQ decoder; use response 'json' for tokens")
         condition = _repeat(condition, prefix.images, n)
         request_id = request_id or uuid.uuid4().hex
-        key = _group_key(settings, prefix)
-        if not settings["greedy"]:  # one random stream per generate call: see the module docstring
+        # the settings key plus what else fixes the calls' shapes: the grid and the prompt rows' length
+        key = f"{settings.key}_grid{prefix.grid[0]}x{prefix.grid[1]}_prefix{prefix.ids.shape[1]}"
+        if not settings.greedy:  # one random stream per generate call: see the module docstring
             key += f"_request-{request_id}"
         return ImageRequest(request_id=request_id, condition=condition, images=images, seed=seed,
                             settings=settings, key=key, response=response)
@@ -196,28 +186,12 @@ class ImageService:
         unknown = sorted(set(raw) - set(SETTINGS))
         if unknown:
             raise RequestError(400, f"unknown setting(s) {', '.join(unknown)}; valid: {', '.join(SETTINGS)}")
-        s = {arg: default for arg, _, default in SETTINGS.values()}
-        for name, value in raw.items():
-            arg, kind, _ = SETTINGS[name]
-            s[arg] = None if value is None and name == "k" else _typed(name, value, kind)
-        mode = s["mode"]
-        if mode not in self.engine.manifest.modes:
-            raise RequestError(400, f"this engine serves modes {', '.join(self.engine.manifest.modes)}, not {mode!r}")
+        values = {name: _typed(name, value, SETTINGS[name]) for name, value in raw.items()
+                  if not (name == "k" and value is None)}
         try:
-            if mode in ("lantern", "lantern++"):
-                width = self.engine.neighbors.shape[1]
-                s["k"] = min(DEFAULT_K, width) if s["k"] is None else s["k"]
-                if not 1 <= s["k"] <= width:
-                    raise LanternError(f"k must be in [1, {width}] (the engine's neighbour table), got {s['k']}")
-                acceptance.rule_for(mode, k=s["k"], delta=s["delta"], lam=s["lam"])
-            sampler_for(s["greedy"], s["temperature"], s["top_k"], s["top_p"])
-            if not (np.isfinite(s["cfg_scale"]) and s["cfg_scale"] >= 0):
-                raise LanternError(f"cfg must be a finite number >= 0, got {s['cfg_scale']!r}")
-            if s["cfg_interval"] < -1:
-                raise LanternError(f"cfg_interval must be >= -1, got {s['cfg_interval']}")
+            return GenerationSettings(**values).resolve(self.engine.manifest, "this engine")
         except LanternError as e:
             raise RequestError(400, str(e)) from None
-        return s
 
     # -- running ----------------------------------------------------------------------------------
     def run(self, requests):
@@ -254,7 +228,7 @@ class ImageService:
         return calls
 
     def padded_size(self, request, images):
-        if not request.settings["greedy"]:  # alone in its call: no pad images drawing from its stream
+        if not request.settings.greedy:  # alone in its call: no pad images drawing from its stream
             return images
         return next(size for size in self.sizes if size >= images)
 
@@ -262,11 +236,9 @@ class ImageService:
         """The draft tree every generate call of this request's settings uses: the one `lantern-run
         tune` chose for these settings at the max batch on this backend, else the engine's."""
         s = request.settings
-        entry = self.engine.manifest.tuned_trees.get(settings_key(tuning_settings(
-            s["mode"], s["k"], s["lam"], s["delta"], s["greedy"], s["temperature"], s["top_k"], s["top_p"],
-            s["cfg_scale"], s["cfg_interval"])))
-        if s["mode"] == "ar" or entry is None or entry.backend != self.engine.backend.name:
-            return None if s["mode"] == "ar" else self.engine.tree
+        entry = self.engine.manifest.tuned_trees.get(s.key)
+        if s.mode == "ar" or entry is None or entry.backend != self.engine.backend.name:
+            return None if s.mode == "ar" else self.engine.tree
         chosen = entry.tree_for(self.max_batch)
         return root_only() if chosen.file is None else build_tree(os.path.join(self.engine.directory, chosen.file))
 
@@ -285,7 +257,7 @@ class ImageService:
 
         with self._lock:
             start = time.perf_counter()
-            out = self.engine.generate(**condition, **live[0].settings, seed=live[0].seed, tree=tree,
+            out = self.engine.generate(live[0].settings, **condition, seed=live[0].seed, tree=tree,
                                        observer=stop_when_abandoned)
             decode_start = time.perf_counter()
             pictures = self.engine.decode(out.tokens[:images], out.grid) \
@@ -324,15 +296,6 @@ class ImageService:
 
 def error_response(status, message):
     return status, "application/json", json.dumps({"error": " ".join(message.splitlines())}).encode()
-
-
-def _group_key(settings, prefix):
-    """The settings key (the tuned-tree key) plus what else fixes the calls' shapes: CFG, the
-    grid and, for prompts, the prompt rows' length."""
-    s = settings
-    key = settings_key(tuning_settings(s["mode"], s["k"], s["lam"], s["delta"], s["greedy"], s["temperature"],
-                                      s["top_k"], s["top_p"], s["cfg_scale"], s["cfg_interval"]))
-    return f"{key}_grid{prefix.grid[0]}x{prefix.grid[1]}_prefix{prefix.ids.shape[1]}"
 
 
 def _repeat(condition, conditions, n):

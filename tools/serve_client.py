@@ -61,9 +61,10 @@ def run_client(args):
         settings = json.loads(args.settings)
     except ValueError:
         raise LanternError(f"--settings must be a JSON object, got {args.settings!r}") from None
-    for name in ("mode", "cfg"):
-        if getattr(args, name) is not None:
-            settings[name] = getattr(args, name)
+    if args.mode is not None:
+        settings["mode"] = args.mode
+    if args.cfg is not None:
+        settings["cfg_scale"] = args.cfg
     if args.greedy:
         settings["greedy"] = True
     payload = {"n": args.n, "seed": args.seed, "settings": settings}
