@@ -1,6 +1,8 @@
 """The serving logic without Ray: requests parsed and checked, grouped by settings key, padded to
 the engine's batch sizes and split back, each image equal to a direct Engine.generate."""
+import dataclasses
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -110,6 +112,29 @@ def test_a_cancelled_request_is_skipped_and_its_batch_mates_still_served(service
     np.testing.assert_array_equal(results[1].tokens, direct(service, kept))
     kept.cancelled.set()
     assert all(isinstance(r, Cancelled) for r in service.run([kept]))
+
+
+class GoneAfter(threading.Event):
+    """A client that is there for the first `checks` looks and gone after."""
+
+    def __init__(self, checks):
+        super().__init__()
+        self.checks = checks
+
+    def is_set(self):
+        self.checks -= 1
+        return self.checks < 0
+
+
+def test_a_client_gone_mid_generation_stops_its_call_and_the_engine_serves_on(service):
+    settings = {"mode": "exact", "greedy": True}
+    request = service.parse(body(classes=[2], settings=settings))
+    gone = dataclasses.replace(request, cancelled=GoneAfter(3))  # there at batch start and two steps
+    [result] = service.run([gone])
+    assert isinstance(result, Cancelled) and "went away" in str(result)
+    assert gone.cancelled.checks == -1  # stopped at the first step after it left, not at the end
+    request = service.parse(body(classes=[2], settings=settings))
+    np.testing.assert_array_equal(service.run([request])[0].tokens, direct(service, request))
 
 
 def test_png_and_json_responses(service):
