@@ -18,6 +18,18 @@ def _classes(text):
         raise argparse.ArgumentTypeError(f"class labels are comma-separated integers, got {text!r}") from None
 
 
+def _seeds(text):
+    """One int (image i gets seed + i) or one int per image, comma-separated."""
+    try:
+        seeds = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"a seed is an integer, or one integer per image comma-separated; "
+                                         f"got {text!r}")
+    return seeds[0] if len(seeds) == 1 and "," not in text else seeds
+
+
 def _grid(text):
     try:
         h, w = (int(x) for x in text.lower().split("x"))
@@ -38,7 +50,9 @@ def add_generation_options(p, backends=("onnxruntime",), tree=True):
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--cfg", type=float, default=1.0, help="classifier-free guidance scale (> 1 enables CFG)")
     p.add_argument("--cfg-interval", type=int, default=-1, help="use CFG for the first N tokens only (-1: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seeds, default=0,
+                   help="image i gets SEED + i; or one seed per image, e.g. 7,7,3 (an image's tokens depend "
+                        "on its own seed only)")
     if tree:
         p.add_argument("--tree", help="draft tree for this run (preset or JSON file; default: the engine's tuned "
                                       "tree for these settings, else its exported one)")

@@ -29,6 +29,7 @@ from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.plan import Call, StepPlan, estimate_bytes
 from lantern.runtime.settings import GenerationSettings
+from lantern.runtime.streams import RandomStreams, image_seeds
 from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.vocabulary import VocabularyView
 
@@ -100,7 +101,9 @@ class Engine:
         tree: another draft tree for this call (preset name, JSON file or paths); its widest node
         must fit the drafter graph's candidates. Default: the tree `lantern-run tune` chose for
         these settings on this backend (manifest tuned_trees), else the one exported with.
-        observer: called with a StepRecord after every step's acceptance."""
+        observer: called with a StepRecord after every step's acceptance.
+        seed: an int s (image i gets seed s + i) or one int per image; an image's tokens depend on
+        its own seed and settings only, never on the images beside it (lantern.runtime.streams)."""
         if settings is None:
             settings = GenerationSettings(**keywords)
         elif keywords:
@@ -112,17 +115,16 @@ class Engine:
         if not settings.greedy and not tree.contiguous:
             raise LanternError(f"tree {tree.name!r} skips child ranks; sampling needs every node's children to "
                                f"be ranks 0..w-1 (drafts drawn without replacement in rank order)")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise LanternError(f"seed must be an integer >= 0, got {seed!r}")
         prefix = self.condition.prefix(settings.cfg, classes=classes, caption=caption, caption_mask=caption_mask,
                                        prompt=prompt, prompt_ids=prompt_ids, grid=grid)
+        seeds = image_seeds(seed, prefix.images)
         if given is None and settings.mode != "ar":
             tree = self._tuned_tree(settings, prefix.images) or tree
         feeds = dict(cfg_scale=settings.cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
                      top_k=sampler.top_k, top_p=sampler.top_p)
         plan = self._plan_for(tree, prefix, feeds)
-        run = _Decoding(self, plan, rule, sampler, settings.cfg_scale, settings.cfg_interval,
-                        np.random.default_rng(seed), observer)
+        streams = RandomStreams(seeds, plan.tree.num_nodes, self.manifest.candidates if plan.tree.depth else 0)
+        run = _Decoding(self, plan, rule, sampler, settings.cfg_scale, settings.cfg_interval, streams, observer)
         return run.generate()
 
     def _tree(self, spec):
@@ -188,9 +190,9 @@ class _Decoding:
     (what the graphs take); acceptance works on image codes (the logits' image-token columns,
     id = code + image_start), the space of the neighbour table."""
 
-    def __init__(self, engine, plan, rule, sampler, cfg_scale, cfg_interval, rng, observer):
+    def __init__(self, engine, plan, rule, sampler, cfg_scale, cfg_interval, streams, observer):
         self.e, self.be, self.plan, self.tree = engine, engine.backend, plan, plan.tree
-        self.rule, self.sampler, self.rng, self.observer = rule or acceptance.Exact(), sampler, rng, observer
+        self.rule, self.sampler, self.streams, self.observer = rule or acceptance.Exact(), sampler, streams, observer
         self.cfg, self.cfg_scale, self.cfg_interval = plan.prefix.cfg, cfg_scale, cfg_interval
         self.N, self.B, self.rows = plan.images, plan.rows, plan.halves
         self.offset = plan.prefix.position_offset
@@ -253,7 +255,7 @@ class _Decoding:
                                  np.broadcast_to(np.arange(C), (self.B, C)), np.full(self.B, C),
                                  visible=plan.prefix.key_visible)
         logits = self.combined_logits(out["logits"][:, -1:], np.zeros((self.N, 1), dtype=np.int64))[:, 0]
-        self.tokens[:, 0] = self.view.ids(self.sampler.draw(logits, self.rng))
+        self.tokens[:, 0] = self.view.ids(self.sampler.draw(logits, self.streams.first()))
         self.count[:] = 1
         if self.tree.depth:  # the first pair: the last prefix token's hidden state with the first image token
             self.set_pending(out["hidden"], np.full((self.B, 1), C - 1), self.tokens[:, :1], np.ones(self.N, np.int64))
@@ -279,8 +281,9 @@ class _Decoding:
         self.pending = counts
 
     # -- one step ------------------------------------------------------------------------------
-    def draft(self, active):
-        """Fill node_tokens (the root and the tree's drafts) and every node's candidates."""
+    def draft(self, active, race):
+        """Fill node_tokens (the root and the tree's drafts) and every node's candidates; race
+        [N, M, K]: the uniforms that draw each node's children."""
         tree, plan, N, B = self.tree, self.plan, self.N, self.B
         self.node_tokens[:, 0] = self.tokens[np.arange(N), self.count - 1]
         if not tree.depth:
@@ -296,7 +299,8 @@ class _Decoding:
                      np.broadcast_to(np.arange(call.tokens), (len(rows), call.tokens)), self.pending[self.rows[rows]])
         last = self.pending - 1
         self.take_candidates(out, [0], last[:, None])
-        parent_ids = self.sampler.children(self.cand_ids[:, :1], self.cand_probs[:, :1], tree.levels[0].width, self.rng)
+        parent_ids = self.sampler.children(self.cand_ids[:, :1], self.cand_probs[:, :1], tree.levels[0].width,
+                                           race[:, :1])
         hidden, parent_cols = out["hidden_out"], last[self.rows][:, None]
         root_slot = plan.target_cache.length
         for level in tree.levels:
@@ -316,7 +320,7 @@ class _Decoding:
                         np.tile(plan.scratch + level.nodes - 1, B))
             self.take_candidates(out, level.nodes, np.arange(T)[None, :])
             parent_ids = self.sampler.children(self.cand_ids[:, level.nodes], self.cand_probs[:, level.nodes],
-                                               tree.levels[level.depth].width, self.rng)
+                                               tree.levels[level.depth].width, race[:, level.nodes])
             hidden = out["hidden_out"]
 
     def take_candidates(self, out, nodes, cols):
@@ -345,11 +349,11 @@ class _Decoding:
         cache.mask_into(call)
         return self.call("verify")
 
-    def accept(self, active, out):
+    def accept(self, active, out, uniforms):
         logits = self.combined_logits(out["logits"], self.count[:, None] + self.tree.depths[None, :])
         a = slice(None) if active.all() else np.flatnonzero(active)  # no copy of the logits while all run
         return self.sampler.accept(self.tree, self.view.columns(self.node_tokens[a]), logits[a], self.cand_ids[a],
-                                   self.cand_probs[a], self.rule, self.rng, self.neighbors)
+                                   self.cand_probs[a], self.rule, uniforms[a], self.neighbors)
 
     def commit(self, active, outcome, out):
         a = np.flatnonzero(active)
@@ -383,11 +387,12 @@ class _Decoding:
         while (active := self.count < self.length).any():
             steps[active] += 1
             t0 = time.perf_counter()
-            self.draft(active)
+            draws = self.streams.step()
+            self.draft(active, draws.race)
             t1 = time.perf_counter()
             out = self.verify()
             t2 = time.perf_counter()
-            outcome = self.accept(active, out)
+            outcome = self.accept(active, out, draws.accept)
             t3 = time.perf_counter()
             self.commit(active, outcome, out)
             t4 = time.perf_counter()

@@ -5,7 +5,13 @@ tests/data/regression_v1.npz holds 64 generations made with the loop as it was a
 batch 1 and 3, on the tiny engines the test fixtures build. The rebuilt loop must give the same
 tokens wherever the random stream did not change by design:
   - greedy runs consume no random numbers: all must match;
-  - `ar` sampling draws one uniform per image per step, in the same order: all must match;
+  - `ar` sampling draws one uniform per image per step. Since per-image streams
+    (lantern.runtime.streams) image i of a call with seed s draws from its own generator seeded
+    s + i, where the old loop interleaved one generator over the batch: a single image keeps
+    its stream, so batch-1 runs must match; in a batch of 3 only image 0 keeps its stream (seed
+    s, class and caption as the batch-1 run's), so it must equal the old batch-1 run's tokens,
+    and images 1 and 2 differ by design (their independence of the batch is tested in
+    test_streams);
   - speculative sampling now draws each step's acceptance uniforms up front ([images, nodes],
     DESIGN.md's batched acceptance; the old loop drew them lazily, image by image), so those
     runs cannot match token for token; their exactness is tested statistically
@@ -35,7 +41,12 @@ def condition(kind, batch):
 
 
 def comparable(run):
-    return run["greedy"] or run["mode"] == "ar"
+    return run["greedy"] or (run["mode"] == "ar" and run["batch"] == 1)
+
+
+def alone(run):
+    """The index of the batch-1 run with run's settings."""
+    return next(r["index"] for r in RUNS if r == dict(run, batch=1, index=r["index"]))
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +58,17 @@ def test_every_greedy_and_ar_run_gives_the_old_tokens(engines):
     old = np.load(os.path.join(DATA, "regression_v1.npz"))
     checked = 0
     for run in RUNS:
-        if not comparable(run):
+        first_only = run["mode"] == "ar" and not run["greedy"] and run["batch"] > 1
+        if not (comparable(run) or first_only):
             continue
         kw = dict(mode=run["mode"], greedy=run["greedy"], cfg_scale=run["cfg"], seed=INDEX["seed"],
                   **INDEX["modes"][run["mode"]])
         if not run["greedy"]:
             kw.update(INDEX["sampling"])
         out = engines[run["kind"]].generate(**condition(run["kind"], run["batch"]), **kw)
-        np.testing.assert_array_equal(out.tokens, old[f"run{run['index']}"], err_msg=str(run))
+        if first_only:
+            np.testing.assert_array_equal(out.tokens[:1], old[f"run{alone(run)}"], err_msg=str(run))
+        else:
+            np.testing.assert_array_equal(out.tokens, old[f"run{run['index']}"], err_msg=str(run))
         checked += 1
-    assert checked == 40  # 32 greedy + 8 ar sampling
+    assert checked == 40  # 32 greedy + 4 ar sampling alone + 4 ar sampling batches' first images

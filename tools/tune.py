@@ -635,6 +635,8 @@ def run(args):
     for name, value in (("--images", args.images), ("--batch", args.batch), ("--repeats", args.repeats)):
         if value < 1:
             raise LanternError(f"{name} must be >= 1, got {value}")
+    if not isinstance(args.seed, int):
+        raise LanternError("tune takes one integer --seed (its calls give image i seed + i)")
     engine = open_engine(args)
     settings = tuning_settings(engine, generation_settings(args))
     key = settings.key
