@@ -289,8 +289,12 @@ class _Decoding:
         if not tree.depth:
             return
         cache = plan.drafter_cache
-        if self.cfg and 0 <= self.cfg_interval <= self.count.min():
-            plan.calls["draft0"].feeds["cfg_scale"][:] = 1.0  # shared by every drafter call
+        if self.cfg and self.cfg_interval >= 0:
+            # Past the interval an image drafts from its conditional logits alone: its rows become
+            # their own CFG partners (l + s * (l - l) = l), image by image, so batch mates never
+            # change its drafts. The buffer is shared by every drafter call.
+            late = (self.count >= self.cfg_interval)[self.rows]
+            plan.settings["cfg_pair"][:] = np.where(late, np.arange(B), plan.cfg_partners)
         call = plan.calls["draft0"]
         cache.mask_into(call)
         out = self.call("draft0")

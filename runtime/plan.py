@@ -78,7 +78,8 @@ class StepPlan:
             pair = np.arange(B)
             if prefix.cfg:
                 pair = (pair + self.images) % B  # [cond; uncond] partners
-            self.settings = {"cfg_pair": pair.astype(np.int64), "cfg_scale": np.zeros(1, dtype=np.float32),
+            self.cfg_partners = pair.astype(np.int64)  # the loop makes rows their own partners past cfg_interval
+            self.settings = {"cfg_pair": self.cfg_partners.copy(), "cfg_scale": np.zeros(1, dtype=np.float32),
                              "temperature": np.zeros(1, dtype=np.float32), "top_k": np.zeros(1, dtype=np.int64),
                              "top_p": np.zeros(1, dtype=np.float32)}
             self._drafter_call("draft0", tree.depth + 1, backend)
@@ -115,6 +116,7 @@ class StepPlan:
             self.drafter_cache.reset()
             for name in ("cfg_scale", "temperature", "top_k", "top_p"):
                 self.settings[name][:] = settings[name]
+            self.settings["cfg_pair"][:] = self.cfg_partners
         if "condition" in self.calls:
             for name, value in prefix.condition_feeds.items():
                 self.calls["condition"].feeds[name][:] = value

@@ -90,6 +90,8 @@ SETTINGS = {
     "sampling exact": dict(mode="exact", temperature=1.0, top_k=20, top_p=0.95),
     "sampling lantern++": dict(mode="lantern++", lam=3.0, k=8, temperature=1.0, top_k=20, top_p=0.95),
     "sampling lantern": dict(mode="lantern", delta=0.2, k=8, temperature=0.8),
+    # images pass the CFG interval at different steps; each switches its own drafting
+    "sampling lantern++ cfg_interval": dict(mode="lantern++", lam=3.0, k=8, top_k=20, cfg_interval=6),
 }
 
 
