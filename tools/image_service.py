@@ -10,14 +10,11 @@ could wrap the same object.
 A request is a condition (class labels, caption features or prompts), generation settings, a seed
 and a response form. `run` groups requests by their settings key, so one generate call never
 mixes settings, pads each group to one of the engine's batch sizes (static shapes: a size with
-TensorRT plans where the engine has them) and splits the images back. A request's images equal
-`Engine.generate(<its settings>, <its condition>, seed=<its seed>, tree=service.tree_for(request))`
-whatever it was batched with: the draft tree is pinned per settings key (the tree tuned for the
-max batch, else the exported one) so the padded size never changes it.
-
-Until Engine.generate takes one seed per image, a sampling generate call draws all its images'
-random numbers from one stream, so sampling requests are not batched with each other (each runs
-as its own call, unpadded); greedy requests draw no random numbers and are batched and padded.
+TensorRT plans where the engine has them) and splits the images back. Image j of a request with
+seed s draws from its own random stream, seeded s + j (lantern.runtime.streams), so a request's
+images equal `Engine.generate(<its settings>, <its condition>, seed=s, tree=service.tree_for(request))`
+whatever it was batched with; the draft tree is pinned per settings key (the tree tuned for the
+max batch, else the exported one) so the padded size never changes it either.
 """
 import base64
 import dataclasses
@@ -33,6 +30,7 @@ import numpy as np
 from lantern.runtime.errors import LanternError
 from lantern.runtime.png import encode_png
 from lantern.runtime.settings import GenerationSettings
+from lantern.runtime.streams import image_seeds
 from lantern.runtime.tree import build_tree, root_only
 
 MAX_BODY_BYTES = 4 * 2**20  # caption features of a few images as JSON numbers fit easily
@@ -175,8 +173,6 @@ class ImageService:
         request_id = request_id or uuid.uuid4().hex
         # the settings key plus what else fixes the calls' shapes: the grid and the prompt rows' length
         key = f"{settings.key}_grid{prefix.grid[0]}x{prefix.grid[1]}_prefix{prefix.ids.shape[1]}"
-        if not settings.greedy:  # one random stream per generate call: see the module docstring
-            key += f"_request-{request_id}"
         return ImageRequest(request_id=request_id, condition=condition, images=images, seed=seed,
                             settings=settings, key=key, response=response)
 
@@ -227,9 +223,7 @@ class ImageService:
             calls.append(current)
         return calls
 
-    def padded_size(self, request, images):
-        if not request.settings.greedy:  # alone in its call: no pad images drawing from its stream
-            return images
+    def padded_size(self, images):
         return next(size for size in self.sizes if size >= images)
 
     def tree_for(self, request):
@@ -247,8 +241,9 @@ class ImageService:
         if not live:
             raise Cancelled("the client went away before its batch started")
         images = sum(r.images for r in live)
-        size = self.padded_size(live[0], images)
+        size = self.padded_size(images)
         condition = _concat([r.condition for r in live], pad=size - images)
+        seeds = [s for r in live for s in image_seeds(r.seed, r.images)] + [0] * (size - images)
         tree = self.tree_for(live[0])
 
         def stop_when_abandoned(record):
@@ -257,7 +252,7 @@ class ImageService:
 
         with self._lock:
             start = time.perf_counter()
-            out = self.engine.generate(live[0].settings, **condition, seed=live[0].seed, tree=tree,
+            out = self.engine.generate(live[0].settings, **condition, seed=seeds, tree=tree,
                                        observer=stop_when_abandoned)
             decode_start = time.perf_counter()
             pictures = self.engine.decode(out.tokens[:images], out.grid) \
@@ -286,7 +281,7 @@ class ImageService:
             return 200, "image/png", encode_png(result.images[0])
         images = []
         for j in range(r.images):
-            item = {"tokens": result.tokens[j].tolist()}
+            item = {"seed": r.seed + j, "tokens": result.tokens[j].tolist()}
             if result.images is not None:
                 item["png_base64"] = base64.b64encode(encode_png(result.images[j])).decode("ascii")
             images.append(item)
