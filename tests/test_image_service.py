@@ -155,3 +155,20 @@ def test_describe_says_what_the_engine_serves(service):
     d = service.describe()
     assert d["condition"] == "class" and d["num_classes"] == 10 and d["batch_sizes"] == [1, 2, 4]
     assert set(d["modes"]) == {"ar", "exact", "lantern", "lantern++"} and d["tree"] == "mc_sim_7b_63"
+
+
+def test_caption_requests_batch_and_equal_direct_generation(t2i_engine):
+    from engines import captions
+
+    service = ImageService(Engine(t2i_engine, threads=1), max_batch=4)
+    features, masks = captions(3)
+    settings = {"mode": "lantern++", "lam": 2, "k": 8, "cfg_scale": 2.0}
+    requests = [service.parse(body(caption=features[:1].tolist(), seed=4, settings=settings)),  # no mask: all real
+                service.parse(body(caption=features[1:].tolist(), caption_mask=masks[1:].tolist(), seed=9,
+                                   settings=settings))]
+    results = service.run(requests)
+    assert [r.stats["batch_images"] for r in results] == [4, 4]  # 3 images in one call, padded to 4
+    for request, result in zip(requests, results):
+        np.testing.assert_array_equal(result.tokens, direct(service, request))
+    with pytest.raises(RequestError, match="t2i"):
+        service.parse(body(classes=[1]))

@@ -5,9 +5,9 @@ generation of the same request, and the memory (RSS) of all Ray processes.
 
     python -m lantern.tools.bench_serve engines/demo --max-batch 8
 
-Requests are greedy (default mode ar with CFG, the fastest on a CPU for the demo model), one
-class each, so the expected tokens of every request come from one direct Engine.generate per
-class before the server starts.
+Requests sample (default mode ar with CFG, the fastest on a CPU for the demo model), one image
+each: request i asks for class i % C with seed i % 3C, so the expected tokens of every request
+come from 3C directly generated images (per-image seeds) before the server starts.
 """
 import argparse
 import concurrent.futures
@@ -53,18 +53,22 @@ def _tree_rss(root_pid):
     return total
 
 
+def _request(i, classes):
+    return int(classes[i % len(classes)]), i % (3 * len(classes))  # class, seed
+
+
 def _level(url, clients, requests, settings, classes, expected):
     from lantern.tools.serve_client import post
 
     def one(i):
-        c = int(classes[i % len(classes)])
+        c, seed = _request(i, classes)
         t = time.perf_counter()
-        status, body = post(url, {"classes": [c], "seed": i, "settings": settings}, timeout=600)
+        status, body = post(url, {"classes": [c], "seed": seed, "settings": settings}, timeout=600)
         seconds = time.perf_counter() - t
         if status != 200:
-            return status, seconds, None, False
-        correct = body["images"][0]["tokens"] == expected[c]
-        return status, seconds, body["stats"]["batch_images"], correct
+            return status, seconds, None, None, False
+        correct = body["images"][0]["tokens"] == expected[c, seed]
+        return status, seconds, body["stats"]["batch_images"], body["stats"]["requested_images"], correct
 
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
@@ -77,10 +81,11 @@ def _level(url, clients, requests, settings, classes, expected):
         "requests": requests,
         "answered_200": len(ok),
         "statuses": sorted({a[0] for a in answers}),
-        "all_correct": all(a[3] for a in answers),
+        "all_correct": all(a[4] for a in answers),
         "images_per_s": len(ok) / wall,
         # per request: the size of the generate call it rode in (padding included)
         "mean_batch_images": float(np.mean([a[2] for a in ok])) if ok else 0.0,
+        "mean_batch_requested_images": float(np.mean([a[3] for a in ok])) if ok else 0.0,
         "p50_s": float(np.percentile(latency, 50)),
         "p99_s": float(np.percentile(latency, 99)),
         "seconds": wall,
@@ -93,16 +98,23 @@ def run(args):
     from ray import serve
 
     from lantern.runtime.generator import Engine
+    from lantern.tools.image_service import ImageService
     from lantern.tools.serve import ServeOptions
     from lantern.tools.serve_app import build_app
 
-    settings = {"mode": args.mode, "greedy": True, "cfg_scale": args.cfg, "lam": args.lam, "k": args.k}
+    settings = {"mode": args.mode, "cfg_scale": args.cfg, "lam": args.lam, "k": args.k}
     engine = Engine(args.engine, threads=1)
+    service = ImageService(engine, max_batch=args.max_batch)  # the settings and tree the server will use
+    probe = service.parse(json.dumps({"classes": [0], "settings": settings}).encode())
     classes = np.arange(engine.manifest.condition.num_classes)
-    direct = engine.generate(classes=classes, mode=args.mode, greedy=True, cfg_scale=args.cfg, lam=args.lam,
-                             k=args.k).tokens
-    expected = {int(c): direct[i].tolist() for i, c in enumerate(classes)}
-    del engine
+    wanted = [_request(i, classes) for i in range(3 * len(classes))]
+    expected = {}
+    for start in range(0, len(wanted), len(classes)):
+        part = wanted[start: start + len(classes)]
+        tokens = engine.generate(probe.settings, classes=[c for c, _ in part], seed=[s for _, s in part],
+                                 tree=service.tree_for(probe)).tokens
+        expected.update({key: row.tolist() for key, row in zip(part, tokens)})
+    del engine, service
     report = {"engine": os.path.abspath(args.engine), "settings": settings, "max_batch": args.max_batch,
               "cpus": os.cpu_count(), "load_average": os.getloadavg(), "replicas": {}}
     levels = [(c, max(args.requests_per_client * c, 4 * c)) for c in args.clients]
@@ -148,7 +160,7 @@ def main(argv=None):
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--long-run", type=int, default=1000, help="requests at the most clients (0: skip)")
-    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-batch", type=int, default=16, help="images per generate call (64 clients = 4x)")
     p.add_argument("--batch-wait-ms", type=float, default=20.0)
     p.add_argument("--mode", default="ar")
     p.add_argument("--cfg", type=float, default=3.0)

@@ -154,8 +154,6 @@ class ImageService:
         if response not in RESPONSES:
             raise RequestError(400, f"response must be one of {', '.join(RESPONSES)}, got {response!r}")
         condition = {name: data[name] for name in CONDITION_FIELDS if data.get(name) is not None}
-        if isinstance(condition.get("prompt"), str):
-            condition["prompt"] = [condition["prompt"]]
         try:  # the engine's own checks of the condition (kinds, class range, caption shape)
             prefix = self.engine.condition.prefix(settings.cfg, **condition)
         except LanternError as e:
@@ -169,7 +167,7 @@ class ImageService:
             raise RequestError(400, "response 'png' returns one image; ask for one image or use 'json'")
         if response == "png" and "vq_decoder" not in self.engine.manifest.graphs:
             raise RequestError(400, "this engine has no VQ decoder; use response 'json' for tokens")
-        condition = _repeat(condition, prefix.images, n)
+        condition = _per_image(condition, prefix.images, n)
         request_id = request_id or uuid.uuid4().hex
         # the settings key plus what else fixes the calls' shapes: the grid and the prompt rows' length
         key = f"{settings.key}_grid{prefix.grid[0]}x{prefix.grid[1]}_prefix{prefix.ids.shape[1]}"
@@ -293,18 +291,23 @@ def error_response(status, message):
     return status, "application/json", json.dumps({"error": " ".join(message.splitlines())}).encode()
 
 
-def _repeat(condition, conditions, n):
-    """Each condition's entry n times in a row (image j of the request = condition j // n)."""
-    if n == 1:
-        return condition
-    out = dict(condition)
-    for name in ("classes", "caption", "caption_mask", "prompt", "prompt_ids"):
-        if name in out:
-            rows = out[name] if not (name == "classes" and isinstance(out[name], int)) else [out[name]]
-            if name == "prompt_ids" and rows and isinstance(rows[0], int):
-                rows = [rows]
-            if name in ("caption", "caption_mask") and np.ndim(rows) == (2 if name == "caption" else 1):
-                rows = [rows]
+ROWS = ("classes", "caption", "caption_mask", "prompt", "prompt_ids")  # condition entries given per image
+ROW_RANK = {"classes": 0, "caption": 2, "caption_mask": 1, "prompt": 0, "prompt_ids": 1}  # rank of one image's entry
+
+
+def _per_image(condition, images, n):
+    """A checked condition as lists with one entry per image, each condition n times in a row
+    (image j of the request = condition j // n); a caption without a mask gets the all-true mask
+    so every request of a caption engine has the same entries."""
+    out = {"grid": condition["grid"]} if "grid" in condition else {}
+    if "caption" in condition and "caption_mask" not in condition:
+        condition = dict(condition, caption_mask=np.ones(np.shape(condition["caption"])[:-1], dtype=bool).tolist())
+    for name in ROWS:
+        if name in condition:
+            rows = condition[name]
+            rows = [rows] if np.ndim(rows) == ROW_RANK[name] else list(rows)
+            if len(rows) != images:
+                raise RequestError(400, f"{name} has {len(rows)} entries for {images} image(s)")
             out[name] = [row for row in rows for _ in range(n)]
     return out
 
@@ -312,25 +315,12 @@ def _repeat(condition, conditions, n):
 def _concat(conditions, pad):
     """The conditions of several requests as one generate call's, plus `pad` copies of the last
     image's condition (their images are dropped)."""
-    out = {}
-    first = conditions[0]
-    if "grid" in first:
-        out["grid"] = first["grid"]
-    for name in ("classes", "caption", "caption_mask", "prompt", "prompt_ids"):
-        if name not in first:
-            continue
-        rows = []
-        for c in conditions:
-            value = c[name]
-            if name == "classes" and isinstance(value, int):
-                value = [value]
-            elif name == "prompt_ids" and value and isinstance(value[0], int):
-                value = [value]
-            elif name in ("caption", "caption_mask") and np.ndim(value) == (2 if name == "caption" else 1):
-                value = [value]
-            rows.extend(value)
-        rows.extend([rows[-1]] * pad)
-        out[name] = np.asarray(rows, dtype=np.float32) if name == "caption" else rows
+    out = {"grid": conditions[0]["grid"]} if "grid" in conditions[0] else {}
+    for name in ROWS:
+        if name in conditions[0]:
+            rows = [row for c in conditions for row in c[name]]
+            rows += [rows[-1]] * pad
+            out[name] = np.asarray(rows, dtype=np.float32) if name == "caption" else rows
     return out
 
 
