@@ -172,3 +172,15 @@ def test_caption_requests_batch_and_equal_direct_generation(t2i_engine):
         np.testing.assert_array_equal(result.tokens, direct(service, request))
     with pytest.raises(RequestError, match="t2i"):
         service.parse(body(classes=[1]))
+
+
+def test_an_api_key_file_must_exist_and_hold_a_long_key(tmp_path):
+    from lantern.runtime.errors import LanternError
+    from lantern.tools.image_service import read_api_key
+
+    (tmp_path / "key").write_text("  0123456789abcdef-key\n")
+    assert read_api_key(tmp_path / "key") == "0123456789abcdef-key"
+    (tmp_path / "short").write_text("abc\n")
+    for name, words in (("short", "at least 16"), ("missing", "cannot read")):
+        with pytest.raises(LanternError, match=words):
+            read_api_key(tmp_path / name)
