@@ -1,12 +1,12 @@
 """`lantern-run`: `generate` (the runtime's, torch-free on ONNX Runtime; `--backend torch` runs the
 graphs' PyTorch modules, rebuilt through lantern.export), `quality` (the harness), `tune` (the
 fastest draft tree for this machine) and `whatif` (the same search on a latency model from a
-file: a planning aid)."""
+file: a planning aid), `serve` (an HTTP endpoint on Ray Serve) and `client` (its client)."""
 import argparse
 import sys
 
 from lantern.runtime import cli as runtime_cli
-from lantern.tools import quality, tree_report, tune
+from lantern.tools import quality, serve, serve_client, tree_report, tune
 
 
 def _torch_backend(engine_dir, threads, device):
@@ -22,6 +22,8 @@ def build_parser():
     quality.add_parser(sub)
     tune.add_parser(sub, backend_loaders={"torch": _torch_backend})
     tree_report.add_parser(sub, "whatif")
+    serve.add_parser(sub)
+    serve_client.add_parser(sub)
     return parser
 
 

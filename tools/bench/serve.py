@@ -1,0 +1,174 @@
+"""Serving benchmark: `lantern-run serve` on this machine (loopback only) under 1, 8, 32 and 64
+concurrent clients, with 1 and 2 replicas. Prints JSON: throughput (images/s), mean images per
+generate call, p50/p99 latency per level, whether every answer is token-equal to direct
+generation of the same request, and the memory (RSS) of all Ray processes.
+
+    python -m lantern.tools.bench.serve engines/demo --max-batch 8
+
+Requests sample (default mode ar with CFG, the fastest on a CPU for the demo model), one image
+each: request i asks for class i % C with seed i % 3C, so the expected tokens of every request
+come from 3C directly generated images (per-image seeds) before the server starts.
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tree_rss(root_pid):
+    """Bytes resident in root_pid and all its descendants (Ray's processes are the driver's)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    family, frontier = {root_pid}, [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in family:
+                family.add(child)
+                frontier.append(child)
+    total = 0
+    for pid in family:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def _request(i, classes):
+    return int(classes[i % len(classes)]), i % (3 * len(classes))  # class, seed
+
+
+def _level(url, clients, requests, settings, classes, expected):
+    from lantern.tools.serve_client import post
+
+    def one(i):
+        c, seed = _request(i, classes)
+        t = time.perf_counter()
+        status, body = post(url, {"classes": [c], "seed": seed, "settings": settings}, timeout=600)
+        seconds = time.perf_counter() - t
+        if status != 200:
+            return status, seconds, None, None, False
+        correct = body["images"][0]["tokens"] == expected[c, seed]
+        return status, seconds, body["stats"]["batch_images"], body["stats"]["requested_images"], correct
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        answers = list(pool.map(one, range(requests)))
+    wall = time.perf_counter() - start
+    ok = [a for a in answers if a[0] == 200]
+    latency = np.array([a[1] for a in ok]) if ok else np.zeros(1)
+    return {
+        "clients": clients,
+        "requests": requests,
+        "answered_200": len(ok),
+        "statuses": sorted({a[0] for a in answers}),
+        "all_correct": all(a[4] for a in answers),
+        "images_per_s": len(ok) / wall,
+        # per request: the size of the generate call it rode in (padding included)
+        "mean_batch_images": float(np.mean([a[2] for a in ok])) if ok else 0.0,
+        "mean_batch_requested_images": float(np.mean([a[3] for a in ok])) if ok else 0.0,
+        "p50_s": float(np.percentile(latency, 50)),
+        "p99_s": float(np.percentile(latency, 99)),
+        "seconds": wall,
+    }
+
+
+def run(args):
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray import serve
+
+    from lantern.runtime.generator import Engine
+    from lantern.tools.image_service import ImageService
+    from lantern.tools.serve import ServeOptions
+    from lantern.tools.serve_app import build_app
+
+    settings = {"mode": args.mode, "cfg_scale": args.cfg, "lam": args.lam, "k": args.k}
+    engine = Engine(args.engine, threads=1)
+    service = ImageService(engine, max_batch=args.max_batch)  # the settings and tree the server will use
+    probe = service.parse(json.dumps({"classes": [0], "settings": settings}).encode())
+    classes = np.arange(engine.manifest.condition.num_classes)
+    wanted = [_request(i, classes) for i in range(3 * len(classes))]
+    expected = {}
+    for start in range(0, len(wanted), len(classes)):
+        part = wanted[start: start + len(classes)]
+        tokens = engine.generate(probe.settings, classes=[c for c, _ in part], seed=[s for _, s in part],
+                                 tree=service.tree_for(probe)).tokens
+        expected.update({key: row.tolist() for key, row in zip(part, tokens)})
+    del engine, service
+    report = {"engine": os.path.abspath(args.engine), "settings": settings, "max_batch": args.max_batch,
+              "cpus": os.cpu_count(), "load_average": os.getloadavg(), "replicas": {}}
+    levels = [(c, max(args.requests_per_client * c, 4 * c)) for c in args.clients]
+    for replicas in args.replicas:
+        ray.init(num_cpus=os.cpu_count(), object_store_memory=100 * 2**20, include_dashboard=False,
+                 log_to_driver=False)
+        try:
+            port = _free_port()
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            options = ServeOptions(threads=max(1, os.cpu_count() // replicas), replicas=replicas,
+                                   cpus_per_replica=min(1.0, os.cpu_count() / replicas), max_batch=args.max_batch,
+                                   batch_wait_s=args.batch_wait_ms / 1000, max_queued_requests=max(args.clients) * 2)
+            t = time.perf_counter()
+            serve.run(build_app(args.engine, options), name="lantern", route_prefix="/")
+            url = f"http://127.0.0.1:{port}"
+            result = {"startup_s": time.perf_counter() - t, "levels": []}
+            _level(url, 2, 4, settings, classes, expected)  # warm every replica's plans
+            for clients, requests in levels:
+                result["levels"].append(_level(url, clients, requests, settings, classes, expected))
+                print(json.dumps(result["levels"][-1]), file=sys.stderr, flush=True)
+            if args.long_run and replicas == max(args.replicas):
+                result["long_run"] = _level(url, max(args.clients), args.long_run, settings, classes, expected)
+            result["ray_rss_bytes"] = _tree_rss(os.getpid())
+            report["replicas"][str(replicas)] = result
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    one = report["replicas"].get(str(min(args.replicas)), {}).get("levels", [])
+    rate = {lv["clients"]: lv["images_per_s"] for lv in one}
+    if 1 in rate and 32 in rate:
+        report["speedup_32_vs_1"] = rate[32] / rate[1]
+    if len(args.replicas) > 1:
+        a, b = (report["replicas"][str(r)]["levels"][-1]["images_per_s"] for r in (min(args.replicas), max(args.replicas)))
+        report["speedup_replicas"] = b / a
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("engine")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--long-run", type=int, default=1000, help="requests at the most clients (0: skip)")
+    p.add_argument("--max-batch", type=int, default=16, help="images per generate call (64 clients = 4x)")
+    p.add_argument("--batch-wait-ms", type=float, default=100.0,
+                   help="how long a batch waits to fill (20 ms measured: half-full batches at 32-64 clients)")
+    p.add_argument("--mode", default="ar")
+    p.add_argument("--cfg", type=float, default=3.0)
+    p.add_argument("--lam", type=float, default=5.0)
+    p.add_argument("--k", type=int, default=20)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

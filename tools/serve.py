@@ -1,0 +1,112 @@
+"""`lantern-run serve ENGINE`: an HTTP image endpoint on Ray Serve around lantern.tools.image_service.
+
+Routes (JSON unless said otherwise):
+  POST /v1/images   a request (see ImageService.parse): the images as base64 PNGs with their
+                    tokens and the batch's stats, or one image/png (response "png")
+  GET  /v1/engine   what the engine serves: family, modes, condition kind, batch sizes, tuned trees
+  GET  /healthz     200 while the replica is up (no API key needed)
+Every response carries `x-request-id`. With an API key configured every route but /healthz
+needs `Authorization: Bearer KEY` (or `x-api-key: KEY`).
+
+Ray does the production work: replicas (one per GPU with --gpus-per-replica 1), request
+batching (`serve.batch`, counted in images), backpressure (a full queue is answered 503 by Ray's
+proxy at once), health checks and replacement of dead replicas, cancellation when a client
+disconnects (the generate call stops between steps once all its clients are gone), Prometheus
+metrics (Ray's metrics export, `lantern_*` names below) and multi-node clusters (--address).
+
+From Python: `start(engine_dir, ServeOptions(...), host, port)`, or
+`lantern.tools.serve_app.build_app(engine_dir, options)` for your own `serve.run` (the Ray
+application; this module imports no Ray, so `lantern-run` works without the `serve` extra).
+"""
+import json
+import os
+import signal
+import threading
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from lantern.tools.image_service import MAX_BODY_BYTES, read_api_key
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    backend: str = "onnxruntime"
+    threads: Optional[int] = None  # intra-op threads per replica (None: the backend's default)
+    replicas: int = 1
+    gpus_per_replica: float = 0.0
+    cpus_per_replica: float = 1.0
+    max_batch: int = 8  # images per generate call
+    batch_wait_s: float = 0.01  # how long a batch waits to fill
+    max_images_per_request: Optional[int] = None  # default: max_batch
+    max_queued_requests: int = 64  # beyond these (waiting for a replica) Ray answers 503 at once
+    max_body_bytes: int = MAX_BODY_BYTES
+    api_key: Optional[str] = None
+    shutdown_timeout_s: float = 60.0  # in-flight requests get this long to finish on shutdown
+
+
+def start(engine_dir, options, host="127.0.0.1", port=8000, address=None, num_cpus=None, object_store_memory=None):
+    """Connect to (address) or start a Ray cluster, start Serve's HTTP proxy on host:port and run the app."""
+    import ray
+
+    from lantern.tools.serve_app import build_app
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address:
+        ray.init(address=address, include_dashboard=False)
+    else:
+        ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False)
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(engine_dir, options), name="lantern", route_prefix="/")
+
+
+def add_parser(sub):
+    p = sub.add_parser("serve", help="serve an engine over HTTP on Ray Serve (POST /v1/images)")
+    p.add_argument("engine", help="engine directory (on every node of the cluster, at this path)")
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP proxy listens on")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", help="an existing Ray cluster (e.g. ray://head:10001 or auto); default: start one here")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--gpus-per-replica", type=float, default=0.0, help="1 pins one replica per GPU")
+    p.add_argument("--cpus-per-replica", type=float, default=1.0)
+    p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "tensorrt"))
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads per replica")
+    p.add_argument("--max-batch", type=int, default=8, help="images per generate call")
+    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="how long a batch waits to fill")
+    p.add_argument("--max-images-per-request", type=int, default=None, help="default: --max-batch")
+    p.add_argument("--max-queued-requests", type=int, default=64, help="beyond these Ray answers 503 at once")
+    p.add_argument("--api-key-file", help="file holding the API key every route but /healthz requires")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray node (without --address)")
+    p.set_defaults(func=run_serve)
+
+
+def options_from(args):
+    return ServeOptions(backend=args.backend, threads=args.threads, replicas=args.replicas,
+                        gpus_per_replica=args.gpus_per_replica, cpus_per_replica=args.cpus_per_replica,
+                        max_batch=args.max_batch, batch_wait_s=args.batch_wait_ms / 1000,
+                        max_images_per_request=args.max_images_per_request,
+                        max_queued_requests=args.max_queued_requests,
+                        api_key=read_api_key(args.api_key_file) if args.api_key_file else None)
+
+
+def run_serve(args):
+    import ray
+
+    options = options_from(args)
+    start(args.engine, options, host=args.host, port=args.port, address=args.address, num_cpus=args.num_cpus)
+    print(f"serving {args.engine} on http://{args.host}:{args.port}/v1/images "
+          f"({json.dumps({k: v for k, v in asdict(options).items() if k != 'api_key'})}); Ctrl-C stops",
+          flush=True)
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:  # Serve drains in-flight requests for up to shutdown_timeout_s, then stops
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+    return 0
