@@ -49,7 +49,7 @@ def add_parser(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mode", default=None)
     p.add_argument("--greedy", action="store_true")
-    p.add_argument("--cfg", type=float, default=None)
+    p.add_argument("--cfg-scale", type=float, default=None)
     p.add_argument("--settings", default="{}", help="more settings as JSON, e.g. '{\"lam\": 5, \"k\": 20}'")
     p.add_argument("--api-key-file")
     p.add_argument("--out", required=True, help="directory for image_*.png, tokens.npy and response.json")
@@ -63,8 +63,8 @@ def run_client(args):
         raise LanternError(f"--settings must be a JSON object, got {args.settings!r}") from None
     if args.mode is not None:
         settings["mode"] = args.mode
-    if args.cfg is not None:
-        settings["cfg_scale"] = args.cfg
+    if args.cfg_scale is not None:
+        settings["cfg_scale"] = args.cfg_scale
     if args.greedy:
         settings["greedy"] = True
     payload = {"n": args.n, "seed": args.seed, "settings": settings}

@@ -102,7 +102,7 @@ def run(args):
     from lantern.tools.serve import ServeOptions
     from lantern.tools.serve_app import build_app
 
-    settings = {"mode": args.mode, "cfg_scale": args.cfg, "lam": args.lam, "k": args.k}
+    settings = {"mode": args.mode, "cfg_scale": args.cfg_scale, "lam": args.lam, "k": args.k}
     engine = Engine(args.engine, threads=1)
     service = ImageService(engine, max_batch=args.max_batch)  # the settings and tree the server will use
     probe = service.parse(json.dumps({"classes": [0], "settings": settings}).encode())
@@ -164,7 +164,7 @@ def main(argv=None):
     p.add_argument("--batch-wait-ms", type=float, default=100.0,
                    help="how long a batch waits to fill (20 ms measured: half-full batches at 32-64 clients)")
     p.add_argument("--mode", default="ar")
-    p.add_argument("--cfg", type=float, default=3.0)
+    p.add_argument("--cfg-scale", type=float, default=3.0)
     p.add_argument("--lam", type=float, default=5.0)
     p.add_argument("--k", type=int, default=20)
     return run(p.parse_args(argv))
