@@ -19,6 +19,11 @@ A backend that serves fixed shapes only (tensorrt: the optimization profiles its
 built with) says which through `call_shapes(graph)`; the cases are then one per profile, in
 exactly those shapes (causal blocks over a partly filled cache, CFG pairs on even batches).
 
+--against polygraphy-trt (lantern.export.polygraphy_check, GPU only): the engine's TensorRT plans on
+lantern's tensorrt backend and on Polygraphy's TrtRunner (NVIDIA's own runner), the first also
+against --backend, over these cases in every profile, through Polygraphy's Comparator with the
+tolerance rule below as its compare function.
+
 Comparison per output: max |a - b| must be <= atol + rtol * max |reference| (the output's
 scale). Defaults, stated in TOLERANCES:
   fp32  atol 1e-5, rtol 1e-4   (TensorRT plans are built with TF32 off unless `lantern-export trt

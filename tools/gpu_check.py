@@ -270,7 +270,7 @@ def onnxruntime_cuda(engine_dir, cpu, opts):
     return measure(engine_dir, Engine(engine_dir, backend="onnxruntime", device="cuda"), cpu, *opts)
 
 
-def _plan_copy(engine_dir, flavor, workdir):
+def _plan_copy(engine_dir, flavor, workdir, batches):
     """A copy of the engine with plans of `flavor` for this GPU (or SM89 ahead of time for
     tensorrt-rtx without one): (directory, build record)."""
     from lantern.export.trt_export import build_engine_plans
@@ -285,7 +285,7 @@ def _plan_copy(engine_dir, flavor, workdir):
     if not os.path.isdir(copy):
         shutil.copytree(engine_dir, copy)
         start = time.perf_counter()
-        build_engine_plans(copy, flavor=flavor, compute_capabilities=cc, batches=(1, 8))
+        build_engine_plans(copy, flavor=flavor, compute_capabilities=cc, batches=tuple(batches))
         seconds = time.perf_counter() - start
     else:
         seconds = None
@@ -303,7 +303,7 @@ def tensorrt(engine_dir, cpu, opts, flavor, workdir):
         raise Skip(f"{flavor} is not installed (pip install 'lantern[{flavor}]')")
     if flavor == "tensorrt" and gpu_compute_capability() is None:
         raise Skip("full TensorRT builds and runs on the GPU it serves; none is visible here")
-    copy, out = _plan_copy(engine_dir, flavor, workdir)
+    copy, out = _plan_copy(engine_dir, flavor, workdir, opts[1])
     if gpu_compute_capability() is None:
         out["run"] = "skipped: no NVIDIA GPU visible (the plans were built ahead of time for SM89; running one needs the GPU)"
         return out
@@ -317,6 +317,23 @@ def tensorrt(engine_dir, cpu, opts, flavor, workdir):
         except Exception as e:
             out[label] = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:2000]}
     out["polygraphy"] = polygraphy_check(copy)
+    out["polygraphy_inspect"] = inspect_plans(copy, flavor)
+    return out
+
+
+def inspect_plans(engine_dir, flavor):
+    """`polygraphy inspect model PLAN` per plan: the engine's I/O per profile and its layers as
+    TensorRT built them (which the manifest cannot say: what was fused, which tactics ran)."""
+    from lantern.runtime.manifest import read_manifest
+
+    (_, build), = read_manifest(engine_dir, verify=False).tensorrt.items()
+    env = dict(os.environ, POLYGRAPHY_USE_TENSORRT_RTX="1" if flavor == "tensorrt-rtx" else "0")
+    out = {}
+    for graph, plan in build.plans.items():
+        done = subprocess.run(["polygraphy", "inspect", "model", os.path.join(engine_dir, plan.file), "--model-type",
+                               "engine", "--show", "layers"], capture_output=True, text=True, env=env, timeout=300)
+        lines = (done.stdout or done.stderr).strip().splitlines()
+        out[graph] = lines[:200] if done.returncode == 0 else {"error": " ".join(lines[-1:])[:2000]}
     return out
 
 
@@ -384,6 +401,8 @@ def main(argv=None):
             if os.path.isdir(engine_dir):
                 check_engine_dir(report, label, engine_dir, opts, args.cpu_threads, workdir)
         skipped = {k: v["skipped"] for k, v in report.data.items() if isinstance(v, dict) and "skipped" in v}
+        skipped.update({f"{k}/run": v["run"] for k, v in report.data.items()
+                        if isinstance(v, dict) and str(v.get("run", "")).startswith("skipped")})
         report.emit("skipped", skipped)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
