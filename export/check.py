@@ -19,6 +19,11 @@ A backend that serves fixed shapes only (tensorrt: the optimization profiles its
 built with) says which through `call_shapes(graph)`; the cases are then one per profile, in
 exactly those shapes (causal blocks over a partly filled cache, CFG pairs on even batches).
 
+--against polygraphy-trt (lantern.export.polygraphy_check, GPU only): the engine's TensorRT plans on
+lantern's tensorrt backend and on Polygraphy's TrtRunner (NVIDIA's own runner), the first also
+against --backend, over these cases in every profile, through Polygraphy's Comparator with the
+tolerance rule below as its compare function.
+
 Comparison per output: max |a - b| must be <= atol + rtol * max |reference| (the output's
 scale). Defaults, stated in TOLERANCES:
   fp32  atol 1e-5, rtol 1e-4   (TensorRT plans are built with TF32 off unless `lantern-export trt
@@ -55,6 +60,7 @@ import tempfile
 
 import numpy as np
 
+from lantern.export.polygraphy_check import NAME as POLYGRAPHY
 from lantern.runtime.errors import LanternError
 from lantern.runtime.contracts import GRAPHS, cache_feeds
 from lantern.runtime.manifest import read_manifest
@@ -390,31 +396,33 @@ def _upcast_engine(directory, manifest, tmp):
 
 
 def open_backends(directory, manifest, backend, against, modules=None, tmp=None):
-    """(tested, reference) backends for a check. torch runs the modules rebuilt from the sources
-    (or `modules` given); a bf16 engine runs on ONNX Runtime through an fp32 upcast copy."""
+    """(tested, reference) backends for a check (see open_check_backend)."""
+    return (open_check_backend(directory, manifest, backend, modules, tmp),
+            open_check_backend(directory, manifest, against, modules, tmp))
+
+
+def open_check_backend(directory, manifest, name, modules=None, tmp=None):
+    """One backend for a check. torch runs the modules rebuilt from the sources (or `modules`
+    given); a bf16 engine runs on ONNX Runtime through an fp32 upcast copy made in `tmp`."""
     from lantern.runtime.backends import open_backend
 
-    def one(name):
-        if name == "torch":
-            from lantern.runtime.backends.torch import TorchBackend
+    if name == "torch":
+        from lantern.runtime.backends.torch import TorchBackend
 
-            mods = modules
-            if mods is None:
-                from lantern.export.onnx_export import load_graph_modules
+        mods = modules
+        if mods is None:
+            from lantern.export.onnx_export import load_graph_modules
 
-                mods = load_graph_modules(manifest)
-            mods = {g: m for g, (_, m) in mods.items()}
-            if manifest.dtype == "bf16":  # the same bf16 weights, run in fp32 like the upcast graphs
-                mods = {g: m.float() for g, m in mods.items()}
-                return TorchBackend(mods, manifest.replace(dtype="fp32"), threads=THREADS)
-            return TorchBackend(mods, manifest, threads=THREADS)
-        where = directory
-        if name == "onnxruntime" and manifest.dtype == "bf16":
-            where = _upcast_engine(directory, manifest, tmp)
-            return open_backend(name, where, read_manifest(where), threads=THREADS, io_binding=False)
-        return open_backend(name, where, manifest, threads=THREADS)
-
-    return one(backend), one(against)
+            mods = load_graph_modules(manifest)
+        mods = {g: m for g, (_, m) in mods.items()}
+        if manifest.dtype == "bf16":  # the same bf16 weights, run in fp32 like the upcast graphs
+            mods = {g: m.float() for g, m in mods.items()}
+            return TorchBackend(mods, manifest.replace(dtype="fp32"), threads=THREADS)
+        return TorchBackend(mods, manifest, threads=THREADS)
+    if name == "onnxruntime" and manifest.dtype == "bf16":
+        where = _upcast_engine(directory, manifest, tmp)
+        return open_backend(name, where, read_manifest(where), threads=THREADS, io_binding=False)
+    return open_backend(name, directory, manifest, threads=THREADS)
 
 
 def check_engine(directory, *, backend="onnxruntime", against="torch", verify=True, atol=None, rtol=None, seed=0,
@@ -498,8 +506,10 @@ def add_parser(sub):
                        description=__doc__.split("\n\n")[0])
     p.add_argument("engine", help="engine directory (engines/NAME)")
     p.add_argument("--backend", default="onnxruntime", choices=sorted(BACKENDS), help="the backend tested")
-    p.add_argument("--against", default="torch", choices=sorted(BACKENDS),
-                   help="the reference backend (default torch: the modules rebuilt from the source checkpoints)")
+    p.add_argument("--against", default="torch", choices=sorted(BACKENDS) + [POLYGRAPHY],
+                   help="the reference backend (default torch: the modules rebuilt from the source checkpoints); "
+                        f"{POLYGRAPHY}: the engine's TensorRT plans on lantern's tensorrt backend and on Polygraphy's "
+                        "TrtRunner, each against the other and the first against --backend (needs a GPU)")
     p.add_argument("--verify-hashes", dest="verify", action="store_true", default=True,
                    help="check the sha256 of the engine files and the source checkpoints (default)")
     p.add_argument("--no-verify-hashes", dest="verify", action="store_false", help="check file sizes only")
@@ -520,8 +530,14 @@ def run(args):
     for name, value in (("--atol", args.atol), ("--rtol", args.rtol), ("--quant-tolerance", args.quant_tolerance)):
         if value is not None and not (np.isfinite(value) and value >= 0):
             raise LanternError(f"{name} must be a finite number >= 0, got {value}")
-    report = check_engine(args.engine, backend=args.backend, against=args.against, verify=args.verify,
-                          atol=args.atol, rtol=args.rtol, seed=args.seed, quant_tolerance=args.quant_tolerance)
+    if args.against == POLYGRAPHY:
+        from lantern.export.polygraphy_check import check_engine_polygraphy
+
+        report = check_engine_polygraphy(args.engine, backend=args.backend, verify=args.verify, atol=args.atol,
+                                         rtol=args.rtol, seed=args.seed)
+    else:
+        report = check_engine(args.engine, backend=args.backend, against=args.against, verify=args.verify,
+                              atol=args.atol, rtol=args.rtol, seed=args.seed, quant_tolerance=args.quant_tolerance)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

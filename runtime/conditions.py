@@ -158,7 +158,8 @@ class Prompt:
         self.style = manifest.condition.style
         self.grid = (manifest.image.grid_height, manifest.image.grid_width)
         self.vocab_size = manifest.vocabulary.size
-        self.tokenizer_path = None if manifest.condition.tokenizer is None else \
+        # directory None: ids only (lantern-export trt lays out step plans without the engine's files)
+        self.tokenizer_path = None if manifest.condition.tokenizer is None or directory is None else \
             os.path.join(directory, manifest.condition.tokenizer)
         self._tokenizer = None
 

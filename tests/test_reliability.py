@@ -534,7 +534,7 @@ def test_a_tuned_choice_is_said_in_the_summary_and_stats(c2i_engine, report, tmp
 @pytest.mark.parametrize("location", ["unlisted.bin", "../outside.bin"])
 def test_external_data_the_manifest_does_not_list_is_refused(c2i_engine, tmp_path, location):
     onnx = pytest.importorskip("onnx")
-    from lantern.runtime.manifest import sha256
+    from lantern.runtime.integrity import sha256_file as sha256
 
     d = copy(c2i_engine, tmp_path)
     model = onnx.load(os.path.join(d, "target.onnx"))

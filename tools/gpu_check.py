@@ -1,24 +1,37 @@
-"""GPU check: everything a GPU host should confirm about lantern's GPU backends, as JSON.
+"""GPU check: one prepared command that tells a GPU host's first user whether lantern's GPU paths
+work, as one JSON file.
 
-  python -m lantern.tools.gpu_check [ENGINE ...] [--demo] [--gpt GPT-B] [--out report.json]
+  python -m lantern.tools.gpu_check [ENGINE ...] [--demo] [--gpt GPT-B] [--out gpu_check.json]
+                                    [--budget-minutes 8]
 
-For every engine (the bundled demo model with --demo, a random-weight LlamaGen of --gpt's shape
-exported in fp16, and/or engine directories given) and every GPU backend present here (torch on
-CUDA with and without CUDA graphs; ONNX Runtime's CUDA provider and TensorRT when installed):
+Engines: the bundled demo model (--demo), a random-weight LlamaGen of --gpt's shape exported in
+--dtype, and/or engine directories given. For each engine, one section per backend:
+  torch-cuda-graphs / torch-cuda-eager   the torch reference on CUDA, with and without CUDA graphs
+  onnxruntime-cuda                       ONNX Runtime's CUDA execution provider
+  tensorrt / tensorrt-rtx                full TensorRT and TensorRT for RTX: plans built here for
+                                         this GPU (`lantern-export trt`), run with CUDA graphs on
+                                         and off, and checked by Polygraphy (`check --against
+                                         polygraphy-trt`, in a process of its own per flavor)
+each measuring
   exactness       greedy `exact` == greedy `ar` token for token (CFG on), and token agreement
                   with ONNX Runtime on the CPU
   numerics        worst error per output against ONNX Runtime CPU over `check`'s cases
   latency         the target's verification call L(T) for T = 1 .. 64 at a mid-generation
                   cache (median of repeats, through real step plans)
-  throughput      images/s for `ar`, `exact` and `lantern++` (sampling, CFG 3) at batch 1
-                  and a batch, with and without CUDA graphs, and what a speculative step costs
-                  in AR steps
-It prints one JSON object per section as it goes (so a run cut short still says what it
-measured) and the whole report at the end. Prepared to fit in a few minutes on one GPU.
+  throughput      images/s, ms/step and host share for `ar`, `exact` and `lantern++` (sampling,
+                  CFG 3) at batch 1 and a batch, and what a speculative step costs in AR steps
+A section that cannot run here says why ({"skipped": reason}); one that fails is one line
+({"error": "..."}); the others still run. Sections past the time budget are skipped, so the
+command ends within it. Without a GPU the GPU-less parts still run: the engines' export and
+TensorRT-RTX plans built ahead of time for SM89 (build seconds, plan sizes).
+It prints one JSON object per section as it goes (a run cut short still says what it measured),
+rewrites --out after each, and prints the whole report at the end.
 """
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -26,51 +39,73 @@ import time
 import numpy as np
 
 
-def emit(report, key, value, out):
-    report[key] = value
-    print(json.dumps({key: value}), flush=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump(report, f, indent=2)
+class Skip(Exception):
+    """A section that does not apply here; its message says why."""
 
 
-def gpu_backends(engine_dir):
-    """{label: backend factory} for the GPU backends available on this host."""
-    import torch
+class Report:
+    """The report as it grows: one entry per section, written to `out` after each; sections
+    started after the deadline are skipped."""
 
-    from lantern.export.onnx_export import open_torch_backend
+    def __init__(self, out, budget_seconds):
+        self.out, self.data = out, {}
+        self.deadline = time.monotonic() + budget_seconds
 
-    found = {}
-    if torch.cuda.is_available():
-        found["torch-cuda-graphs"] = lambda: open_torch_backend(engine_dir, device="cuda")
-        found["torch-cuda-eager"] = lambda: _torch_eager(engine_dir)
+    def emit(self, key, value):
+        self.data[key] = value
+        print(json.dumps({key: value}), flush=True)
+        if self.out:
+            with open(self.out, "w") as f:
+                json.dump(self.data, f, indent=2)
+
+    def section(self, key, fn, *args):
+        """Run one section: its dict, {"skipped": why} or {"error": one line}."""
+        if time.monotonic() > self.deadline:
+            self.emit(key, {"skipped": "time budget spent (--budget-minutes)"})
+            return None
+        start = time.perf_counter()
+        try:
+            value = fn(*args)
+            value["seconds"] = round(time.perf_counter() - start, 1)
+        except Skip as e:
+            value = {"skipped": str(e)}
+        except Exception as e:  # a broken backend must not hide the others' results
+            value = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:2000]}
+        self.emit(key, value)
+        return value
+
+
+def cuda_visible():
+    """The GPU torch sees ("NVIDIA H200, SM90"), or None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"{torch.cuda.get_device_name(0)}, SM{major}{minor}"
+
+
+def environment():
+    import importlib
+
+    env = {"python": sys.version.split()[0], "gpu": cuda_visible()}
+    for module in ("torch", "onnxruntime", "tensorrt", "tensorrt_rtx", "polygraphy", "cuda.bindings"):
+        try:
+            env[module] = getattr(importlib.import_module(module), "__version__", "installed")
+        except ImportError:
+            env[module] = None
     try:
         import onnxruntime as ort
 
-        if "CUDAExecutionProvider" in ort.get_available_providers():
-            found["onnxruntime-cuda"] = lambda: "onnxruntime"
+        env["onnxruntime_providers"] = ort.get_available_providers()
     except ImportError:
         pass
-    return found
+    from lantern.runtime.backends.cuda import gpu_compute_capability
 
-
-def _torch_eager(engine_dir):
-    from lantern.export.onnx_export import load_graph_modules
-    from lantern.runtime.backends.torch import TorchBackend
-    from lantern.runtime.manifest import read_manifest
-
-    manifest = read_manifest(engine_dir)
-    modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
-    return TorchBackend(modules, manifest, device="cuda", cuda_graphs=False)
-
-
-def open_engine(engine_dir, label, factory):
-    from lantern.runtime.generator import Engine
-
-    backend = factory()
-    if label == "onnxruntime-cuda":
-        return Engine(engine_dir, backend="onnxruntime", device="cuda")
-    return Engine(engine_dir, backend=backend)
+    env["compute_capability"] = gpu_compute_capability()
+    return env
 
 
 def classes_for(engine, n):
@@ -100,8 +135,9 @@ def numerics(engine, cpu):
 
     rng = np.random.default_rng(0)
     worst = {}
+    fixed = getattr(engine.backend, "call_shapes", None)  # tensorrt: only its profiles' shapes
     for graph in engine.manifest.graphs:
-        for case, feeds in check_cases(graph, engine.manifest, rng):
+        for case, feeds in check_cases(graph, engine.manifest, rng, fixed(graph) if fixed else None):
             call = Call(graph, case, feeds)
             got = {k: engine.backend.numpy(v) for k, v in engine.backend.run(call).items()}
             want = {k: cpu.backend.numpy(v) for k, v in cpu.backend.run(call).items()}
@@ -116,8 +152,14 @@ def numerics(engine, cpu):
 
 
 def latency(engine, tokens, repeats):
+    """L(T) of the target's verification call (tensorrt: the T its plans' profiles serve)."""
     from lantern.tools.latency import verify_latency
 
+    plans = getattr(engine.backend, "plans", None)
+    if plans is not None and "target" in plans.plans:  # exact profiles: the one-image T they were built for
+        served = {p.shapes["input_ids"]["opt"][1] for p in plans.plans["target"].profiles
+                  if p.shapes["input_ids"]["opt"][0] == 1}
+        tokens = tuple(t for t in tokens if t in served) or tuple(sorted(served))
     capacity = (engine.manifest.condition.tokens or 8) + engine.manifest.image.tokens
     curve = verify_latency(engine, tokens, images=1, context=min(256, capacity - max(tokens)), repeats=repeats)
     base = curve[tokens[0]]
@@ -181,27 +223,160 @@ def export_gpt(root, model, dtype):
     return out
 
 
-def check_engine_dir(label, engine_dir, report, out, tokens, batches, repeats, cpu_threads):
+def measure(engine_dir, engine, cpu, tokens, batches, repeats, numerics_too=True):
+    """The measurements of one opened GPU engine against ONNX Runtime CPU (`cpu`, or None); a
+    measurement that fails is one line and the others still run."""
+    parts = {"latency_verify": lambda: latency(engine, tokens, repeats),
+             "throughput": lambda: throughput(engine, batches, max(2, repeats // 2))}
+    if cpu is not None:
+        parts = {"exactness": lambda: exactness(engine, cpu),
+                 **({"numerics_vs_onnxruntime_cpu": lambda: numerics(engine, cpu)} if numerics_too else {}), **parts}
+    out = {}
+    for name, fn in parts.items():
+        try:
+            out[name] = fn()
+        except Exception as e:
+            out[name] = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:2000]}
+    return out
+
+
+def torch_cuda(engine_dir, cpu, opts, cuda_graphs):
+    if cuda_visible() is None:
+        raise Skip("torch sees no CUDA device")
+    from lantern.export.onnx_export import load_graph_modules, open_torch_backend
+    from lantern.runtime.backends.torch import TorchBackend
+    from lantern.runtime.generator import Engine
+    from lantern.runtime.manifest import read_manifest
+
+    if cuda_graphs:
+        backend = open_torch_backend(engine_dir, device="cuda")
+    else:
+        manifest = read_manifest(engine_dir)
+        modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
+        backend = TorchBackend(modules, manifest, device="cuda", cuda_graphs=False)
+    return measure(engine_dir, Engine(engine_dir, backend=backend), cpu, *opts, numerics_too=cuda_graphs)
+
+
+def onnxruntime_cuda(engine_dir, cpu, opts):
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise Skip("onnxruntime is not installed") from None
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise Skip("ONNX Runtime has no CUDAExecutionProvider here (pip install 'lantern[gpu]' instead of the CPU "
+                   "wheel, on a host with an NVIDIA driver)")
+    from lantern.runtime.generator import Engine
+
+    return measure(engine_dir, Engine(engine_dir, backend="onnxruntime", device="cuda"), cpu, *opts)
+
+
+def _plan_copy(engine_dir, flavor, workdir, batches):
+    """A copy of the engine with plans of `flavor` for this GPU (or SM89 ahead of time for
+    tensorrt-rtx without one): (directory, build record)."""
+    from lantern.export.trt_export import build_engine_plans
+    from lantern.runtime.backends.cuda import gpu_compute_capability
+    from lantern.runtime.backends.tensorrt_plans import rtx_targets
+    from lantern.runtime.manifest import read_manifest
+
+    gpu = gpu_compute_capability()
+    if flavor == "tensorrt-rtx" and gpu is not None and gpu not in rtx_targets():
+        raise Skip(f"TensorRT for RTX does not target this GPU ({gpu}; it builds for {', '.join(sorted(rtx_targets()))})")
+    cc = ["current"] if gpu is not None else ["89"]
+    copy = os.path.join(workdir, f"{os.path.basename(os.path.normpath(engine_dir))}-{flavor}")
+    if not os.path.isdir(copy):
+        shutil.copytree(engine_dir, copy)
+        start = time.perf_counter()
+        build_engine_plans(copy, flavor=flavor, compute_capabilities=cc, batches=tuple(batches))
+        seconds = time.perf_counter() - start
+    else:
+        seconds = None
+    (key, build), = read_manifest(copy, verify=False).tensorrt.items()
+    plans = {g: os.path.getsize(os.path.join(copy, p.file)) for g, p in build.plans.items()}
+    return copy, {"plans": key, "version": build.version, "build_seconds": seconds and round(seconds, 1),
+                  "plan_bytes": plans, "profiles": {g: len(p.profiles) for g, p in build.plans.items()}}
+
+
+def tensorrt(engine_dir, cpu, opts, flavor, workdir):
+    from lantern.export.tensorrt_build import available_flavors
+    from lantern.runtime.backends.cuda import gpu_compute_capability
+
+    if flavor not in available_flavors():
+        raise Skip(f"{flavor} is not installed (pip install 'lantern[{flavor}]')")
+    if flavor == "tensorrt" and gpu_compute_capability() is None:
+        raise Skip("full TensorRT builds and runs on the GPU it serves; none is visible here")
+    copy, out = _plan_copy(engine_dir, flavor, workdir, opts[1])
+    if gpu_compute_capability() is None:
+        out["run"] = "skipped: no NVIDIA GPU visible (the plans were built ahead of time for SM89; running one needs the GPU)"
+        return out
+    from lantern.runtime.generator import Engine
+
+    for graphs in (True, False):
+        label = "cuda_graphs" if graphs else "no_cuda_graphs"
+        try:
+            engine = Engine(copy, backend="tensorrt", flavor=flavor, cuda_graphs=graphs)
+            out[label] = measure(copy, engine, cpu, *opts, numerics_too=graphs)
+        except Exception as e:
+            out[label] = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:2000]}
+    out["polygraphy"] = polygraphy_check(copy)
+    out["polygraphy_inspect"] = inspect_plans(copy, flavor)
+    return out
+
+
+def inspect_plans(engine_dir, flavor):
+    """`polygraphy inspect model PLAN` per plan: the engine's I/O per profile and its layers as
+    TensorRT built them (which the manifest cannot say: what was fused, which tactics ran)."""
+    from lantern.runtime.manifest import read_manifest
+
+    (_, build), = read_manifest(engine_dir, verify=False).tensorrt.items()
+    env = dict(os.environ, POLYGRAPHY_USE_TENSORRT_RTX="1" if flavor == "tensorrt-rtx" else "0")
+    out = {}
+    for graph, plan in build.plans.items():
+        done = subprocess.run(["polygraphy", "inspect", "model", os.path.join(engine_dir, plan.file), "--model-type",
+                               "engine", "--show", "layers"], capture_output=True, text=True, env=env, timeout=300)
+        lines = (done.stdout or done.stderr).strip().splitlines()
+        out[graph] = lines[:200] if done.returncode == 0 else {"error": " ".join(lines[-1:])[:2000]}
+    return out
+
+
+def polygraphy_check(engine_dir):
+    """`lantern-export check --against polygraphy-trt` in a process of its own (Polygraphy binds
+    one TensorRT flavor per process): ok, failures and the worst rows."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        done = subprocess.run([sys.executable, "-m", "lantern.export.cli", "check", engine_dir, "--against",
+                               "polygraphy-trt", "--no-verify-hashes", "--json", f.name],
+                              capture_output=True, text=True, timeout=600)
+        if done.returncode not in (0, 1):
+            return {"error": " ".join((done.stderr or done.stdout).strip().splitlines()[-1:])[:2000]}
+        report = json.load(open(f.name))
+    worst = {}
+    for r in report["results"]:
+        key = f"{r['graph']}/{r['output']} {r['case'].split(': ', 1)[-1]}"
+        if "max_abs" in r and (key not in worst or r["max_abs"] > worst[key]["max_abs"]):
+            worst[key] = {"max_abs": r["max_abs"], "bound": r["bound"], "ok": r["ok"]}
+    return {"ok": report["ok"], "outputs_compared": len(report["results"]), "failures": report["failures"][:10],
+            "worst": worst}
+
+
+def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir):
     from lantern.runtime.generator import Engine
     from lantern.runtime.manifest import read_manifest
 
     # ONNX Runtime's CPU provider runs fp32/fp16 engines: the reference for the GPU backends
     cpu = Engine(engine_dir, threads=cpu_threads) if read_manifest(engine_dir).dtype != "bf16" else None
-    for name, factory in gpu_backends(engine_dir).items():
-        key = f"{label}/{name}"
-        try:
-            t = time.perf_counter()
-            engine = open_engine(engine_dir, name, factory)
-            section = {"open_seconds": round(time.perf_counter() - t, 2)}
-            if cpu is not None:
-                section["exactness"] = exactness(engine, cpu)
-                if name != "torch-cuda-eager":
-                    section["numerics_vs_onnxruntime_cpu"] = numerics(engine, cpu)
-            section["latency_verify"] = latency(engine, tokens, repeats)
-            section["throughput"] = throughput(engine, batches, max(2, repeats // 2))
-            emit(report, key, section, out)
-        except Exception as e:  # a broken backend must not hide the others' results
-            emit(report, key, {"error": f"{type(e).__name__}: {e}"}, out)
+    report.section(f"{label}/torch-cuda-graphs", torch_cuda, engine_dir, cpu, opts, True)
+    report.section(f"{label}/torch-cuda-eager", torch_cuda, engine_dir, cpu, opts, False)
+    report.section(f"{label}/onnxruntime-cuda", onnxruntime_cuda, engine_dir, cpu, opts)
+    for flavor in ("tensorrt", "tensorrt-rtx"):
+        report.section(f"{label}/{flavor}", tensorrt, engine_dir, cpu, opts, flavor, workdir)
+
+
+def device_acceptance_section(batches, repeats):
+    """Acceptance on the device vs the logits copied to the host and numpy, GPT-B shapes."""
+    if cuda_visible() is None:
+        raise Skip("no CUDA device visible to torch")
+    from lantern.tools.bench.device_step import device_acceptance
+
+    return {"runs": device_acceptance("cuda", batches, repeats)}
 
 
 def main(argv=None):
@@ -213,36 +388,37 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--cpu-threads", type=int, default=8)
+    p.add_argument("--budget-minutes", type=float, default=8.0,
+                   help="sections that would start later are skipped (default 8)")
     p.add_argument("--out", help="write the report here as it grows")
     args = p.parse_args(argv)
 
-    import torch
-
-    report = {}
-    env = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
-    if torch.cuda.is_available():
-        env.update(device=torch.cuda.get_device_name(0), capability=".".join(map(str, torch.cuda.get_device_capability(0))))
-    emit(report, "environment", env, args.out)
+    report = Report(args.out, 60 * args.budget_minutes)
+    report.section("environment", environment)
     tokens = (1, 2, 4, 8, 16, 26, 32, 48, 58, 64)
-    batches = [int(b) for b in args.batches.split(",")]
-    root = tempfile.mkdtemp(prefix="lantern-gpu-")
-    targets = [(os.path.basename(os.path.normpath(d)), d) for d in args.engines]
-    if args.demo:
-        t = time.perf_counter()
-        targets.append(("demo", export_demo(root)))
-        emit(report, "demo_export_seconds", round(time.perf_counter() - t, 1), args.out)
-    if args.gpt:
-        t = time.perf_counter()
-        targets.append((f"{args.gpt}-{args.dtype}", export_gpt(root, args.gpt, args.dtype)))
-        emit(report, "gpt_export_seconds", round(time.perf_counter() - t, 1), args.out)
-    for label, engine_dir in targets:
-        check_engine_dir(label, engine_dir, report, args.out, tokens, batches, args.repeats, args.cpu_threads)
-    if torch.cuda.is_available():  # acceptance on the device vs logits to the host, GPT-B shapes
-        from lantern.tools.bench.device_step import device_acceptance
-
-        emit(report, "device_acceptance", device_acceptance("cuda", batches, max(args.repeats, 10)), args.out)
-    print(json.dumps(report, indent=2))
-    return 0
+    opts = (tokens, [int(b) for b in args.batches.split(",")], args.repeats)
+    workdir = tempfile.mkdtemp(prefix="lantern-gpu-")
+    try:
+        targets = [(os.path.basename(os.path.normpath(d)), d) for d in args.engines]
+        if args.demo:
+            if report.section("demo/export", lambda: {"engine": export_demo(workdir)}):
+                targets.append(("demo", os.path.join(workdir, "demo")))
+        if args.gpt:
+            label = f"{args.gpt}-{args.dtype}"
+            if report.section(f"{label}/export", lambda: {"engine": export_gpt(workdir, args.gpt, args.dtype)}):
+                targets.append((label, os.path.join(workdir, args.gpt)))
+        for label, engine_dir in targets:
+            if os.path.isdir(engine_dir):
+                check_engine_dir(report, label, engine_dir, opts, args.cpu_threads, workdir)
+        report.section("device_acceptance", device_acceptance_section, opts[1], max(args.repeats, 10))
+        skipped = {k: v["skipped"] for k, v in report.data.items() if isinstance(v, dict) and "skipped" in v}
+        skipped.update({f"{k}/run": v["run"] for k, v in report.data.items()
+                        if isinstance(v, dict) and str(v.get("run", "")).startswith("skipped")})
+        report.emit("skipped", skipped)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(json.dumps(report.data, indent=2))
+    return 0 if not any(isinstance(v, dict) and "error" in v for v in report.data.values()) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,272 @@
+"""Polygraphy (NVIDIA's inference debugging toolkit) as an independent check of lantern's TensorRT
+path: `lantern-export check ENGINE --against polygraphy-trt`.
+
+Polygraphy's `TrtRunner` is NVIDIA's own, separately written runner (set shapes, set addresses,
+`execute_async_v3`, copy the outputs to the host, synchronise per call: a checker, not a runtime).
+`check --against polygraphy-trt` runs, over `check`'s cases in every profile of every plan, three
+runners through Polygraphy's `Comparator` on the same feeds: lantern's tensorrt backend, a
+`TrtRunner` on the same plan bytes, and the `--backend` (default ONNX Runtime). The compare
+function is `check`'s tolerance rule (max |a - b| <= atol + rtol * max |reference| per output;
+the drafter's top-k ids at ranks clear of a near-tie), so a pass means what `check` means.
+
+`polygraphy_plan` builds a plan with Polygraphy's loaders (`NetworkFromOnnxPath` ->
+`CreateConfig` + `PostprocessConfig` -> `EngineBytesFromNetwork`), configured the way
+lantern.export.tensorrt_build configures its builder; tests require identical bytes, so the two
+builders stay in step. (TensorRT-RTX 1.7 writes a plan's I/O records in an order that differs
+between the first and a later build in one process: compare first builds of fresh processes.)
+
+Polygraphy picks its TensorRT module once, when it is first imported:
+POLYGRAPHY_USE_TENSORRT_RTX=1 makes it `tensorrt_rtx`. `load_polygraphy` sets that variable for
+the flavor asked for and refuses a process where Polygraphy was already imported for the other.
+"""
+import collections
+import importlib
+import os
+import sys
+import time
+
+import numpy as np
+
+from lantern.runtime.errors import LanternError
+
+NAME = "polygraphy-trt"
+_INSTALL = "pip install 'lantern[polygraphy]' (with 'lantern[tensorrt]' or 'lantern[tensorrt-rtx]')"
+
+
+def load_polygraphy(flavor=None):
+    """Import Polygraphy for a TensorRT flavor ("tensorrt", "tensorrt-rtx"; None: no TensorRT is
+    used, any setting does). Returns the polygraphy module."""
+    rtx = flavor == "tensorrt-rtx"
+    if "polygraphy" not in sys.modules and flavor is not None:
+        os.environ["POLYGRAPHY_USE_TENSORRT_RTX"] = "1" if rtx else "0"  # read once, at import
+    try:
+        polygraphy = importlib.import_module("polygraphy")
+        config = importlib.import_module("polygraphy.config")
+    except ImportError as e:
+        raise LanternError(f"polygraphy is not installed ({e}); {_INSTALL}") from None
+    if flavor is not None and config.USE_TENSORRT_RTX != rtx:
+        raise LanternError(f"Polygraphy was imported in this process for {'tensorrt-rtx' if config.USE_TENSORRT_RTX else 'tensorrt'}"
+                           f" and cannot switch to {flavor}; run the {flavor} check in a process of its own")
+    return polygraphy
+
+
+def _quiet():
+    from polygraphy.logger import G_LOGGER
+
+    return G_LOGGER.verbosity(G_LOGGER.ERROR)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a plan with Polygraphy's loaders
+
+
+def polygraphy_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, tf32=False):
+    """Plan bytes built by Polygraphy's loaders for `profiles` ([{input: (min, opt, max)}]),
+    with the settings lantern's builder uses: strongly typed, TF32 off unless asked,
+    REQUIRE_USER_ALLOCATION where the flavor has it, TensorRT's default profiling verbosity, and
+    (tensorrt-rtx) the compute capabilities, e.g. ["SM89"]."""
+    from lantern.export.tensorrt_build import load_tensorrt, normalise_compute_capability
+
+    load_polygraphy(flavor)
+    trt = load_tensorrt(flavor)
+    from polygraphy.backend.trt import CreateConfig, EngineBytesFromNetwork, NetworkFromOnnxPath, PostprocessConfig
+    from polygraphy.backend.trt import Profile
+    from polygraphy.exception import PolygraphyException
+
+    targets = [normalise_compute_capability(c) for c in compute_capabilities or []]
+
+    def configure(builder, network, config):
+        # Polygraphy's CreateConfig sets its own profiling verbosity (DETAILED); lantern keeps TensorRT's
+        config.profiling_verbosity = builder.create_builder_config().profiling_verbosity
+        if tf32:
+            config.set_flag(trt.BuilderFlag.TF32)
+        else:
+            config.clear_flag(trt.BuilderFlag.TF32)
+        if hasattr(trt.BuilderFlag, "REQUIRE_USER_ALLOCATION"):
+            config.set_flag(trt.BuilderFlag.REQUIRE_USER_ALLOCATION)
+        if targets and flavor == "tensorrt-rtx":
+            config.num_compute_capabilities = len(targets)
+            for i, name in enumerate(targets):
+                config.set_compute_capability(trt.ComputeCapability.__members__[name], i)
+
+    pg_profiles = []
+    for profile in profiles:
+        p = Profile()
+        for name, (lo, opt, hi) in profile.items():
+            p.add(name, lo, opt, hi)
+        pg_profiles.append(p)
+    network = NetworkFromOnnxPath(os.fspath(onnx_path), strongly_typed=True)
+    config = PostprocessConfig(CreateConfig(profiles=pg_profiles), configure)
+    try:
+        with _quiet():
+            return bytes(EngineBytesFromNetwork(network, config=config)())
+    except PolygraphyException as e:
+        raise LanternError(f"{onnx_path}: Polygraphy could not build a plan: {' '.join(str(e).split())}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Runners and the compare function
+
+
+def backend_runner(backend, graph, manifest, name):
+    """A Polygraphy runner (`BaseRunner`) that runs one graph of an engine on a lantern backend."""
+    from polygraphy.backend.base import BaseRunner
+
+    from lantern.runtime.plan import Call
+
+    entry = manifest.graphs[graph]
+
+    class LanternRunner(BaseRunner):
+        def __init__(self):
+            super().__init__(name=name)
+
+        def get_input_metadata_impl(self):
+            from polygraphy.common import TensorMetadata
+
+            meta = TensorMetadata()
+            for input_name, spec in entry.inputs.items():
+                dtype = np.float32 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)  # bf16 feeds come upcast
+                meta.add(input_name, dtype, [d if isinstance(d, int) else None for d in spec.shape])
+            return meta
+
+        def infer_impl(self, feed_dict):
+            start = time.perf_counter()
+            feeds = {k: np.array(v, copy=True) for k, v in feed_dict.items()}  # in-place graphs update their caches
+            out = backend.run(Call(graph, "polygraphy", feeds))
+            result = collections.OrderedDict((k, backend.numpy(out[k])) for k in entry.outputs)
+            self.inference_time = time.perf_counter() - start
+            return result
+
+    return LanternRunner()
+
+
+def _as_numpy(value):
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach"):  # a torch tensor (Polygraphy's TrtRunner returns them for torch feeds)
+        value = value.detach().cpu()
+        return (value.float() if str(value.dtype) == "torch.bfloat16" else value).numpy()
+    return np.asarray(value)
+
+
+class ToleranceCompare:
+    """A Polygraphy compare function holding `check`'s rule: called with two runners'
+    IterationResults, returns {output: passed} and keeps one `check` result row per output in
+    `rows` (graph, case, pair of runners, max abs / rel error, bound)."""
+
+    def __init__(self, graph, atol, rtol, case_names):
+        self.graph, self.atol, self.rtol = graph, atol, rtol
+        self.case_names = list(case_names)  # one per iteration, in data-loader order
+        self.rows = []
+        self._calls = collections.Counter()
+
+    def __call__(self, run0, run1):
+        from lantern.export.check import IMAGE_ATOL, _compare_float, _compare_ids
+
+        pair = (run0.runner_name, run1.runner_name)
+        case = self.case_names[min(self._calls[pair], len(self.case_names) - 1)]
+        self._calls[pair] += 1
+        got = {k: _as_numpy(v) for k, v in run0.items()}
+        want = {k: _as_numpy(v) for k, v in run1.items()}
+        verdict = collections.OrderedDict()
+        for output in want:
+            if output not in got:
+                result = {"ok": False, "note": f"{pair[0]} gave no {output}"}
+            elif output == "topk_ids":
+                result = _compare_ids(got[output], want[output], got["topk_probs"], want["topk_probs"])
+            else:
+                atol = max(self.atol, IMAGE_ATOL) if self.graph == "vq_decoder" else self.atol
+                result = _compare_float(got[output].astype(np.float32), want[output].astype(np.float32), atol, self.rtol)
+            self.rows.append({"graph": self.graph, "case": f"{case}: {pair[0]} vs {pair[1]}", "output": output, **result})
+            verdict[output] = bool(result["ok"])
+        return verdict
+
+
+def compare_runners(runners, feeds, compare, comparisons=None):
+    """Run Polygraphy runners over the same feeds ([{input: array}]) with Polygraphy's
+    Comparator and judge them with `compare` (default comparisons: each runner against the next).
+    Returns True iff every comparison passed."""
+    from polygraphy.comparator import Comparator
+    from polygraphy.exception import PolygraphyException
+
+    try:
+        with _quiet():
+            results = Comparator.run(runners, data_loader=feeds)
+            return bool(Comparator.compare_accuracy(results, compare_func=compare, comparisons=comparisons))
+    except PolygraphyException as e:
+        raise LanternError(f"Polygraphy's Comparator failed: {' '.join(str(e).split())}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# check --against polygraphy-trt
+
+
+def _trt_feeds(feeds, engine):
+    """A case's feeds as the plan takes them: bf16 tensors as torch bfloat16 (numpy has none)."""
+    out = {}
+    for name, value in feeds.items():
+        if engine.get_tensor_dtype(name).name == "BF16":
+            import torch
+
+            value = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)).to(torch.bfloat16).cuda()
+        out[name] = value
+    return out
+
+
+def check_engine_polygraphy(directory, *, backend="onnxruntime", verify=True, atol=None, rtol=None, seed=0):
+    """Compare lantern's tensorrt backend, Polygraphy's TrtRunner on the same plans and `backend`
+    over `check`'s cases in every profile of every plan. Needs an NVIDIA GPU (reading a plan
+    does). Returns a report shaped like lantern.export.check.check_engine's."""
+    import tempfile
+
+    from lantern.export.check import BF16_COMPUTED, TOLERANCES, check_cases, open_check_backend
+    from lantern.runtime.backends.cuda import gpu_compute_capability
+    from lantern.runtime.backends.tensorrt import TensorRTBackend
+    from lantern.runtime.manifest import read_manifest
+
+    directory = os.fspath(directory)
+    if backend in ("tensorrt", NAME):
+        raise LanternError(f"--against {NAME} compares lantern's tensorrt backend and Polygraphy's TrtRunner; "
+                           f"--backend names the third runner (onnxruntime or torch), not {backend}")
+    if gpu_compute_capability() is None:
+        raise LanternError(f"--against {NAME} runs the engine's TensorRT plans, and reading a plan needs an NVIDIA GPU "
+                           f"and driver; none is visible here (compare the ONNX graphs with `lantern-export check "
+                           f"{directory}` instead)")
+    manifest = read_manifest(directory, verify=verify)
+    if not manifest.tensorrt:
+        raise LanternError(f"{directory} has no TensorRT plans to check; build them with `lantern-export trt {directory}`")
+    default_atol, default_rtol = BF16_COMPUTED if manifest.dtype == "bf16" else TOLERANCES[manifest.dtype]
+    atol = default_atol if atol is None else atol
+    rtol = default_rtol if rtol is None else rtol
+    trt_backend = TensorRTBackend(directory, manifest)
+    load_polygraphy(trt_backend.plans.flavor)
+    from polygraphy.backend.trt import TrtRunner
+
+    class FeedsAsPlanTakes(TrtRunner):
+        def infer(self, feed_dict, *args, **kwargs):
+            return super().infer(_trt_feeds(feed_dict, self.engine), *args, **kwargs)
+
+    rng = np.random.default_rng(seed)
+    rows, ok = [], True
+    with tempfile.TemporaryDirectory() as tmp:
+        third = open_check_backend(directory, manifest, backend, tmp=tmp)
+        for graph, plan_file in trt_backend.plans.plans.items():
+            engine = trt_backend.engines[graph]  # the same deserialized plan for both TensorRT runners
+            for index, profile in enumerate(plan_file.profiles):
+                label = profile.serves[0] if profile.serves else f"profile{index}"
+                points = ["opt"] + [k for k in ("min", "max") if any(r[k] != r["opt"] for r in profile.shapes.values())]
+                shapes = [(label if p == "opt" else f"{label} {p}", {n: tuple(r[p]) for n, r in profile.shapes.items()})
+                          for p in points]
+                cases = check_cases(graph, manifest, rng, shapes)
+                compare = ToleranceCompare(graph, atol, rtol, [name for name, _ in cases])
+                runners = [backend_runner(trt_backend, graph, manifest, "tensorrt"),
+                           FeedsAsPlanTakes(engine, name=NAME, optimization_profile=index, allocation_strategy="profile"),
+                           backend_runner(third, graph, manifest, backend)]
+                ok &= compare_runners(runners, [feeds for _, feeds in cases], compare, comparisons=[(0, 1), (0, 2)])
+                rows += compare.rows
+    failures = [f"{r['graph']}/{r['case']}/{r['output']}: " + (r.get("note") or f"max abs error {r['max_abs']:.3g} > "
+                                                               f"bound {r['bound']:.3g}") for r in rows if not r["ok"]]
+    return {"engine": directory, "dtype": manifest.dtype, "backend": "tensorrt", "against": f"{NAME} and {backend}",
+            "atol": atol, "rtol": rtol, "quantization": {}, "ok": ok and not failures, "results": rows,
+            "failures": failures}
+
