@@ -140,46 +140,13 @@ def backend_runner(backend, graph, manifest, name):
     return LanternRunner()
 
 
-def _as_numpy(value):
+def as_numpy(value):
     if isinstance(value, np.ndarray):
         return value
     if hasattr(value, "detach"):  # a torch tensor (Polygraphy's TrtRunner returns them for torch feeds)
         value = value.detach().cpu()
         return (value.float() if str(value.dtype) == "torch.bfloat16" else value).numpy()
     return np.asarray(value)
-
-
-class ToleranceCompare:
-    """A Polygraphy compare function holding `check`'s rule: called with two runners'
-    IterationResults, returns {output: passed} and keeps one `check` result row per output in
-    `rows` (graph, case, pair of runners, max abs / rel error, bound)."""
-
-    def __init__(self, graph, atol, rtol, case_names):
-        self.graph, self.atol, self.rtol = graph, atol, rtol
-        self.case_names = list(case_names)  # one per iteration, in data-loader order
-        self.rows = []
-        self._calls = collections.Counter()
-
-    def __call__(self, run0, run1):
-        from lantern.export.check import IMAGE_ATOL, _compare_float, _compare_ids
-
-        pair = (run0.runner_name, run1.runner_name)
-        case = self.case_names[min(self._calls[pair], len(self.case_names) - 1)]
-        self._calls[pair] += 1
-        got = {k: _as_numpy(v) for k, v in run0.items()}
-        want = {k: _as_numpy(v) for k, v in run1.items()}
-        verdict = collections.OrderedDict()
-        for output in want:
-            if output not in got:
-                result = {"ok": False, "note": f"{pair[0]} gave no {output}"}
-            elif output == "topk_ids":
-                result = _compare_ids(got[output], want[output], got["topk_probs"], want["topk_probs"])
-            else:
-                atol = max(self.atol, IMAGE_ATOL) if self.graph == "vq_decoder" else self.atol
-                result = _compare_float(got[output].astype(np.float32), want[output].astype(np.float32), atol, self.rtol)
-            self.rows.append({"graph": self.graph, "case": f"{case}: {pair[0]} vs {pair[1]}", "output": output, **result})
-            verdict[output] = bool(result["ok"])
-        return verdict
 
 
 def compare_runners(runners, feeds, compare, comparisons=None):
@@ -201,7 +168,7 @@ def compare_runners(runners, feeds, compare, comparisons=None):
 # check --against polygraphy-trt
 
 
-def _trt_feeds(feeds, engine):
+def trt_feeds(feeds, engine):
     """A case's feeds as the plan takes them: bf16 tensors as torch bfloat16 (numpy has none)."""
     out = {}
     for name, value in feeds.items():
@@ -211,62 +178,3 @@ def _trt_feeds(feeds, engine):
             value = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)).to(torch.bfloat16).cuda()
         out[name] = value
     return out
-
-
-def check_engine_polygraphy(directory, *, backend="onnxruntime", verify=True, atol=None, rtol=None, seed=0):
-    """Compare lantern's tensorrt backend, Polygraphy's TrtRunner on the same plans and `backend`
-    over `check`'s cases in every profile of every plan. Needs an NVIDIA GPU (reading a plan
-    does). Returns a report shaped like lantern.export.check.check_engine's."""
-    import tempfile
-
-    from lantern.export.check import BF16_COMPUTED, TOLERANCES, check_cases, open_check_backend
-    from lantern.runtime.backends.cuda import gpu_compute_capability
-    from lantern.runtime.backends.tensorrt import TensorRTBackend
-    from lantern.runtime.manifest import read_manifest
-
-    directory = os.fspath(directory)
-    if backend in ("tensorrt", NAME):
-        raise LanternError(f"--against {NAME} compares lantern's tensorrt backend and Polygraphy's TrtRunner; "
-                           f"--backend names the third runner (onnxruntime or torch), not {backend}")
-    if gpu_compute_capability() is None:
-        raise LanternError(f"--against {NAME} runs the engine's TensorRT plans, and reading a plan needs an NVIDIA GPU "
-                           f"and driver; none is visible here (compare the ONNX graphs with `lantern-export check "
-                           f"{directory}` instead)")
-    manifest = read_manifest(directory, verify=verify)
-    if not manifest.tensorrt:
-        raise LanternError(f"{directory} has no TensorRT plans to check; build them with `lantern-export trt {directory}`")
-    default_atol, default_rtol = BF16_COMPUTED if manifest.dtype == "bf16" else TOLERANCES[manifest.dtype]
-    atol = default_atol if atol is None else atol
-    rtol = default_rtol if rtol is None else rtol
-    trt_backend = TensorRTBackend(directory, manifest)
-    load_polygraphy(trt_backend.plans.flavor)
-    from polygraphy.backend.trt import TrtRunner
-
-    class FeedsAsPlanTakes(TrtRunner):
-        def infer(self, feed_dict, *args, **kwargs):
-            return super().infer(_trt_feeds(feed_dict, self.engine), *args, **kwargs)
-
-    rng = np.random.default_rng(seed)
-    rows, ok = [], True
-    with tempfile.TemporaryDirectory() as tmp:
-        third = open_check_backend(directory, manifest, backend, tmp=tmp)
-        for graph, plan_file in trt_backend.plans.plans.items():
-            engine = trt_backend.engines[graph]  # the same deserialized plan for both TensorRT runners
-            for index, profile in enumerate(plan_file.profiles):
-                label = profile.serves[0] if profile.serves else f"profile{index}"
-                points = ["opt"] + [k for k in ("min", "max") if any(r[k] != r["opt"] for r in profile.shapes.values())]
-                shapes = [(label if p == "opt" else f"{label} {p}", {n: tuple(r[p]) for n, r in profile.shapes.items()})
-                          for p in points]
-                cases = check_cases(graph, manifest, rng, shapes)
-                compare = ToleranceCompare(graph, atol, rtol, [name for name, _ in cases])
-                runners = [backend_runner(trt_backend, graph, manifest, "tensorrt"),
-                           FeedsAsPlanTakes(engine, name=NAME, optimization_profile=index, allocation_strategy="profile"),
-                           backend_runner(third, graph, manifest, backend)]
-                ok &= compare_runners(runners, [feeds for _, feeds in cases], compare, comparisons=[(0, 1), (0, 2)])
-                rows += compare.rows
-    failures = [f"{r['graph']}/{r['case']}/{r['output']}: " + (r.get("note") or f"max abs error {r['max_abs']:.3g} > "
-                                                               f"bound {r['bound']:.3g}") for r in rows if not r["ok"]]
-    return {"engine": directory, "dtype": manifest.dtype, "backend": "tensorrt", "against": f"{NAME} and {backend}",
-            "atol": atol, "rtol": rtol, "quantization": {}, "ok": ok and not failures, "results": rows,
-            "failures": failures}
-

@@ -11,7 +11,7 @@ Writing: `write_file` writes through a temporary file with a unique name created
 becomes one LanternError line and the temporary file is removed. Every command that changes an
 engine that already exists (tune, trt) does so inside `locked(directory)`: an exclusive flock
 on `.lantern.lock`, under which it re-reads the manifest, merges its change and writes the
-manifest last (`update_manifest`). A second writer waits for the first; the kernel drops a
+manifest last. A second writer waits for the first; the kernel drops a
 killed writer's lock, and whatever temporary files it left are removed by the next writer
 (under the lock nobody else is writing). Long builds stage their files in a `staging`
 directory that holds its own lock, so a later writer can tell a dead build's leftovers from a
@@ -240,19 +240,6 @@ def staging(directory, label):
         os.close(fd)
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def update_manifest(directory, what, change, verify=True):
-    """Under the lock: read the manifest as it is now, `change(manifest)` -> the new Manifest (or
-    None: nothing to write), write it atomically. Returns what was written (or read)."""
-    from lantern.runtime.manifest import read_manifest
-
-    with locked(directory, what):
-        current = read_manifest(directory, verify=verify)
-        new = change(current)
-        if new is not None:
-            new.write(directory)
-        return new or current
 
 
 MAX_JSON_DEPTH = 64  # manifests and tree files nest a few levels; deeper is damage or an attack

@@ -292,8 +292,8 @@ class Manifest:
 
     def write(self, directory):
         """manifest.json in `directory`, atomically through a unique temporary name (written last
-        by export; commands that change an existing engine call it under its lock:
-        lantern.runtime.enginedir.update_manifest)."""
+        by export; commands that change an existing engine call it under its lock,
+        lantern.runtime.enginedir.locked, after re-reading the manifest)."""
         from lantern.runtime.enginedir import write_file
 
         write_file(directory, "manifest.json", (json.dumps(self.to_json(), indent=2) + "\n").encode())

@@ -1,3 +1,5 @@
+import fcntl
+import json
 import os
 import sys
 
@@ -8,12 +10,31 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.dont_write_bytecode = True
 
 
+def built_once(tmp_path_factory, name, build):
+    """A session fixture's directory, built once for the whole run: with pytest-xdist every worker
+    is its own session, so the first to get here builds under a lock in the run's shared temporary
+    directory and the others reuse what it built (read-only use: tests copy what they change)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return build(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent / f"shared-{name}"
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / "done.json"
+        if not done.exists():
+            (shared / "build").mkdir(parents=True, exist_ok=True)
+            result = build(shared / "build")
+            paths = result if isinstance(result, dict) else {"": result}
+            done.write_text(json.dumps({k: os.path.relpath(v, shared) for k, v in paths.items()}))
+        paths = {k: shared / v for k, v in json.loads(done.read_text()).items()}
+        return paths[""] if "" in paths else paths
+
+
 @pytest.fixture(scope="session")
 def c2i_engine(tmp_path_factory):
     """A tiny class-conditional engine (mc_sim_7b_63 tree), exported through the real CLI."""
     from engines import build_engine
 
-    return build_engine(tmp_path_factory.mktemp("c2i"), "c2i")
+    return built_once(tmp_path_factory, "c2i", lambda root: build_engine(root, "c2i"))
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +42,7 @@ def t2i_engine(tmp_path_factory):
     """A tiny text-conditional engine (naive_extend_57 tree)."""
     from engines import build_engine
 
-    return build_engine(tmp_path_factory.mktemp("t2i"), "t2i", tree="naive_extend_57")
+    return built_once(tmp_path_factory, "t2i", lambda root: build_engine(root, "t2i", tree="naive_extend_57"))
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +50,7 @@ def chameleon_engines(tmp_path_factory):
     """Tiny Anole and Lumina-mGPT engines ({family: directory}), exported through the real CLI."""
     from engines import build_chameleon_engines
 
-    return build_chameleon_engines(tmp_path_factory.mktemp("chameleon-engines"))
+    return built_once(tmp_path_factory, "chameleon-engines", build_chameleon_engines)
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +60,9 @@ def demo_engine(tmp_path_factory):
     with a drafter, a neighbor table and a VQ decoder."""
     from lantern.tools import export_cli
 
-    out = tmp_path_factory.mktemp("demo") / "engine"
-    assert export_cli.main(["demo", "--out", str(out), "--per-class", "1", "--threads", "1"]) == 0
-    return out
+    def build(root):
+        out = root / "engine"
+        assert export_cli.main(["demo", "--out", str(out), "--per-class", "1", "--threads", "1"]) == 0
+        return out
+
+    return built_once(tmp_path_factory, "demo", build)

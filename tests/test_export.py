@@ -268,9 +268,17 @@ def test_truncated_file_is_caught_by_size(c2i, tmp_path):
 
 
 def _no_graphs(monkeypatch):
-    """Replace the ONNX export by empty files, for tests about everything around it."""
-    monkeypatch.setattr(onnx_export, "export_graph", lambda module, io_spec, path, opset=18: (
-        open(path, "wb").close() or [os.path.basename(path)]))
+    """Replace the ONNX export by graphs with no nodes, for tests about everything around it."""
+    import onnx
+
+    empty = onnx.helper.make_model(onnx.helper.make_graph([], "empty", [], [])).SerializeToString()
+
+    def write(module, io_spec, path, opset=18):
+        with open(path, "wb") as f:
+            f.write(empty)
+        return [os.path.basename(path)]
+
+    monkeypatch.setattr(onnx_export, "export_graph", write)
 
 
 def test_changed_source_checkpoint_is_refused(sources, tmp_path, monkeypatch):

@@ -88,7 +88,7 @@ def test_n_repeats_each_condition(service):
     (body(classes="3"), 400, "class labels"),
     (body(prompt="a fox"), 400, "class-conditional"),
     (body(classes=[1], settings={"lam": 0.5}), 400, "lam"),
-    (body(classes=[1], settings={"k": 10_000}), 400, "neighbour table"),
+    (body(classes=[1], settings={"k": 10_000}), 400, "neighbor table"),
     (body(classes=[1], settings={"temperature": "hot"}), 400, "must be a number"),
     (body(classes=[1], settings={"greedy": 1}), 400, "must be bool"),
     (body(classes=[1], seed=-3), 400, "seed"),

@@ -18,7 +18,8 @@ pytest.importorskip("polygraphy", reason="polygraphy is not installed (pip insta
 
 from lantern.export import cli  # noqa: E402
 from lantern.export.check import TOLERANCES, check_cases  # noqa: E402
-from lantern.export.polygraphy_check import ToleranceCompare, backend_runner, compare_runners  # noqa: E402
+from lantern.export.check import ToleranceCompare  # noqa: E402
+from lantern.export.polygraphy_check import backend_runner, compare_runners  # noqa: E402
 from lantern.runtime.backends import open_backend  # noqa: E402
 from lantern.runtime.backends.cuda import gpu_compute_capability  # noqa: E402
 from lantern.runtime.manifest import read_manifest  # noqa: E402
@@ -127,7 +128,7 @@ def test_check_against_polygraphy_on_gpu(c2i_engine, tmp_path):
     engine = shutil.copytree(c2i_engine, tmp_path / "engine")
     flavor = "tensorrt" if "tensorrt" in available_flavors() else "tensorrt-rtx"
     # a process uses one flavor with Polygraphy: a subprocess keeps the test session clean
-    code = ("import json, sys; from lantern.export import cli; from lantern.export.polygraphy_check import "
+    code = ("import json, sys; from lantern.export import cli; from lantern.export.check import "
             "check_engine_polygraphy as c; assert cli.main(['trt', sys.argv[1], '--flavor', sys.argv[2], "
             "'--compute-capability', 'current', '--batch', '1']) == 0; r = c(sys.argv[1]); "
             "print(json.dumps({'ok': r['ok'], 'rows': len(r['results']), 'failures': r['failures'][:3]}))")

@@ -226,7 +226,7 @@ def test_retuning_replaces_the_entry_and_an_interruption_leaves_a_valid_engine(c
         raise OSError("disk full")
 
     monkeypatch.setattr(tune, "write_report", fail)  # the report is rendered before the engine is touched
-    with pytest.raises(OSError):
+    with pytest.raises(LanternError, match="disk full"):
         install_trees(d, report, {1: build_tree("chain-3", name="d"), 2: root_only()})
     assert [t.name for t in read_manifest(d, verify=True).tuned_trees[key].trees] == ["c", "ar"]
     monkeypatch.undo()

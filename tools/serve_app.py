@@ -15,7 +15,6 @@ from starlette.responses import Response
 
 from lantern.runtime.errors import LanternError
 from lantern.tools.image_service import Cancelled, ImageService, RequestError, error_response
-from lantern.tools.serve import ServeOptions
 
 logger = logging.getLogger("ray.serve")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -26,7 +25,7 @@ class ImageDeployment:
     """One replica: the engine opened once, batches run one at a time in a worker thread (so the
     event loop keeps taking requests and noticing disconnects)."""
 
-    def __init__(self, engine_dir, options: ServeOptions):
+    def __init__(self, engine_dir, options):
         from lantern.runtime.generator import Engine
 
         device = "cuda" if options.backend == "tensorrt" else None
@@ -152,7 +151,7 @@ def _response(status, content_type, body, request_id):
     return Response(content=body, status_code=status, media_type=content_type, headers={"x-request-id": request_id})
 
 
-def build_app(engine_dir, options=ServeOptions()):
+def build_app(engine_dir, options):
     """The Ray Serve application for an engine directory (a path every node of the cluster can read)."""
     if options.max_batch < 1 or options.replicas < 1 or options.max_queued_requests < 1:
         raise LanternError("max batch, replicas and max queued requests must be >= 1")

@@ -558,7 +558,7 @@ def install(directory, chosen, report):
             report_names = write_report(scratch, report)
             contents = {name: open(os.path.join(scratch, name), "rb").read() for name in report_names}
     except OSError as e:
-        raise LanternError(f"cannot render the tune report in the temporary directory ({e.strerror}); free space "
+        raise LanternError(f"cannot render the tune report in the temporary directory ({e.strerror or e}); free space "
                            f"(or raise the file-size limit) and run again; {directory} was left as it was") from None
     with enginedir.locked(directory, "lantern-run tune"):
         m = read_manifest(directory)
