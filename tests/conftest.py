@@ -1,6 +1,7 @@
 import fcntl
 import json
 import os
+import pathlib
 import sys
 
 import pytest
@@ -24,8 +25,12 @@ def built_once(tmp_path_factory, name, build):
             (shared / "build").mkdir(parents=True, exist_ok=True)
             result = build(shared / "build")
             paths = result if isinstance(result, dict) else {"": result}
-            done.write_text(json.dumps({k: os.path.relpath(v, shared) for k, v in paths.items()}))
-        paths = {k: shared / v for k, v in json.loads(done.read_text()).items()}
+            done.write_text(json.dumps({"paths": {k: os.path.relpath(v, shared) for k, v in paths.items()},
+                                        "path_type": isinstance(next(iter(paths.values())), pathlib.Path)}))
+        record = json.loads(done.read_text())
+        paths = {k: str(shared / v) for k, v in record["paths"].items()}  # str, as the builders return
+        if record["path_type"]:
+            paths = {k: pathlib.Path(v) for k, v in paths.items()}
         return paths[""] if "" in paths else paths
 
 
