@@ -35,20 +35,76 @@ import json
 import math
 import os
 import re
+import sys
+import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
 from lantern.runtime.contracts import GRAPHS, IN_PLACE_CONTRACTS, graph_io
+from lantern.runtime.enginedir import inside, load_json, onnx_external_files, open_file, write_file
 from lantern.runtime.errors import LanternError
-from lantern.runtime.integrity import sha256_file
+from lantern.runtime.integrity import REBUILD, sha256_file, verify_files
 from lantern.runtime.settings import MODES, RELAXED, GenerationSettings
+from lantern.runtime.tree import build_tree
 
 SCHEMA_VERSION = 2
 PROMPT_STYLES = ("anole", "lumina_mgpt")
 DTYPES = ("fp32", "fp16", "bf16")
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "int64", "bool")
 
 GRAPH_FILES = {"condition": "condition.onnx", "target": "target.onnx", "drafter": "drafter.onnx",
                "vq_decoder": "vq_decoder.onnx", "commit": "commit.onnx"}
+
+REEXPORT = "re-export the engine with `lantern-export onnx`"
+RETUNE = "run `lantern-run tune` again (or delete the entry)"
+REBUILD_PLANS = "rebuild the plans with `lantern-export trt ENGINE --force`"
+
+
+# ---------------------------------------------------------------------------------------------
+# How a record field is read and written
+#
+# A field's annotation says its JSON form: int, float, str, bool, dict, tuple (a JSON list), a
+# record (a nested object), Optional[...] (may be missing or null). `rule(...)` adds what the
+# annotation cannot say, in the field's metadata; the reader and writer below take everything
+# from the dataclasses, so a new field is one line in its record.
+
+
+@dataclass(frozen=True)
+class _Rule:
+    check: Optional[typing.Callable] = None  # check(json value) -> bool, on the value as the file has it
+    why: str = ""  # what check wants, for the error line
+    of: object = None  # a record type (or read(value, reader)) for each value of a dict / item of a tuple
+    file: bool = False  # names a file of the directory: `files` must list it
+    optional: bool = False  # may be missing or null although the type is not Optional (the default then)
+    fix: Optional[str] = None  # what errors below this field tell the user to do
+    read: Optional[typing.Callable] = None  # read(reader, name) -> value, for a field with its own JSON form
+    write: Optional[typing.Callable] = None  # write(value) -> JSON, its inverse
+
+
+_PLAIN = _Rule()
+
+
+def rule(check=None, why="", *, default=dataclasses.MISSING, default_factory=dataclasses.MISSING, **how):
+    """A record field with its rule in the metadata (see _Rule), e.g. `rule(POSITIVE)`."""
+    if isinstance(check, tuple):  # (check, why), as the shared rules below are
+        check, why = check
+    return field(default=default, default_factory=default_factory,
+                 metadata={"lantern": _Rule(check=check, why=why, **how)})
+
+
+def one_of(values, why=None):
+    values = tuple(values)
+    return lambda v: v in values, why or f"one of {', '.join(values)}"
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+POSITIVE = (lambda v: v > 0, "a positive integer")
+AT_LEAST_0 = (lambda v: v >= 0, "an integer >= 0")
+AN_ID = (lambda v: v >= 0, "an id >= 0")
+NAMES = (lambda v: all(isinstance(x, str) for x in v), "a list of node names")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,8 +113,14 @@ GRAPH_FILES = {"condition": "condition.onnx", "target": "target.onnx", "drafter"
 
 @dataclass(frozen=True)
 class TensorSpec:
-    dtype: str  # numpy-style name: float32, float16, bfloat16, int64, bool
-    shape: tuple  # ints, or names of dims that stay dynamic
+    dtype: str = rule(one_of(TENSOR_DTYPES, "a tensor dtype"))  # numpy-style name
+    shape: tuple = rule(lambda v: all(isinstance(d, str) or (_is_int(d) and d >= 0) for d in v),
+                        "a list of dims")  # ints, or names of dims that stay dynamic
+
+
+QUANT_SCHEMES = {"int8": 8, "int4": 4}  # scheme -> bits
+QUANT_HEADS = ("float", "int8", "int4")
+QUANTIZABLE = ("target", "drafter")  # the graphs with weight MatMuls worth quantizing
 
 
 @dataclass(frozen=True)
@@ -68,31 +130,26 @@ class Quantization:
     in blocks of `block` along K with one scale per block, the output head at its own precision.
     `check` verifies the graph against this record and applies the scheme's tolerance."""
 
-    scheme: str  # int8 / int4: the bits of the body's weights
-    bits: int
-    block: int
-    symmetric: bool  # no zero points
-    accuracy_level: int  # MatMulNBits' compute type: 4 = int8 activations per block, 0 = fp32
-    head: str  # float / int8 / int4: the output head's weights
-    head_nodes: tuple  # names of the head's MatMuls in the float graph
-    quantized: int  # MatMulNBits nodes in the graph
-    skipped: tuple  # weight MatMuls left in float (names)
+    scheme: str = rule(one_of(QUANT_SCHEMES))  # int8 / int4: the bits of the body's weights
+    bits: int = rule()  # QUANT_SCHEMES[scheme]
+    block: int = rule(lambda v: v >= 16 and not v & (v - 1), "a power of two >= 16")
+    symmetric: bool = rule()  # no zero points
+    accuracy_level: int = rule(lambda v: 0 <= v <= 4, "0..4")  # MatMulNBits' compute type: 4 = int8 activations per block, 0 = fp32
+    head: str = rule(one_of(QUANT_HEADS))  # float / int8 / int4: the output head's weights
+    head_nodes: tuple = rule(NAMES)  # names of the head's MatMuls in the float graph
+    quantized: int = rule(POSITIVE)  # MatMulNBits nodes in the graph
+    skipped: tuple = rule(NAMES)  # weight MatMuls left in float (names)
     tool: dict = field(default_factory=dict)  # quantizer and ONNX Runtime versions
-
-
-QUANT_SCHEMES = {"int8": 8, "int4": 4}  # scheme -> bits
-QUANT_HEADS = ("float", "int8", "int4")
-QUANTIZABLE = ("target", "drafter")  # the graphs with weight MatMuls worth quantizing
 
 
 @dataclass(frozen=True)
 class Graph:
-    file: str
-    contract: str  # a key of GRAPHS
-    dtype: str  # fp32 / fp16 / bf16: the precision of its float tensors
-    inputs: dict  # name -> TensorSpec, in the graph's order
-    outputs: dict
-    external_data: Optional[str] = None  # weights file beside it, if any
+    file: str = rule(file=True)
+    contract: str = rule(one_of(GRAPHS))  # a key of GRAPHS
+    dtype: str = rule(one_of(DTYPES))  # fp32 / fp16 / bf16: the precision of its float tensors
+    inputs: dict = rule(of=TensorSpec)  # name -> TensorSpec, in the contract's order
+    outputs: dict = rule(of=TensorSpec)
+    external_data: Optional[str] = rule(file=True, default=None)  # weights file beside it, if any
     quantization: Optional[Quantization] = None  # weight-only quantized graphs only
 
     @property
@@ -105,12 +162,12 @@ class Graph:
 class Shape:
     """What the runtime must know of a transformer to size its buffers and estimate a step."""
 
-    layers: int
-    dim: int
-    query_heads: int
-    kv_heads: int
-    head_dim: int
-    ffn_hidden: int
+    layers: int = rule(POSITIVE)
+    dim: int = rule(POSITIVE)
+    query_heads: int = rule(POSITIVE)
+    kv_heads: int = rule(POSITIVE)
+    head_dim: int = rule(POSITIVE)
+    ffn_hidden: int = rule(POSITIVE)
 
 
 @dataclass(frozen=True)
@@ -121,13 +178,13 @@ class Condition:
     kind 'prompt': a text prompt as token ids, in the rows of `style` (anole, lumina_mgpt: see
     lantern.runtime.chameleon_prompts), with the engine's copy of the text tokenizer, if any."""
 
-    kind: str
-    tokens: Optional[int] = None  # condition tokens per row (class, caption); a prompt's vary
-    num_classes: Optional[int] = None
-    null_class: Optional[int] = None
-    caption_dim: Optional[int] = None
-    style: Optional[str] = None
-    tokenizer: Optional[str] = None
+    kind: str = rule(one_of(("class", "caption", "prompt"), "'class', 'caption' or 'prompt'"))
+    tokens: Optional[int] = rule(POSITIVE, default=None)  # condition tokens per row (class, caption); a prompt's vary
+    num_classes: Optional[int] = rule(POSITIVE, default=None)
+    null_class: Optional[int] = rule(AN_ID, default=None)
+    caption_dim: Optional[int] = rule(POSITIVE, default=None)
+    style: Optional[str] = rule(one_of(PROMPT_STYLES, " or ".join(PROMPT_STYLES)), default=None)
+    tokenizer: Optional[str] = rule(file=True, default=None)
 
 
 @dataclass(frozen=True)
@@ -135,9 +192,9 @@ class Vocabulary:
     """The target's logits cover `size` ids; image tokens are ids [image_start, image_end) and a
     VQ code is its id minus image_start."""
 
-    size: int
-    image_start: int
-    image_end: int
+    size: int = rule(POSITIVE)
+    image_start: int = rule(AN_ID)
+    image_end: int = rule(POSITIVE)
 
     @property
     def codes(self):
@@ -146,9 +203,9 @@ class Vocabulary:
 
 @dataclass(frozen=True)
 class Image:
-    grid_height: int  # latent rows and columns: the generation produces grid_height * grid_width tokens
-    grid_width: int
-    pixels: Optional[int] = None  # image side in pixels when the engine has a VQ decoder
+    grid_height: int = rule(POSITIVE)  # latent rows and columns: a generation makes grid_height * grid_width tokens
+    grid_width: int = rule(POSITIVE)
+    pixels: Optional[int] = rule(POSITIVE, default=None)  # image side in pixels when the engine has a VQ decoder
 
     @property
     def tokens(self):
@@ -157,9 +214,9 @@ class Image:
 
 @dataclass(frozen=True)
 class Neighbors:
-    file: str
-    k: int  # neighbors per code
-    dtype: str
+    file: str = rule(file=True)
+    k: int = rule(POSITIVE)  # neighbors per code
+    dtype: str = rule()
 
 
 @dataclass(frozen=True)
@@ -171,17 +228,26 @@ class StaticCache:
     the last committed token. Drafter cache slots: one per committed (hidden, token) pair, then
     the current tree's nodes (scratch)."""
 
-    prefix: int  # prefix slots: LlamaGen's condition tokens; Chameleon: the longest prompt row
-    image_tokens: int  # the most tokens a generation emits per image
-    tree_nodes: int  # the largest draft tree (root included); 1 for an `ar` engine
-    target: int  # = prefix + image_tokens + tree_nodes: the S of the target and commit graphs
-    drafter: int  # = image_tokens + tree_nodes: the S of the drafter graph
+    prefix: int = rule(POSITIVE)  # prefix slots: LlamaGen's condition tokens; Chameleon: the longest prompt row
+    image_tokens: int = rule(POSITIVE)  # the most tokens a generation emits per image
+    tree_nodes: int = rule(POSITIVE)  # the largest draft tree (root included); 1 for an `ar` engine
+    target: int = rule(POSITIVE)  # = prefix + image_tokens + tree_nodes: the S of the target and commit graphs
+    drafter: int = rule(POSITIVE)  # = image_tokens + tree_nodes: the S of the drafter graph
 
 
 @dataclass(frozen=True)
 class FileRecord:
-    size: int
-    sha256: str
+    size: int = rule(lambda v: v >= 0, "a size")
+    sha256: str = rule(lambda v: len(v) == 64, "a sha256")
+
+
+def _dim_range(value, r):
+    """A profile's {"min", "opt", "max"} dims of one input (ranks are checked against the graph)."""
+    dims = lambda v: all(_is_int(d) and d >= 0 for d in v)  # noqa: E731
+    r = _Reader(value, r.where, r.path, r.fix)
+    out = {k: r.get(k, list, check=dims, why="a list of dims") for k in ("min", "opt", "max")}
+    r.done(out)
+    return out
 
 
 @dataclass(frozen=True)
@@ -190,8 +256,8 @@ class PlanProfile:
     max; all three equal in the exact profiles `lantern-export trt` builds) and the step plan's
     calls it was built for, as labels such as "verify n1 cfg mc_sim_7b_63"."""
 
-    serves: tuple
-    shapes: dict  # input name -> {"min": [...], "opt": [...], "max": [...]}
+    serves: tuple = rule(lambda v: all(isinstance(s, str) for s in v), "a list of labels")
+    shapes: dict = rule(of=_dim_range)  # input name -> {"min": [...], "opt": [...], "max": [...]}
 
     def covers(self, shapes):
         """Whether a call with these input shapes {name: shape} runs in this profile."""
@@ -205,8 +271,12 @@ class PlanProfile:
 
 @dataclass(frozen=True)
 class PlanFile:
-    file: str  # relative path, listed in `files`
-    profiles: tuple  # PlanProfile, in the plan's profile order
+    file: str = rule(file=True)  # relative path, listed in `files`
+    profiles: tuple = rule(lambda v: len(v) > 0, "a non-empty list", of=PlanProfile)  # in the plan's profile order
+
+
+PLAN_FLAVORS = ("tensorrt", "tensorrt-rtx")
+_SM = re.compile(r"^SM\d{2,3}$")
 
 
 @dataclass(frozen=True)
@@ -214,39 +284,78 @@ class TensorRTPlans:
     """One `lantern-export trt` build: a plan per graph for one flavor and set of GPUs. A plan
     runs only on the TensorRT version that built it and on the compute capabilities it targets."""
 
-    flavor: str  # "tensorrt" (full TensorRT) or "tensorrt-rtx" (TensorRT for RTX)
-    version: str  # the TensorRT (or TensorRT-RTX) version that built the plans
-    compute_capabilities: tuple  # "SM89", ...
-    plans: dict  # graph name -> PlanFile
-    batches: tuple  # images per call the profiles were made for
-    cfg: tuple  # (False,), (True,) or (False, True): with / without classifier-free guidance
-    trees: tuple  # names of the draft trees the profiles were made for
+    flavor: str = rule(one_of(PLAN_FLAVORS))  # "tensorrt" (full TensorRT) or "tensorrt-rtx" (TensorRT for RTX)
+    version: str = rule(lambda v: len(v) > 0, "a version string")  # the TensorRT (or -RTX) version that built the plans
+    compute_capabilities: tuple = rule(lambda v: v and all(isinstance(c, str) and _SM.match(c) for c in v),
+                                       "a non-empty list like ['SM89']")  # "SM89", ...
+    plans: dict = rule(lambda v: len(v) > 0, "a non-empty object", of=PlanFile)  # graph name -> PlanFile
+    batches: tuple = rule(lambda v: v and all(_is_int(b) and b > 0 for b in v),
+                          "a non-empty list of positive integers")  # images per call the profiles were made for
+    cfg: tuple = rule(lambda v: v and all(isinstance(c, bool) for c in v) and len(set(v)) == len(v),
+                      "[false], [true] or [false, true]")  # with / without classifier-free guidance
+    trees: tuple = rule(lambda v: all(isinstance(t, str) for t in v), "a list of tree names")  # the draft trees profiled
     builder: dict = field(default_factory=dict)  # builder settings, for people and for rebuilding
-
-
-PLAN_FLAVORS = ("tensorrt", "tensorrt-rtx")
 
 
 @dataclass(frozen=True)
 class TunedTree:
     """The tree `lantern-run tune` chose for one batch size (images per generate call)."""
 
-    images: int
-    file: Optional[str]  # choices JSON (listed in `files`), or None: AR, no drafting
-    name: str
-    nodes: int  # root included (the verification's T)
-    depth: int
-    predicted: dict  # model predictions: tokens_per_step, step_ms, tokens_per_s (of a call), speedup_vs_ar
+    images: int  # the batch size: the key of the entry in the file
+    file: Optional[str] = rule(file=True)  # choices JSON, or None: AR, no drafting
+    name: str = rule()
+    nodes: int = rule(POSITIVE)  # root included (the verification's T)
+    depth: int = rule(AT_LEAST_0)
+    predicted: dict = rule()  # model predictions: tokens_per_step, step_ms, tokens_per_s (of a call), speedup_vs_ar
+
+
+def _read_tuned_settings(r, name):
+    """The GenerationSettings of a tuned-tree entry, in the canonical form tune writes, or one
+    LanternError line."""
+    r = r.obj(name)
+    mode = r.get("mode", str, check=lambda v: v in MODES[1:], why=f"one of {', '.join(MODES[1:])}")
+    sampling = r.get("sampling", str, check=lambda v: v in ("greedy", "sample"), why="'greedy' or 'sample'")
+    sample = sampling == "sample"
+    values = dict(
+        k=r.get("k", int, mode not in RELAXED, *AT_LEAST_0),
+        lam=r.get("lam", float, mode != "lantern++"), delta=r.get("delta", float, mode != "lantern"),
+        temperature=r.get("temperature", float, not sample), top_k=r.get("top_k", int, not sample, *AT_LEAST_0),
+        top_p=r.get("top_p", float, not sample), cfg_scale=r.get("cfg_scale", float, check=lambda v: v >= 0),
+        cfg_interval=r.get("cfg_interval", int, check=lambda v: v >= -1, why="an integer >= -1"))
+    try:
+        settings = GenerationSettings(mode=mode, greedy=not sample,
+                                      **{name: v for name, v in values.items() if v is not None})
+    except LanternError as e:
+        r.fail("", str(e))
+    if settings.canonical() != r.data:
+        r.fail("", f"is {r.data!r}, not in the canonical form lantern-run tune writes ({settings.canonical()!r})")
+    return settings
+
+
+def _read_trees_by_batch(r, name):
+    """{batch size: tree} in the file -> TunedTree per batch, ascending."""
+    entries = r.get(name, dict, check=bool, why="a non-empty {batch: tree} object")
+    trees = []
+    for images, entry in entries.items():
+        t = _Reader(entry, r.where, f"{r.path}{name}.{images}.", r.fix)
+        if not images.isdigit() or int(images) < 1:
+            t.fail("", "is keyed by a batch size, which must be a positive integer")
+        trees.append(_read_record(TunedTree, t, images=int(images)))
+    return tuple(sorted(trees, key=lambda t: t.images))
+
+
+def _write_trees_by_batch(trees):
+    return {str(t.images): {k: v for k, v in _to_json(t).items() if k != "images"} for t in trees}
 
 
 @dataclass(frozen=True)
 class TunedSettings:
     """Trees tuned for one set of generation settings (resolved; the file holds their canonical form)."""
 
-    settings: GenerationSettings
+    settings: GenerationSettings = rule(read=_read_tuned_settings, write=GenerationSettings.canonical)
     backend: str  # the backend whose latency was measured; the trees are used on it only
-    trees: tuple  # TunedTree per tuned batch size, ascending
-    report: Optional[str] = None  # the tuner's report.json (listed in `files`)
+    trees: tuple = rule(read=_read_trees_by_batch, write=_write_trees_by_batch)  # TunedTree per batch, ascending
+    report: Optional[str] = rule(file=True, default=None)  # the tuner's report.json
     measured: dict = field(default_factory=dict)  # where and how: threads, device, machine, date
 
     def tree_for(self, images):
@@ -262,23 +371,25 @@ class Manifest:
     condition: Condition
     vocabulary: Vocabulary
     image: Image
-    max_positions: int  # rows of the RoPE table: positions are clamped below it
-    dtype: str
-    opset: int
-    graphs: dict  # name -> Graph
-    modes: tuple
-    files: dict  # relative path -> FileRecord
+    max_positions: int = rule(POSITIVE)  # rows of the RoPE table: positions are clamped below it
+    dtype: str = rule(one_of(DTYPES))
+    opset: int = rule(POSITIVE)
+    graphs: dict = rule(of=Graph)  # name -> Graph
+    modes: tuple = rule(lambda v: v and all(x in MODES for x in v) and len(set(v)) == len(v),
+                        f"a list of distinct modes from {', '.join(MODES)}")
+    files: dict = rule(of=FileRecord)  # relative path -> FileRecord
     drafter: Optional[Shape] = None
     drafter_config: Optional[dict] = None
     tree: Optional[dict] = None  # {"name", "paths"}: the default draft tree
-    candidates: Optional[int] = None  # K: the drafter graph's top-k width
+    candidates: Optional[int] = rule(POSITIVE, default=None)  # K: the drafter graph's top-k width
     neighbors: Optional[Neighbors] = None
     vq: Optional[dict] = None
     sources: dict = field(default_factory=dict)  # checkpoints the graphs came from (export reads it)
     tools: dict = field(default_factory=dict)
     build: dict = field(default_factory=dict)
-    tensorrt: Optional[dict] = None  # plans directory key ("tensorrt-rtx-SM89") -> TensorRTPlans
-    tuned_trees: dict = field(default_factory=dict)  # settings key -> TunedSettings (lantern-run tune)
+    tensorrt: Optional[dict] = rule(of=TensorRTPlans, fix=REBUILD_PLANS, default=None)  # plans key -> TensorRTPlans
+    tuned_trees: dict = rule(of=TunedSettings, fix=RETUNE, optional=True,
+                             default_factory=dict)  # settings key -> TunedSettings (lantern-run tune)
     static_cache: Optional[StaticCache] = None  # in-place engines only (target contract *_inplace)
     schema: int = SCHEMA_VERSION
 
@@ -294,32 +405,24 @@ class Manifest:
         """manifest.json in `directory`, atomically through a unique temporary name (written last
         by export; commands that change an existing engine call it under its lock,
         lantern.runtime.enginedir.locked, after re-reading the manifest)."""
-        from lantern.runtime.enginedir import write_file
-
         write_file(directory, "manifest.json", (json.dumps(self.to_json(), indent=2) + "\n").encode())
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
 
+def _rule(f):
+    return f.metadata.get("lantern", _PLAIN)
+
+
 def _to_json(value):
-    if isinstance(value, GenerationSettings):
-        return value.canonical()
-    if isinstance(value, TunedSettings):  # its trees are keyed by batch size in the file
-        data = {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        data["trees"] = {str(t.images): {k: v for k, v in _to_json(t).items() if k != "images"} for t in value.trees}
-        return data
     if dataclasses.is_dataclass(value):
-        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: (_rule(f).write or _to_json)(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, dict):
         return {k: _to_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_to_json(v) for v in value]
     return value
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading and validating
 
 
 def describe_files(directory, names):
@@ -328,17 +431,24 @@ def describe_files(directory, names):
                              sha256=sha256_file(os.path.join(directory, name))) for name in sorted(names)}
 
 
-class _Reader:
-    """Typed access to a JSON object; every failure is one LanternError naming the field."""
+# ---------------------------------------------------------------------------------------------
+# Reading: one reader for every record, driven by the fields
 
-    def __init__(self, data, where, fix="re-export the engine with `lantern-export onnx`"):
-        self.where, self.fix = where, fix  # fix: what the message tells the user to do
+
+class _Reader:
+    """Typed access to one JSON object at `path` (e.g. "graphs.target.") of the file `where`;
+    every failure is one LanternError naming the field and saying what to do (`fix`)."""
+
+    def __init__(self, data, where, path="", fix=REEXPORT, key=None):
+        self.where, self.path, self.fix = where, path, fix
+        self.key = key  # the object's key in its parent (a graph's name, a tuned entry's settings key)
         if not isinstance(data, dict):
             self.fail("", f"must be an object, got {type(data).__name__}")
         self.data = data
 
     def fail(self, key, why):
-        raise LanternError(f"{self.where}{'.' + key if key else ''} {why}; {self.fix}")
+        name = (self.path + key).rstrip(".")
+        raise LanternError(f"{self.where}: {name + ' ' if name else ''}{why}; {self.fix}")
 
     def get(self, key, kind, optional=False, check=None, why=""):
         if key not in self.data:
@@ -355,12 +465,9 @@ class _Reader:
             self.fail(key, f"is {value!r}, expected {why or kind.__name__}")
         return value
 
-    def positive(self, key, optional=False):
-        return self.get(key, int, optional, lambda v: v > 0, "a positive integer")
-
-    def obj(self, key, optional=False):
+    def obj(self, key, optional=False, fix=None):
         value = self.get(key, dict, optional)
-        return None if value is None else _Reader(value, f"{self.where}.{key}", self.fix)
+        return None if value is None else _Reader(value, self.where, f"{self.path}{key}.", fix or self.fix)
 
     def done(self, known):
         unknown = sorted(set(self.data) - set(known))
@@ -368,74 +475,144 @@ class _Reader:
             self.fail("", f"has unknown field(s) {', '.join(unknown)} (written by a newer lantern?)")
 
 
-def _fields(cls):
-    return [f.name for f in dataclasses.fields(cls)]
+def _kind(annotation):
+    """(the type of a field's value, whether it may be missing or null) from its annotation."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Union and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return annotation, False
 
 
-def _shape(r):
-    s = Shape(**{k: r.positive(k) for k in _fields(Shape)})
-    r.done(_fields(Shape))
+def _read_record(cls, r, **given):
+    """A `cls` from the object `r` reads: each field by its annotation and rule, unknown fields
+    refused, then the record's own cross-field check (_RECORD_CHECKS). `given`: fields the file
+    holds elsewhere (a tuned tree's batch size is its key)."""
+    values = dict(given)
+    for f in dataclasses.fields(cls):
+        if f.name not in given:
+            values[f.name] = _read_field(r, f)
+    r.done(f.name for f in dataclasses.fields(cls) if f.name not in given)
+    record = cls(**values)
+    check = _RECORD_CHECKS.get(cls)
+    return (check(record, r) or record) if check else record
+
+
+def _read_field(r, f):
+    how = _rule(f)
+    if how.read:
+        return how.read(r, f.name)
+    kind, optional = _kind(f.type)
+    record = dataclasses.is_dataclass(kind)
+    value = r.get(f.name, dict if record else list if kind is tuple else kind, optional or how.optional,
+                  how.check, how.why)
+    if value is None:
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+    fix = how.fix or r.fix  # what to do about what is wrong inside the value
+    if record:
+        return _read_record(kind, _Reader(value, r.where, f"{r.path}{f.name}.", fix))
+    if how.of is None:
+        return tuple(value) if kind is tuple else value
+    place = [(f"{k}", v) for k, v in value.items()] if kind is dict else [(f"[{i}]", v) for i, v in enumerate(value)]
+    items = {}
+    for label, v in place:
+        at = f"{r.path}{f.name}{'.' if kind is dict else ''}{label}."
+        if dataclasses.is_dataclass(how.of):
+            items[label] = _read_record(how.of, _Reader(v, r.where, at, fix, key=label))
+        else:
+            items[label] = how.of(v, _Reader({}, r.where, at, fix))
+    return items if kind is dict else tuple(items.values())
+
+
+def _file_references(value, path="", fix=REEXPORT):
+    """(path, file name, fix) of every field marked file=True in a record and those below it."""
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            how, v = _rule(f), getattr(value, f.name)
+            if how.file and v is not None:
+                yield f"{path}{f.name}", v, fix
+            elif not how.file:
+                yield from _file_references(v, f"{path}{f.name}.", how.fix or fix)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _file_references(v, f"{path}{k}.", fix)
+    elif isinstance(value, tuple):
+        for i, v in enumerate(value):
+            yield from _file_references(v, f"{path.rstrip('.')}[{i}].", fix)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a record's fields must agree on (a field's own range is its rule)
+
+
+def _check_shape(s, r):
     if s.query_heads % s.kv_heads:
         r.fail("query_heads", f"({s.query_heads}) is not a multiple of kv_heads ({s.kv_heads})")
-    return s
 
 
-def _tensor(r, name):
-    dtype = r.get("dtype", str, check=lambda v: v in ("float32", "float16", "bfloat16", "int64", "bool"),
-                  why="a tensor dtype")
-    shape = r.get("shape", list, check=lambda v: all(isinstance(d, str) or (isinstance(d, int) and not isinstance(d, bool)
-                                                                            and d >= 0) for d in v),
-                  why="a list of dims")
-    r.done(["dtype", "shape"])
-    return TensorSpec(dtype=dtype, shape=tuple(shape))
+def _check_condition(c, r):
+    if c.kind != "prompt" and c.tokens is None:
+        r.fail("tokens", "is missing")
+    if c.kind == "class" and c.num_classes is None:
+        r.fail("num_classes", "is missing (class-conditional engine)")
+    if c.kind == "caption" and c.caption_dim is None:
+        r.fail("caption_dim", "is missing (caption-conditional engine)")
+    if c.kind == "prompt" and c.style is None:
+        r.fail("style", "is missing (prompt-conditional engine)")
 
 
-def _graph(r, name):
-    contract = r.get("contract", str, check=lambda v: v in GRAPHS, why=f"one of {', '.join(GRAPHS)}")
-    g = Graph(file=r.get("file", str), contract=contract,
-              dtype=r.get("dtype", str, check=lambda v: v in DTYPES, why=f"one of {', '.join(DTYPES)}"),
-              inputs={k: _tensor(_Reader(v, f"{r.where}.inputs.{k}"), k) for k, v in r.get("inputs", dict).items()},
-              outputs={k: _tensor(_Reader(v, f"{r.where}.outputs.{k}"), k) for k, v in r.get("outputs", dict).items()},
-              external_data=r.get("external_data", str, optional=True))
-    q = r.obj("quantization", optional=True)
+def _check_vocabulary(v, r):
+    if not v.image_start < v.image_end <= v.size:
+        r.fail("image_end", f"range [{v.image_start}, {v.image_end}) does not fit {v.size} ids")
+
+
+def _check_graph(g, r):
+    """A quantization only where it applies; inputs and outputs as the contract has them (ranks included: buffers are sized from these
+    shapes), put in the contract's order whatever order the file kept."""
+    q, name = g.quantization, r.key
     if q is not None:
-        g = dataclasses.replace(g, quantization=_quantization(q, name, g))
-    r.done(_fields(Graph))
-    expected = graph_io(contract, max(g.layers, 1))
+        if name not in QUANTIZABLE:
+            r.fail("quantization", f"quantizes the {name} graph; only {' and '.join(QUANTIZABLE)} are quantized")
+        if g.dtype != "fp32":
+            r.fail("quantization", f"is on a {g.dtype} graph; weight-only quantization starts from fp32")
+    expected = graph_io(g.contract, max(g.layers, 1))
     if set(g.inputs) != set(expected["inputs"]) or set(g.outputs) != set(expected["outputs"]):
-        r.fail("inputs", f"do not follow the {contract!r} contract of this lantern version")
-    for side in ("inputs", "outputs"):  # buffers are sized from these shapes: a wrong rank fails in the backend
+        r.fail("inputs", f"do not follow the {g.contract!r} contract of this lantern version")
+    for side in ("inputs", "outputs"):
         for k, spec in getattr(g, side).items():
             want = expected[side][k][1]
             if len(spec.shape) != len(want):
-                r.fail(f"{side}.{k}.shape", f"is {list(spec.shape)}, of rank {len(spec.shape)}; the {contract!r} "
+                r.fail(f"{side}.{k}.shape", f"is {list(spec.shape)}, of rank {len(spec.shape)}; the {g.contract!r} "
                                             f"contract has {list(want)}")
-    # in the contract's order, whatever order the file kept
     return dataclasses.replace(g, inputs={k: g.inputs[k] for k in expected["inputs"]},
                                outputs={k: g.outputs[k] for k in expected["outputs"]})
 
 
-def _quantization(r, name, graph):
-    scheme = r.get("scheme", str, check=lambda v: v in QUANT_SCHEMES, why=f"one of {', '.join(QUANT_SCHEMES)}")
-    names = lambda v: all(isinstance(x, str) for x in v)  # noqa: E731
-    q = Quantization(
-        scheme=scheme, bits=r.get("bits", int, check=lambda v: v == QUANT_SCHEMES[scheme], why=f"{QUANT_SCHEMES[scheme]} "
-                                                                                              f"(scheme {scheme})"),
-        block=r.get("block", int, check=lambda v: v >= 16 and not v & (v - 1), why="a power of two >= 16"),
-        symmetric=r.get("symmetric", bool), accuracy_level=r.get("accuracy_level", int, check=lambda v: 0 <= v <= 4,
-                                                                 why="0..4"),
-        head=r.get("head", str, check=lambda v: v in QUANT_HEADS, why=f"one of {', '.join(QUANT_HEADS)}"),
-        head_nodes=tuple(r.get("head_nodes", list, check=names, why="a list of node names")),
-        quantized=r.positive("quantized"), skipped=tuple(r.get("skipped", list, check=names, why="a list of node names")),
-        tool=r.get("tool", dict))
-    r.done(_fields(Quantization))
-    if name not in QUANTIZABLE:
-        r.fail("", f"quantizes the {name} graph; only {' and '.join(QUANTIZABLE)} are quantized")
-    if graph.dtype != "fp32":
-        r.fail("", f"is on a {graph.dtype} graph; weight-only quantization starts from fp32")
+def _check_quantization(q, r):
+    if q.bits != QUANT_SCHEMES[q.scheme]:
+        r.fail("bits", f"is {q.bits!r}, expected {QUANT_SCHEMES[q.scheme]} (scheme {q.scheme})")
     if q.head == "float" and not set(q.head_nodes) <= set(q.skipped):
         r.fail("skipped", f"lacks the float head {', '.join(q.head_nodes)}")
-    return q
+
+
+def _check_tuned_tree(t, r):
+    if (t.file is None) != (t.nodes == 1):
+        r.fail("file", "must be given for a tree with drafts and null for AR (nodes 1)")
+
+
+def _check_tuned_settings(t, r):
+    if t.settings.key != r.key:
+        r.fail("", f"is keyed {r.key!r} but its settings make the key {t.settings.key!r}")
+
+
+def _check_static_cache_sum(s, r):
+    if s.target != s.prefix + s.image_tokens + s.tree_nodes or s.drafter != s.image_tokens + s.tree_nodes:
+        r.fail("", f"{s} does not add up (target = prefix + image_tokens + tree_nodes, "
+                   f"drafter = image_tokens + tree_nodes)")
+
+
+_RECORD_CHECKS = {Shape: _check_shape, Condition: _check_condition, Vocabulary: _check_vocabulary,
+                  Graph: _check_graph, Quantization: _check_quantization, TunedTree: _check_tuned_tree,
+                  TunedSettings: _check_tuned_settings, StaticCache: _check_static_cache_sum}
 
 
 def quantization_scheme(manifest):
@@ -446,188 +623,23 @@ def quantization_scheme(manifest):
 
 
 def _parse(data, where):
-    r = _Reader(data, where)
     schema = data.get("schema", data.get("format_version")) if isinstance(data, dict) else None
     if schema != SCHEMA_VERSION:
         raise LanternError(f"{where}: engine schema {schema!r} is not the supported {SCHEMA_VERSION}; "
                            f"re-export the engine with this version of `lantern-export onnx`")
-    cond = r.obj("condition")
-    kind = cond.get("kind", str, check=lambda v: v in ("class", "caption", "prompt"),
-                    why="'class', 'caption' or 'prompt'")
-    condition = Condition(kind=kind, tokens=cond.positive("tokens", optional=kind == "prompt"),
-                          num_classes=cond.positive("num_classes", True),
-                          null_class=cond.get("null_class", int, True, lambda v: v >= 0, "an id >= 0"),
-                          caption_dim=cond.positive("caption_dim", True),
-                          style=cond.get("style", str, True, lambda v: v in PROMPT_STYLES, " or ".join(PROMPT_STYLES)),
-                          tokenizer=cond.get("tokenizer", str, True))
-    cond.done(_fields(Condition))
-    if kind == "class" and condition.num_classes is None:
-        cond.fail("num_classes", "is missing (class-conditional engine)")
-    if kind == "caption" and condition.caption_dim is None:
-        cond.fail("caption_dim", "is missing (caption-conditional engine)")
-    if kind == "prompt" and condition.style is None:
-        cond.fail("style", "is missing (prompt-conditional engine)")
-    voc = r.obj("vocabulary")
-    vocabulary = Vocabulary(size=voc.positive("size"), image_start=voc.get("image_start", int, check=lambda v: v >= 0,
-                                                                            why="an id >= 0"),
-                            image_end=voc.positive("image_end"))
-    voc.done(_fields(Vocabulary))
-    if not vocabulary.image_start < vocabulary.image_end <= vocabulary.size:
-        voc.fail("image_end", f"range [{vocabulary.image_start}, {vocabulary.image_end}) does not fit {vocabulary.size} ids")
-    img = r.obj("image")
-    image = Image(grid_height=img.positive("grid_height"), grid_width=img.positive("grid_width"),
-                  pixels=img.positive("pixels", True))
-    img.done(_fields(Image))
-    graphs = {name: _graph(_Reader(g, f"{where}: graphs.{name}"), name) for name, g in r.get("graphs", dict).items()}
-    files = {}
-    for name, entry in r.get("files", dict).items():
-        fr = _Reader(entry, f"{where}: files.{name}")
-        files[name] = FileRecord(size=fr.get("size", int, check=lambda v: v >= 0, why="a size"),
-                                 sha256=fr.get("sha256", str, check=lambda v: len(v) == 64, why="a sha256"))
-        fr.done(_fields(FileRecord))
-    nb = r.obj("neighbors", optional=True)
-    neighbors = None
-    if nb is not None:
-        neighbors = Neighbors(file=nb.get("file", str), k=nb.positive("k"), dtype=nb.get("dtype", str))
-        nb.done(_fields(Neighbors))
-    drafter = r.obj("drafter", optional=True)
-    sc = r.obj("static_cache", optional=True)
-    static_cache = None
-    if sc is not None:
-        static_cache = StaticCache(**{k: sc.positive(k) for k in _fields(StaticCache)})
-        sc.done(_fields(StaticCache))
-    m = Manifest(
-        family=r.get("family", str), model=r.get("model", dict), target=_shape(r.obj("target")), condition=condition,
-        vocabulary=vocabulary, image=image, max_positions=r.positive("max_positions"),
-        dtype=r.get("dtype", str, check=lambda v: v in DTYPES, why=f"one of {', '.join(DTYPES)}"),
-        opset=r.positive("opset"), graphs=graphs,
-        modes=tuple(r.get("modes", list, check=lambda v: v and all(x in MODES for x in v) and len(set(v)) == len(v),
-                          why=f"a list of distinct modes from {', '.join(MODES)}")),
-        files=files, drafter=None if drafter is None else _shape(drafter),
-        drafter_config=r.get("drafter_config", dict, optional=True),
-        tree=r.get("tree", dict, optional=True), candidates=r.positive("candidates", optional=True), neighbors=neighbors,
-        vq=r.get("vq", dict, optional=True), sources=r.get("sources", dict), tools=r.get("tools", dict),
-        build=r.get("build", dict), tuned_trees=_tuned_trees(r.get("tuned_trees", dict, optional=True), where),
-        static_cache=static_cache, schema=SCHEMA_VERSION)
-    r.done(_fields(Manifest))
+    r = _Reader(data, where)
+    m = _read_record(Manifest, r)
     _check_consistency(m, r)
-    plans = r.get("tensorrt", dict, optional=True)
-    if plans is not None:
-        m = m.replace(tensorrt={key: _plans(_Reader(v, f"{where}: tensorrt.{key}", _REBUILD_PLANS), key, m)
-                                for key, v in plans.items()})
     return m
 
 
-_REBUILD_PLANS = "rebuild the plans with `lantern-export trt ENGINE --force`"
-_SM = re.compile(r"^SM\d{2,3}$")
-
-
-def _plans(r, key, m):
-    """One TensorRTPlans entry: plans of graphs the engine has, listed in `files`, with profiles
-    whose ranges are well formed and name the graph's inputs."""
-    flavor = r.get("flavor", str, check=lambda v: v in PLAN_FLAVORS, why=f"one of {', '.join(PLAN_FLAVORS)}")
-    ccs = r.get("compute_capabilities", list, check=lambda v: v and all(isinstance(c, str) and _SM.match(c) for c in v),
-                why="a non-empty list like ['SM89']")
-    plans = {}
-    for graph, entry in r.get("plans", dict, check=lambda v: len(v) > 0, why="a non-empty object").items():
-        pr = _Reader(entry, f"{r.where}.plans.{graph}", r.fix)
-        if graph not in m.graphs:
-            pr.fail("", "is a plan for a graph the engine does not have")
-        file = pr.get("file", str, check=lambda v: v in m.files, why="a file that `files` lists")
-        profiles = []
-        for i, p in enumerate(pr.get("profiles", list, check=lambda v: len(v) > 0, why="a non-empty list")):
-            profiles.append(_profile(_Reader(p, f"{pr.where}.profiles[{i}]", r.fix), m.graphs[graph]))
-        pr.done(_fields(PlanFile))
-        plans[graph] = PlanFile(file=file, profiles=tuple(profiles))
-    t = TensorRTPlans(
-        flavor=flavor, version=r.get("version", str, check=lambda v: len(v) > 0, why="a version string"),
-        compute_capabilities=tuple(ccs), plans=plans,
-        batches=tuple(r.get("batches", list, check=lambda v: v and all(isinstance(b, int) and not isinstance(b, bool)
-                                                                        and b > 0 for b in v),
-                            why="a non-empty list of positive integers")),
-        cfg=tuple(r.get("cfg", list, check=lambda v: v and all(isinstance(c, bool) for c in v) and len(set(v)) == len(v),
-                        why="[false], [true] or [false, true]")),
-        trees=tuple(r.get("trees", list, check=lambda v: all(isinstance(t, str) for t in v), why="a list of tree names")),
-        builder=r.get("builder", dict))
-    r.done(_fields(TensorRTPlans))
-    return t
-
-
-def _profile(r, graph):
-    serves = r.get("serves", list, check=lambda v: all(isinstance(s, str) for s in v), why="a list of labels")
-    shapes = {}
-    for name, rng in r.get("shapes", dict).items():
-        sr = _Reader(rng, f"{r.where}.shapes.{name}", r.fix)
-        if name not in graph.inputs:
-            sr.fail("", f"is not an input of the {graph.contract} graph")
-        dims = [sr.get(k, list, check=lambda v: all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v),
-                       why="a list of dims") for k in ("min", "opt", "max")]
-        sr.done(["min", "opt", "max"])
-        if not (len(dims[0]) == len(dims[1]) == len(dims[2]) == len(graph.inputs[name].shape)) or not all(
-                a <= b <= c for a, b, c in zip(*dims)):
-            sr.fail("", f"needs min <= opt <= max of the input's rank, got {dims}")
-        shapes[name] = dict(zip(("min", "opt", "max"), dims))
-    r.done(_fields(PlanProfile))
-    return PlanProfile(serves=tuple(serves), shapes=shapes)
-
-
-def _tuned_settings(r):
-    """The GenerationSettings of a tuned-tree entry, in the canonical form tune writes, or one
-    LanternError line."""
-    mode = r.get("mode", str, check=lambda v: v in MODES[1:], why=f"one of {', '.join(MODES[1:])}")
-    sampling = r.get("sampling", str, check=lambda v: v in ("greedy", "sample"), why="'greedy' or 'sample'")
-    sample = sampling == "sample"
-    relaxed = mode in RELAXED
-    values = dict(
-        k=r.get("k", int, not relaxed, lambda v: v >= 0, "an integer >= 0"),
-        lam=r.get("lam", float, mode != "lantern++"), delta=r.get("delta", float, mode != "lantern"),
-        temperature=r.get("temperature", float, not sample),
-        top_k=r.get("top_k", int, not sample, lambda v: v >= 0, "an integer >= 0"),
-        top_p=r.get("top_p", float, not sample), cfg_scale=r.get("cfg_scale", float, check=lambda v: v >= 0),
-        cfg_interval=r.get("cfg_interval", int, check=lambda v: v >= -1, why="an integer >= -1"))
-    try:
-        settings = GenerationSettings(mode=mode, greedy=not sample,
-                                      **{name: v for name, v in values.items() if v is not None})
-    except LanternError as e:
-        r.fail("", str(e))
-    if settings.canonical() != r.data:
-        r.fail("", f"is {r.data!r}, not in the canonical form lantern-run tune writes ({settings.canonical()!r})")
-    return settings
-
-
-def _tuned_trees(data, where):
-    if data is None:
-        return {}
-    r = _Reader(data, f"{where}: tuned_trees", "run `lantern-run tune` again (or delete the entry)")
-    out = {}
-    for key in r.data:
-        e = r.obj(key)
-        settings = _tuned_settings(e.obj("settings"))
-        expected = settings.key
-        if expected != key:
-            e.fail("", f"is keyed {key!r} but its settings make the key {expected!r}")
-        trees = []
-        for images, entry in e.get("trees", dict, check=bool, why="a non-empty {batch: tree} object").items():
-            t = _Reader(entry, f"{e.where}.trees.{images}", e.fix)
-            if not images.isdigit() or int(images) < 1:
-                t.fail("", "is keyed by a batch size, which must be a positive integer")
-            trees.append(TunedTree(images=int(images), file=t.get("file", str, optional=True), name=t.get("name", str),
-                                   nodes=t.positive("nodes"), depth=t.get("depth", int, check=lambda v: v >= 0,
-                                                                           why="an integer >= 0"),
-                                   predicted=t.get("predicted", dict)))
-            t.done([f for f in _fields(TunedTree) if f != "images"])
-            if (trees[-1].file is None) != (trees[-1].nodes == 1):
-                t.fail("file", "must be given for a tree with drafts and null for AR (nodes 1)")
-        out[key] = TunedSettings(settings=settings, backend=e.get("backend", str),
-                                 trees=tuple(sorted(trees, key=lambda t: t.images)),
-                                 report=e.get("report", str, optional=True), measured=e.get("measured", dict))
-        e.done(_fields(TunedSettings))
-    return out
+# ---------------------------------------------------------------------------------------------
+# What the records must agree on across the manifest
 
 
 def _check_consistency(m, r):
     """What the modes promise must be there: a drafter, a tree and candidates for speculative
-    modes, a neighbor table for relaxed ones; every graph's file listed."""
+    modes, a neighbor table for relaxed ones; every file a record names listed in `files`."""
     if "target" not in m.graphs:
         r.fail("graphs", "has no target graph")
     _check_static_cache(m, r)
@@ -637,17 +649,13 @@ def _check_consistency(m, r):
     if m.graphs["target"].contract != wants:
         r.fail("graphs.target.contract", f"is {m.graphs['target'].contract!r}; a {m.condition.kind} engine "
                                          f"{'with' if m.static_cache else 'without'} a static cache has {wants!r}")
-    if m.condition.tokenizer is not None and m.condition.tokenizer not in m.files:
-        r.fail("condition.tokenizer", f"names {m.condition.tokenizer}, which `files` does not list")
     if m.vocabulary.size != m.graphs["target"].outputs["logits"].shape[-1]:
         r.fail("vocabulary.size", f"({m.vocabulary.size}) differs from the target's logits width")
     if m.graphs["target"].layers != m.target.layers:
         r.fail("target.layers", f"({m.target.layers}) differs from the target graph's cache inputs")
-    for name, g in m.graphs.items():
-        if g.file not in m.files:
-            r.fail(f"graphs.{name}.file", f"names {g.file}, which `files` does not list")
-        if g.external_data is not None and g.external_data not in m.files:
-            r.fail(f"graphs.{name}.external_data", f"names {g.external_data}, which `files` does not list")
+    for path, name, fix in _file_references(m):
+        if name not in m.files:
+            _Reader({}, r.where, fix=fix).fail(path, f"names {name}, which `files` does not list")
     if "ar" not in m.modes:
         r.fail("modes", "lacks 'ar' (every engine serves it)")
     speculative = [mode for mode in m.modes if mode != "ar"]
@@ -660,26 +668,37 @@ def _check_consistency(m, r):
             r.fail("candidates", f"is missing; modes {', '.join(speculative)} need the drafter's top-k width")
         if m.candidates != m.graphs["drafter"].outputs["topk_ids"].shape[-1]:
             r.fail("candidates", f"({m.candidates}) differs from the drafter graph's top-k width")
-        from lantern.runtime.tree import build_tree
-
         tree = build_tree(m.tree)
         if max(tree.widths) > m.candidates:
             r.fail("tree", f"{tree.name!r} needs {max(tree.widths)} children per node; the drafter returns {m.candidates}")
-    if {"lantern", "lantern++"} & set(m.modes):
-        if m.neighbors is None:
-            r.fail("neighbors", "is missing; modes lantern and lantern++ need a neighbor table")
-        if m.neighbors.file not in m.files:
-            r.fail("neighbors.file", f"names {m.neighbors.file}, which `files` does not list")
+    if {"lantern", "lantern++"} & set(m.modes) and m.neighbors is None:
+        r.fail("neighbors", "is missing; modes lantern and lantern++ need a neighbor table")
     if m.condition.kind == "class" and "condition" not in m.graphs:
         r.fail("graphs", "has no condition graph for a class-conditional engine")
-    tuned = _Reader({}, f"{r.where}: tuned_trees", "run `lantern-run tune` again (or delete the entry)")
+    tuned = _Reader({}, r.where, "tuned_trees.", RETUNE)
     for key, entry in m.tuned_trees.items():
         if entry.settings.mode not in m.modes:
             tuned.fail(key, f"is for mode {entry.settings.mode!r}, which the engine does not serve")
-        files = [t.file for t in entry.trees if t.file is not None] + ([entry.report] if entry.report else [])
-        for name in files:
-            if name not in m.files:
-                tuned.fail(key, f"names {name}, which `files` does not list")
+    for key, plans in (m.tensorrt or {}).items():
+        _check_plans(m, plans, _Reader({}, r.where, f"tensorrt.{key}.", REBUILD_PLANS))
+
+
+def _check_plans(m, t, r):
+    """Plans of graphs the engine has, with profiles that range over the graph's inputs at
+    their ranks."""
+    for graph, plan in t.plans.items():
+        if graph not in m.graphs:
+            r.fail(f"plans.{graph}", "is a plan for a graph the engine does not have")
+        inputs = m.graphs[graph].inputs
+        for i, profile in enumerate(plan.profiles):
+            for name, rng in profile.shapes.items():
+                at = f"plans.{graph}.profiles[{i}].shapes.{name}"
+                if name not in inputs:
+                    r.fail(at, f"is not an input of the {m.graphs[graph].contract} graph")
+                dims = [rng[k] for k in ("min", "opt", "max")]
+                if not (len(dims[0]) == len(dims[1]) == len(dims[2]) == len(inputs[name].shape)) or not all(
+                        a <= b <= c for a, b, c in zip(*dims)):
+                    r.fail(at, f"needs min <= opt <= max of the input's rank, got {dims}")
 
 
 def _check_static_cache(m, r):
@@ -691,9 +710,6 @@ def _check_static_cache(m, r):
         if in_place:
             r.fail("static_cache", f"is missing; graphs {', '.join(sorted(in_place))} update static caches in place")
         return
-    if s.target != s.prefix + s.image_tokens + s.tree_nodes or s.drafter != s.image_tokens + s.tree_nodes:
-        r.fail("static_cache", f"{s} does not add up (target = prefix + image_tokens + tree_nodes, "
-                               f"drafter = image_tokens + tree_nodes)")
     if s.image_tokens < m.image.tokens:
         r.fail("static_cache.image_tokens", f"({s.image_tokens}) is less than the engine's grid makes ({m.image.tokens})")
     slots = {"target": s.target, "commit": s.target, "drafter": s.drafter}
@@ -710,11 +726,8 @@ def _check_static_cache(m, r):
         r.fail("graphs", "has no commit graph (an in-place engine with a drafter commits accepted paths with it)")
     if "commit" in m.graphs and m.graphs["commit"].layers != m.target.layers:
         r.fail("graphs.commit", f"moves {m.graphs['commit'].layers} layers' caches; the target has {m.target.layers}")
-    if m.tree is not None:
-        from lantern.runtime.tree import build_tree
-
-        if build_tree(m.tree).num_nodes > s.tree_nodes:
-            r.fail("static_cache.tree_nodes", f"({s.tree_nodes}) is less than the default tree's nodes")
+    if m.tree is not None and build_tree(m.tree).num_nodes > s.tree_nodes:
+        r.fail("static_cache.tree_nodes", f"({s.tree_nodes}) is less than the default tree's nodes")
 
 
 def read_manifest(directory, verify=True):
@@ -725,8 +738,6 @@ def read_manifest(directory, verify=True):
     path = os.path.join(directory, "manifest.json")
     if not os.path.isdir(directory):
         raise LanternError(f"{directory}: no such engine directory (build one with `lantern-export onnx`)")
-    from lantern.runtime.enginedir import load_json, open_file
-
     try:
         with open_file(directory, "manifest.json", "r") as f:
             data = load_json(f, path)
@@ -744,8 +755,6 @@ def read_manifest(directory, verify=True):
 def _check_external_data(directory, manifest):
     """Every external-data file a graph names must be one the manifest lists (so it was
     confined and hashed): ONNX Runtime and TensorRT open whatever path a graph gives."""
-    from lantern.runtime.enginedir import onnx_external_files
-
     for name, g in manifest.graphs.items():
         base = os.path.dirname(g.file)
         for location in sorted(onnx_external_files(directory, g.file)):
@@ -759,8 +768,6 @@ def check_files(directory, manifest, verify=True):
     """Sizes (and, with verify, sha256) of every file the manifest lists. Returns the manifest,
     less what a damaged file that generation does not need belongs to (a tuned entry: its tree
     or its report; one warning line each); every refusal names the cheapest repair."""
-    import sys
-
     retune = "run `lantern-run tune` again with these settings"
     tuned = {}  # file -> the tuned entries it belongs to
     for key, entry in manifest.tuned_trees.items():
@@ -769,7 +776,7 @@ def check_files(directory, manifest, verify=True):
             if name in {t.file for t in entry.trees} or (folder and name.startswith(folder)):
                 tuned.setdefault(name, []).append(key)
     plans = {p.file for entry in (manifest.tensorrt or {}).values() for p in entry.plans.values()}
-    groups = [(sorted(set(manifest.files) - set(tuned) - plans), None), (sorted(plans), _REBUILD_PLANS)]
+    groups = [(sorted(set(manifest.files) - set(tuned) - plans), None), (sorted(plans), REBUILD_PLANS)]
     groups += [(sorted(n for n, keys in tuned.items() if key in keys), retune) for key in manifest.tuned_trees]
     dropped = set()
     for names, fix in groups:
@@ -794,9 +801,6 @@ def check_files(directory, manifest, verify=True):
 
 
 def _check_group(directory, records, verify, fix):
-    from lantern.runtime.enginedir import inside
-    from lantern.runtime.integrity import REBUILD, verify_files
-
     fix = fix or REBUILD
     files = {name: {"size": f.size, "sha256": f.sha256} for name, f in records.items()}
     if verify:

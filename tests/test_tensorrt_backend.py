@@ -95,7 +95,7 @@ def _edit(planned, tmp_path, change):
     (lambda t, m: t.update(flavor="tensorrt-llm"), "flavor is 'tensorrt-llm', expected one of tensorrt, tensorrt-rtx"),
     (lambda t, m: t.update(compute_capabilities=["89"]), "compute_capabilities is ['89']"),
     (lambda t, m: t["plans"].update(embed=t["plans"]["target"]), "plans.embed is a plan for a graph the engine does not"),
-    (lambda t, m: t["plans"]["target"].update(file="plans/x.plan"), "file is 'plans/x.plan', expected a file that"),
+    (lambda t, m: t["plans"]["target"].update(file="plans/x.plan"), "file names plans/x.plan, which `files` does not list"),
     (lambda t, m: t["plans"]["target"]["profiles"][0]["shapes"]["input_ids"].update(min=[2, 2]),
      "needs min <= opt <= max"),
     (lambda t, m: t["plans"]["target"]["profiles"][0]["shapes"].update(inputs_embeds={"min": [1], "opt": [1],
