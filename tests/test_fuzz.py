@@ -1,6 +1,6 @@
 """Fuzzing (hypothesis, derandomized so a run is reproducible): no tree spec makes build_tree
 raise anything but a LanternError, and no tree file makes `lantern-run generate --tree` print a
-traceback. The manifest fuzz waits for the typed manifest (issue 8); its harness is in fuzz.py."""
+traceback, and no manifest makes `lantern-run generate` print one either (harness: fuzz.py)."""
 import json
 import shutil
 

@@ -1,5 +1,5 @@
 """`lantern-run generate` with damaged engines and reused, shared or odd --out directories, on
-the demo's engine (issue 12: lantern.runtime.outdir.OutputDirectory, integrity.verify_files,
+the demo's engine (lantern.runtime.outdir.OutputDirectory, integrity.verify_files,
 integrity.load_neighbors)."""
 import hashlib
 import json

@@ -1,4 +1,4 @@
-"""The step-plan rebuild (issue 8) against the decoding loop before it, token for token.
+"""The step-plan decoding loop against the loop before it, token for token.
 
 tests/data/regression_v1.npz holds 64 generations made with the loop as it was at commit c071357
 (tests/data/make_regression_v1.py): every mode x greedy/sampling x CFG on/off x c2i/t2i x

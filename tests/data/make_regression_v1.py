@@ -1,5 +1,5 @@
 """Made the regression data in regression_v1.npz with the decoding loop as it was at commit
-c071357 (before the step-plan rebuild, issue 8). Kept to show how the data was made; it runs
+c071357 (the loop before step plans). Kept to show how the data was made; it runs
 only against that commit's API:  python tests/data/make_regression_v1.py"""
 import itertools
 import json
