@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from scipy import linalg
 
+from lantern.runtime.settings import GenerationSettings
 from lantern.tools.quality import frechet_distance, methods
 
 
@@ -28,6 +29,10 @@ def test_sweep_covers_the_issue():
     assert names[:2] == ["ar", "exact"]
     assert "lantern++ k=20 lam=1.5" in names and "lantern k=20 delta=0.3" in names
     assert len(names) == 2 + 10 + 2
+    rows = dict(methods([2], [5], [0.3], GenerationSettings(cfg_scale=3.0, top_k=7)))
+    assert rows["lantern++ k=5 lam=2"] == GenerationSettings(mode="lantern++", k=5, lam=2.0, cfg_scale=3.0, top_k=7)
+    assert rows["lantern k=5 delta=0.3"].key == "lantern_delta0.3_k5_t1-topk7-topp1_cfg3"
+    assert all(s.cfg_scale == 3.0 and s.top_k == 7 for s in rows.values())
 
 
 def test_projection_keeps_the_main_directions():

@@ -28,6 +28,7 @@ batch of ar and one of exact. Images go through the engine in batches of --batch
 over hundreds of CFG rows at once is several times slower per image on a CPU); batch i of every
 row uses the same seed.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -37,6 +38,7 @@ import time
 import numpy as np
 
 from lantern.runtime.errors import LanternError
+from lantern.runtime.settings import GenerationSettings
 
 # What the report directory holds: --force replaces only a directory with nothing else in it.
 REPORT_FILES = ("report.json", "report.md", "*.png")
@@ -108,12 +110,22 @@ def project(features, reference, dims):
     return (features - mean) @ vt[:dims].T
 
 
-def methods(lams, ks, deltas):
-    out = [("ar", dict(mode="ar")), ("exact", dict(mode="exact"))]
+def methods(lams, ks, deltas, base=GenerationSettings()):
+    """(row name, GenerationSettings) of every decoding method of the sweep: `base` (the shared
+    sampling and CFG settings) in each mode with its relaxations."""
+    def with_(**changes):
+        return dataclasses.replace(base, **changes)
+
+    out = [("ar", with_(mode="ar")), ("exact", with_(mode="exact"))]
     for k in ks:
-        out += [(f"lantern++ k={k} lam={lam:g}", dict(mode="lantern++", k=k, lam=lam)) for lam in lams]
-    out += [(f"lantern k={max(ks)} delta={d:g}", dict(mode="lantern", k=max(ks), delta=d)) for d in deltas]
+        out += [(f"lantern++ k={k} lam={lam:g}", with_(mode="lantern++", k=k, lam=lam)) for lam in lams]
+    out += [(f"lantern k={max(ks)} delta={d:g}", with_(mode="lantern", k=max(ks), delta=d)) for d in deltas]
     return out
+
+
+def sweep_settings(args):
+    """The settings every row shares, from the command line (one line on bad values)."""
+    return GenerationSettings(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k)
 
 
 def _check_args(args):
@@ -123,6 +135,7 @@ def _check_args(args):
             raise LanternError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not args.ks:
         raise LanternError("--ks needs at least one k")
+    methods(args.lams, args.ks, args.deltas, sweep_settings(args))  # every row's settings, checked before any work
 
 
 def batch_seed(seed, role, index):
@@ -198,16 +211,17 @@ def _sweep(args, out_dir, work):
     torch.set_num_threads(args.threads)
     # Every scheme drafts with the engine's exported tree (not a tree `lantern-run tune` chose for
     # one engine's latency), so rows differ only in the scheme and the method.
-    plan = [(name, kw if kw["mode"] == "ar" else dict(kw, tree=reference.tree))
-            for name, kw in methods(args.lams, args.ks, args.deltas)]
-    common = dict(cfg_scale=args.cfg_scale, temperature=args.temperature, top_k=args.top_k)
+    base = sweep_settings(args)
+    plan = [(name, settings, None if settings.mode == "ar" else reference.tree)
+            for name, settings in methods(args.lams, args.ks, args.deltas, base)]
 
-    def generate(engine, kw, role):
+    def generate(engine, settings, tree, role):
         """All images of one row, batch by batch: tokens, engine seconds, per-image stats."""
         tokens, seconds, accepted, steps = [], 0.0, 0.0, 0.0
         for i, b in enumerate(batches):
             t = time.perf_counter()
-            r = engine.generate(classes=classes[b].tolist(), seed=batch_seed(args.seed, role, i), **common, **kw)
+            r = engine.generate(classes=classes[b].tolist(), seed=batch_seed(args.seed, role, i), settings=settings,
+                                tree=tree)
             seconds += time.perf_counter() - t
             tokens.append(r.tokens)
             accepted += r.stats["mean_accepted_length"] * len(r.tokens)
@@ -216,8 +230,9 @@ def _sweep(args, out_dir, work):
         n = len(classes)
         return np.concatenate(tokens), seconds, {"mean_accepted_length": accepted / n, "steps_per_image": steps / n}
 
-    def greedy(engine, kw):
-        r = engine.generate(classes=greedy_classes.tolist(), greedy=True, cfg_scale=args.cfg_scale, **kw)
+    def greedy(engine, settings, tree):
+        r = engine.generate(classes=greedy_classes.tolist(), settings=dataclasses.replace(settings, greedy=True),
+                            tree=tree)
         bar.update(len(greedy_classes))
         return r.tokens
 
@@ -230,23 +245,24 @@ def _sweep(args, out_dir, work):
 
     # Size and expected time: one batch of ar and one of exact on the reference, scaled to the
     # sweep (a quantized engine costs about what the reference does on a CPU: 0.9-1.3x measured).
-    reference.generate(mode="exact", classes=classes[:2].tolist(), tree=reference.tree, **common)  # warm up
+    exact = dataclasses.replace(base, mode="exact")
+    reference.generate(classes=classes[:2].tolist(), settings=exact, tree=reference.tree)  # warm up
     probe = classes[batches[0]].tolist()
     cost = {}
     for mode in ("ar", "exact"):
         t = time.perf_counter()
-        r = reference.generate(classes=probe, mode=mode, seed=args.seed, tree=None if mode == "ar" else reference.tree,
-                               **common)
+        r = reference.generate(classes=probe, settings=dataclasses.replace(base, mode=mode), seed=args.seed,
+                               tree=None if mode == "ar" else reference.tree)
         decoded = time.perf_counter()
         reference.decode(r.tokens)
         per_image = (decoded - t) / len(probe)
         cost[mode] = {"generate": per_image, "decode": (time.perf_counter() - decoded) / len(probe)}
-    per_row = sum(cost["ar" if kw["mode"] == "ar" else "exact"]["generate"] for _, kw in plan)
+    per_row = sum(cost["ar" if settings.mode == "ar" else "exact"]["generate"] for _, settings, _ in plan)
     expected = len(engines) * (per_row * (len(classes) + len(greedy_classes)) + len(plan) * len(classes)
                                * cost["ar"]["decode"]) + len(classes) * sum(cost["ar"].values())
     total_images = (len(classes) + len(greedy_classes)) * len(plan) * len(engines) + len(classes) + len(greedy_classes)
     print(f"quality: {len(engines)} scheme{'s' if len(engines) > 1 else ''} ({', '.join(engines)}) x {len(plan)} methods "
-          f"({', '.join(name for name, _ in plan)}) x {len(classes)} sampled images ({args.per_class} per class x "
+          f"({', '.join(name for name, _, _ in plan)}) x {len(classes)} sampled images ({args.per_class} per class x "
           f"{n_classes} classes) + {len(greedy_classes)} greedy ones + ar's noise floor = {total_images} images in "
           f"batches of {args.batch}; expect about {_duration(expected)} (measured on one batch of ar and of exact)",
           flush=True)
@@ -258,17 +274,17 @@ def _sweep(args, out_dir, work):
     forced, greedy_ar = greedy_agreement(reference, engines, greedy_classes.tolist(), args.cfg_scale)
     bar.update(len(greedy_classes))
     for scheme, engine in engines.items():
-        for name, kw in plan:
+        for name, settings, tree in plan:
             bar.set_description(f"{scheme} {name}")
-            tokens, seconds, stats = generate(engine, kw, 0)
+            tokens, seconds, stats = generate(engine, settings, tree, 0)
             images, accuracy, feats = judge(tokens)
             if reference_feats is None:  # the reference ar: its own features, its noise floor
                 reference_feats, reference_seconds = feats, seconds
-                floor, _, _ = generate(engine, kw, 1)
+                floor, _, _ = generate(engine, settings, tree, 1)
                 feats = judge(floor)[2]  # the reference row: ar against ar with other seeds
-            agreement = float((greedy(engine, kw) == greedy_ar).mean())
-            rows.append({"scheme": scheme, "method": name, **{k: v for k, v in kw.items() if k != "tree"},
-                         "tree": None if kw["mode"] == "ar" else kw["tree"].name, "accuracy": float(accuracy),
+            agreement = float((greedy(engine, settings, tree) == greedy_ar).mean())
+            rows.append({"scheme": scheme, "method": name, "mode": settings.mode, "settings": settings.canonical(),
+                         "tree": None if tree is None else tree.name, "accuracy": float(accuracy),
                          "frechet_vs_ar": frechet_distance(project(reference_feats, reference_feats, args.feature_dims),
                                                            project(feats, reference_feats, args.feature_dims)),
                          "greedy_agreement": agreement, "teacher_forced_agreement": forced[scheme],
