@@ -23,6 +23,7 @@ How it stays loop-free and portable (ONNX opset 18, TensorRT without float64):
 import numpy as np
 import torch
 from torch import nn
+from lantern.export.onnx_export import _apply_contract, _quiet_exporter
 
 # float64's rounding limits around 1: 1 + e rounds above 1 iff e > 2^-53 (2^-53 itself ties to
 # 1.0, the even neighbor), and rounds to 1.0 iff -2^-54 <= e <= 2^-53.
@@ -141,7 +142,6 @@ _TRACE = {"R": 4, "N": 2, "V": None, "L": 7, "Kn": 3}
 
 def export_acceptance(tree, columns, codes, vocab, path, opset=18):
     """Write the greedy acceptance graph for this tree and token space to `path` (ONNX)."""
-    from lantern.export.onnx_export import _apply_contract, _quiet_exporter
 
     module = GreedyAcceptance(tree, columns, codes).eval()
     contract = acceptance_contract(tree, len(columns))

@@ -34,6 +34,7 @@ from lantern.export import fused_forms
 from lantern.export.fused_forms import PLAIN
 from lantern.export.layers import RMSNorm, count_parameters, init_random, run_layers  # noqa: F401 (count_parameters, init_random: this family's too)
 from lantern.runtime.errors import LanternError
+from lantern.export.graphs import VQDecoderGraph
 
 # ---------------------------------------------------------------------------------------------
 # Config (Hugging Face ChameleonConfig field names)
@@ -463,7 +464,6 @@ def graph_modules(target, drafter=None, vq=None, candidates=None, attention="pla
         if attention == "fused":
             graphs["commit"] = ("commit", fused_forms.CommitGraph())
     if vq is not None:
-        from lantern.export.graphs import VQDecoderGraph
 
         graphs["vq_decoder"] = ("vq_decoder", VQDecoderGraph(vq))
     return {name: (contract, module.eval()) for name, (contract, module) in graphs.items()}

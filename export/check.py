@@ -61,11 +61,15 @@ import tempfile
 
 import numpy as np
 
-from lantern.export import polygraphy_check
+from lantern.export import polygraphy_check, quantize
 from lantern.export.polygraphy_check import NAME as POLYGRAPHY
+from lantern.runtime.backends import BACKENDS, open_backend
+from lantern.runtime.backends.cuda import gpu_compute_capability
+from lantern.runtime.backends.tensorrt import TensorRTBackend
+from lantern.runtime.backends.torch import TorchBackend
+from lantern.runtime.contracts import cache_feeds, GRAPHS
 from lantern.runtime.errors import LanternError
-from lantern.runtime.contracts import GRAPHS, cache_feeds
-from lantern.runtime.manifest import read_manifest
+from lantern.runtime.manifest import describe_files, read_manifest
 from lantern.runtime.plan import Call
 from lantern.runtime.tree import build_tree
 
@@ -311,7 +315,6 @@ def _compare_ids_per_row(got_ids, want_ids, got_probs, want_probs):
 def quantization_tolerances(directory, manifest, tolerance=None):
     """{graph: (scheme, relative RMS limit)} of the quantized graphs, each verified against its
     record first. tolerance: one limit for all (default: the scheme's, quantize.TOLERANCES)."""
-    from lantern.export import quantize
 
     limits = {}
     for name, g in manifest.graphs.items():
@@ -380,7 +383,6 @@ def _upcast_engine(directory, manifest, tmp):
 
     import dataclasses
 
-    from lantern.runtime.manifest import describe_files
 
     graphs, files = {}, []
     for name, g in manifest.graphs.items():
@@ -406,10 +408,8 @@ def open_backends(directory, manifest, backend, against, modules=None, tmp=None)
 def open_check_backend(directory, manifest, name, modules=None, tmp=None):
     """One backend for a check. torch runs the modules rebuilt from the sources (or `modules`
     given); a bf16 engine runs on ONNX Runtime through an fp32 upcast copy made in `tmp`."""
-    from lantern.runtime.backends import open_backend
 
     if name == "torch":
-        from lantern.runtime.backends.torch import TorchBackend
 
         mods = modules
         if mods is None:
@@ -542,9 +542,6 @@ def check_engine_polygraphy(directory, *, backend="onnxruntime", verify=True, at
     does). Returns a report shaped like lantern.export.check.check_engine's."""
     import tempfile
 
-    from lantern.runtime.backends.cuda import gpu_compute_capability
-    from lantern.runtime.backends.tensorrt import TensorRTBackend
-    from lantern.runtime.manifest import read_manifest
 
     directory = os.fspath(directory)
     if backend in ("tensorrt", POLYGRAPHY):
@@ -594,8 +591,6 @@ def check_engine_polygraphy(directory, *, backend="onnxruntime", verify=True, at
 
 
 def add_parser(sub):
-    from lantern.runtime.backends import BACKENDS
-
     p = sub.add_parser("check", help="compare an engine's graphs on two backends, output by output",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("engine", help="engine directory (engines/NAME)")

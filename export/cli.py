@@ -3,6 +3,7 @@ and check them."""
 import argparse
 import sys
 
+from lantern.export import check, neighbors, quantize, trt_export
 from lantern.runtime.errors import cli_main
 
 
@@ -12,7 +13,7 @@ def build_parser(more=()):
     parser = argparse.ArgumentParser(prog="lantern-export", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     # Each subcommand module adds its parser and sets `func`.
-    from lantern.export import check, inspect_cmd, neighbors, onnx_export, quantize, trt_export
+    from lantern.export import inspect_cmd, onnx_export  # torch at their tops
 
     inspect_cmd.add_parser(sub)
     neighbors.add_parser(sub)

@@ -15,7 +15,12 @@ from typing import Protocol
 
 import torch
 
+from lantern.export import chameleon, chameleon_checkpoints, chameleon_vq, checkpoints, llamagen
+from lantern.export.chameleon import ARCHITECTURES
+from lantern.export.graphs import graph_modules
+from lantern.export.vq import load_vq
 from lantern.runtime import manifest as engine_format
+from lantern.runtime.chameleon_prompts import body_length
 from lantern.runtime.errors import LanternError
 from lantern.runtime.text_tokenizer import FILE_NAME as TOKENIZER_FILE
 
@@ -90,20 +95,16 @@ class LlamaGen:
         return False  # the fallback of family_of: its loaders say what a file is not
 
     def inspect(self, path, fmt=None, **target_options):
-        from lantern.export import checkpoints
-
         fmt = fmt or checkpoints.detect_format(path)
         if fmt == "drafter":
             return checkpoints.load_drafter(path)[1]
         if fmt == "vq":
-            from lantern.export.vq import load_vq
 
             return load_vq(path)[1]
         return checkpoints.load_target(path, fmt, **target_options)[1]
 
     def load(self, target, target_format=None, target_options=None, drafter=None, vq=None):
         """{role: (model, info)} through the strict loaders."""
-        from lantern.export import checkpoints
 
         models = {"target": LoadedModel(*checkpoints.load_target(target, target_format, **(target_options or {})))}
         args = models["target"].model.args
@@ -114,7 +115,6 @@ class LlamaGen:
                 raise LanternError(f"{drafter}: drafter head_dim {d.head_dim} (dim {d.dim} / {d.n_head} heads) "
                                    f"does not fit the target's RoPE table (head_dim {args.head_dim})")
         if vq is not None:
-            from lantern.export.vq import load_vq
 
             models["vq"] = LoadedModel(*load_vq(vq))
             codes = models["vq"].model.config.codebook_size
@@ -126,7 +126,6 @@ class LlamaGen:
     def cast(self, models, dtype):
         """Target and drafter to the export dtype; the RoPE table stays fp32 (the rotation runs
         in fp32 inside) and the VQ decoder stays fp32."""
-        from lantern.export import llamagen
 
         target = models["target"].model.to(DTYPES[dtype])
         target.rope = llamagen.rope_table(target.args)
@@ -136,8 +135,6 @@ class LlamaGen:
             models["vq"].model.float()
 
     def graphs(self, models, candidates, attention="plain"):
-        from lantern.export.graphs import graph_modules
-
         return graph_modules(models["target"].model, _model(models, "drafter"), _model(models, "vq"), candidates,
                              attention)
 
@@ -225,7 +222,6 @@ class Chameleon:
         config = os.path.join(path, "config.json")
         if fmt is not None or not os.path.isfile(config):
             return False
-        from lantern.export.chameleon import ARCHITECTURES
 
         try:
             with open(config) as f:
@@ -235,20 +231,14 @@ class Chameleon:
         return arch in ARCHITECTURES
 
     def inspect(self, path, fmt=None, **target_options):
-        from lantern.export import chameleon_checkpoints
-
         role = chameleon_checkpoints.detect(path)["role"]
         if role == "vq":
-            from lantern.export.chameleon_vq import load_vq
-
-            return load_vq(path)[1]
+            return chameleon_vq.load_vq(path)[1]
         if role == "drafter":
             return chameleon_checkpoints.load_drafter(path)[1]
         return chameleon_checkpoints.load_target(path)[1]
 
     def load(self, target, target_format=None, target_options=None, drafter=None, vq=None):
-        from lantern.export import chameleon_checkpoints
-
         if target_format not in (None, "chameleon"):
             raise LanternError(f"{target}: a Chameleon directory; --format {target_format!r} does not apply")
         unused = [k for k, v in (target_options or {}).items() if v is not None and k != "weights"]
@@ -263,9 +253,7 @@ class Chameleon:
                 raise LanternError(f"{drafter}: the drafter graph takes one layer's cache; this drafter has "
                                    f"{models['drafter'].model.config.num_hidden_layers} layers")
         if vq is not None:
-            from lantern.export.chameleon_vq import load_vq
-
-            models["vq"] = LoadedModel(*load_vq(vq))
+            models["vq"] = LoadedModel(*chameleon_vq.load_vq(vq))
             codes = models["vq"].model.config.codebook_size
             if codes != config.num_image_tokens:
                 raise LanternError(f"{vq}: the VQ-GAN has {codes} codes but the target has {config.num_image_tokens} "
@@ -280,8 +268,6 @@ class Chameleon:
             models["vq"].model.float()
 
     def graphs(self, models, candidates, attention="plain"):
-        from lantern.export import chameleon
-
         return chameleon.graph_modules(models["target"].model, _model(models, "drafter"), _model(models, "vq"),
                                        candidates, attention)
 
@@ -306,7 +292,6 @@ class Chameleon:
 
     def image_tokens(self, models):
         """Tokens generated per image at the engine's grid (a static cache holds no larger grid)."""
-        from lantern.runtime.chameleon_prompts import body_length
 
         c = models["target"].model.config
         return body_length(c.family, self.GRIDS[c.family])

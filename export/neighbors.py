@@ -23,6 +23,7 @@ import numpy as np
 
 from lantern.runtime.errors import LanternError
 from lantern.runtime.integrity import read_npy
+from lantern.runtime.outdir import write_file
 
 # Rows per work item. 256 rows x 16384 codes x 8 bytes is 32 MiB of distances (plus as much for
 # the sort's indices and a scratch array), per thread.
@@ -147,7 +148,6 @@ def save_npy_atomic(path, array):
     The file gets mode 0o666 less the umask (tempfile.mkstemp would make it private)."""
     import io
 
-    from lantern.runtime.outdir import write_file
 
     path = os.fspath(path)
     _check_output(path)

@@ -42,10 +42,16 @@ import torch
 from lantern.export import placement
 from lantern.export.families import DTYPES, FAMILIES, family_of
 from lantern.export.fused_forms import ATTENTION_FORMS
+from lantern.export.inspect_cmd import add_model_options, target_options
+from lantern.export.neighbors import nearest_neighbors
+from lantern.export.quantize import add_quantize_options, describe_quantization, quantize_graphs, quantize_options
 from lantern.runtime import manifest as engine_format
+from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.contracts import resolved_io
 from lantern.runtime.errors import LanternError
 from lantern.runtime.integrity import sha256_file
+from lantern.runtime.manifest import read_manifest
+from lantern.runtime.tree import build_tree
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_OPSET = 18  # the dynamo exporter's own opset; lower ones are not offered
@@ -270,7 +276,6 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
     placement.check_engine_destination(out, force)
     draft_tree = None
     if drafter is not None:
-        from lantern.runtime.tree import build_tree
 
         draft_tree = build_tree(tree or DEFAULT_TREE)
     tree_nodes = None
@@ -379,7 +384,6 @@ def _build(staging, bar, job):
                 external_data=written[1] if len(written) > 1 else None)
             bar.update()
         if job.quantize is not None:  # in place, file names unchanged; records go into the graphs' entries
-            from lantern.export.quantize import quantize_graphs
 
             bar.set_description(f"quantize {job.quantize.scheme}")
             graph_entries = quantize_graphs(tmp, graph_entries, job.quantize)
@@ -415,7 +419,6 @@ def _write_neighbors(directory, vectors, k):
     """neighbors.npy: each code's k nearest codes by L2 distance of `vectors` (the family's)."""
     import numpy as np
 
-    from lantern.export.neighbors import nearest_neighbors
 
     table = nearest_neighbors(vectors, k)
     np.save(os.path.join(directory, "neighbors.npy"), table, allow_pickle=False)
@@ -453,8 +456,6 @@ def _progress(stages, enabled):
 
 
 def add_parser(sub):
-    from lantern.export.inspect_cmd import add_model_options
-
     p = sub.add_parser("onnx", help="export checkpoints to an engine directory (ONNX graphs + manifest)",
                        description="Export a LlamaGen target (and a LANTERN drafter, a VQ decoder) to an engine "
                                    "directory, written atomically. Without --drafter the engine serves 'ar' only.")
@@ -476,7 +477,6 @@ def add_parser(sub):
                    help="fused, prompt engines: the longest prompt row the static caches hold; shorter prompts are "
                         "left-padded (default 128)")
     p.add_argument("--neighbors-k", type=int, help=f"latent neighbors per code (default min({DEFAULT_NEIGHBORS_K}, codes - 1))")
-    from lantern.export.quantize import add_quantize_options
 
     add_quantize_options(p)
     p.add_argument("--out", required=True, help="engine directory to create, e.g. engines/NAME")
@@ -486,9 +486,6 @@ def add_parser(sub):
 
 
 def run(args):
-    from lantern.export.inspect_cmd import target_options
-    from lantern.export.quantize import describe_quantization, quantize_options
-
     start = time.perf_counter()
     manifest = export_engine(args.out, args.target, target_format=args.format, target_options=target_options(args),
                              drafter=args.drafter, vq=args.vq, tree=args.tree, dtype=args.dtype,
@@ -506,7 +503,6 @@ def run(args):
     if describe_quantization(manifest):
         print(describe_quantization(manifest))
     if manifest.tree is not None:
-        from lantern.runtime.tree import build_tree
 
         tree = build_tree(manifest.tree)
         print(f"modes: {', '.join(manifest.modes)}; tree {tree.name} ({tree.num_nodes} nodes, depth {tree.depth}), "
@@ -520,8 +516,6 @@ def run(args):
 
 def open_torch_backend(directory, threads=None, device="cpu", manifest=None):
     """The runtime's torch backend over an engine's graphs rebuilt from its source checkpoints."""
-    from lantern.runtime.backends.torch import TorchBackend
-    from lantern.runtime.manifest import read_manifest
 
     manifest = manifest or read_manifest(directory)
     if (scheme := engine_format.quantization_scheme(manifest)) != "none":  # it would serve fp32 numerics

@@ -27,7 +27,9 @@ import time
 
 import numpy as np
 
+from lantern.export.tensorrt_build import load_tensorrt, normalise_compute_capability
 from lantern.runtime.errors import LanternError
+from lantern.runtime.plan import Call
 
 NAME = "polygraphy-trt"
 _INSTALL = "pip install 'lantern[polygraphy]' (with 'lantern[tensorrt]' or 'lantern[tensorrt-rtx]')"
@@ -65,7 +67,6 @@ def polygraphy_plan(onnx_path, profiles, *, flavor, compute_capabilities=None, t
     with the settings lantern's builder uses: strongly typed, TF32 off unless asked,
     REQUIRE_USER_ALLOCATION where the flavor has it, TensorRT's default profiling verbosity, and
     (tensorrt-rtx) the compute capabilities, e.g. ["SM89"]."""
-    from lantern.export.tensorrt_build import load_tensorrt, normalise_compute_capability
 
     load_polygraphy(flavor)
     trt = load_tensorrt(flavor)
@@ -112,7 +113,6 @@ def backend_runner(backend, graph, manifest, name):
     """A Polygraphy runner (`BaseRunner`) that runs one graph of an engine on a lantern backend."""
     from polygraphy.backend.base import BaseRunner
 
-    from lantern.runtime.plan import Call
 
     entry = manifest.graphs[graph]
 

@@ -81,8 +81,10 @@ from typing import Optional
 
 import numpy as np
 
+from lantern.export import placement
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import QUANTIZABLE, Quantization, quantization_scheme
+from lantern.runtime.manifest import describe_files, QUANTIZABLE, Quantization, quantization_scheme, read_manifest
+from lantern.runtime.plan import Call
 
 SCHEMES = ("int8", "int4")  # ONNX Runtime weight-only
 BITS = {"int8": 8, "int4": 4}
@@ -220,8 +222,6 @@ def quantize_engine(src, dst, options, *, force=False):
     and tuned trees, measured on the float graphs, are left behind. The sources stay the fp32
     checkpoints, so `check` compares against the fp32 PyTorch modules. Placed atomically
     (lantern.export.placement). Returns the new Manifest."""
-    from lantern.export import placement
-    from lantern.runtime.manifest import describe_files, read_manifest
 
     options.check()
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
@@ -382,7 +382,6 @@ def greedy_agreement(reference, engines, classes, cfg_scale):
     image) pairs whose CFG-combined greedy image token at the call's last position equals the
     reference's}, the reference's greedy tokens). Free of the divergence that makes free-running
     agreement fall after a first different token: it measures each step's fidelity."""
-    from lantern.runtime.plan import Call
 
     recorder = RecordingBackend(reference.backend)
     reference.backend = recorder

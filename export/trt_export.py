@@ -49,10 +49,11 @@ import numpy as np
 
 from lantern.export import tensorrt_build as tb
 from lantern.runtime import enginedir
+from lantern.runtime.backends.cuda import gpu_compute_capability
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import (PlanFile, PlanProfile, TensorRTPlans, describe_files, quantization_scheme,
-                                      read_manifest)
+from lantern.runtime.manifest import (describe_files, PlanFile, PlanProfile, quantization_scheme, read_manifest,
+                                      TensorRTPlans)
 from lantern.runtime.plan import StepPlan
 from lantern.runtime.tree import build_tree, root_only
 
@@ -143,7 +144,6 @@ def resolve_compute_capabilities(flavor, requested):
         raise LanternError("full TensorRT builds for the GPU it runs on: use --compute-capability current "
                            "(or --flavor tensorrt-rtx to build ahead of time for named GPUs)")
     if "current" in names:
-        from lantern.runtime.backends.cuda import gpu_compute_capability
 
         current = gpu_compute_capability()
         if current is None:

@@ -8,8 +8,11 @@ import sys
 import numpy as np
 
 from lantern.runtime.backends import BACKENDS
-from lantern.runtime.errors import LanternError, cli_main
-from lantern.runtime.settings import MODES, GenerationSettings
+from lantern.runtime.errors import cli_main, LanternError
+from lantern.runtime.generator import Engine
+from lantern.runtime.outdir import OutputDirectory, write_file
+from lantern.runtime.png import write_png
+from lantern.runtime.settings import GenerationSettings, MODES
 
 
 def _classes(text):
@@ -106,8 +109,6 @@ def _load_npy(path, what):
 
 
 def open_engine(args):
-    from lantern.runtime.generator import Engine
-
     device = args.device or ("cuda" if args.backend == "tensorrt" else "cpu")
     options = {"cuda_graphs": args.cuda_graphs} if args.backend == "tensorrt" else {}
     loader = args.backend_loaders.get(args.backend)
@@ -118,8 +119,6 @@ def open_engine(args):
 def write_outputs(stage, tokens, stats, images=None):
     """tokens.npy, stats.json and one PNG per image into a staging directory (OutputDirectory
     places it whole)."""
-    from lantern.runtime.outdir import write_file
-    from lantern.runtime.png import write_png
 
     try:
         with open(os.path.join(stage, "tokens.npy"), "wb") as f:
@@ -133,8 +132,6 @@ def write_outputs(stage, tokens, stats, images=None):
 
 
 def run_generate(args):
-    from lantern.runtime.outdir import OutputDirectory
-
     caption = _load_npy(args.caption, "caption features") if args.caption else None
     mask = _load_npy(args.caption_mask, "caption mask") if args.caption_mask else None
     prompt_ids = _load_npy(args.prompt_ids, "prompt ids") if args.prompt_ids else None

@@ -15,7 +15,9 @@ from typing import Optional
 
 import numpy as np
 
+from lantern.runtime import chameleon_prompts
 from lantern.runtime.errors import LanternError
+from lantern.runtime.text_tokenizer import TextTokenizer
 
 
 @dataclass(frozen=True)
@@ -152,8 +154,6 @@ class Prompt:
     public code always makes 32 x 32, the engine's default, and a smaller grid just stops early)."""
 
     def __init__(self, manifest, directory):
-        from lantern.runtime import chameleon_prompts
-
         self.rows_of = chameleon_prompts
         self.style = manifest.condition.style
         self.grid = (manifest.image.grid_height, manifest.image.grid_width)
@@ -168,7 +168,6 @@ class Prompt:
             raise LanternError("this engine has no text tokenizer (re-export with a --vq directory holding "
                                "text_tokenizer.json), so it takes prompts as ids only (--prompt-ids)")
         if self._tokenizer is None:
-            from lantern.runtime.text_tokenizer import TextTokenizer
 
             self._tokenizer = TextTokenizer(self.tokenizer_path)
         return self._tokenizer

@@ -27,11 +27,12 @@ from lantern.runtime import accept as acceptance
 from lantern.runtime.backends import open_backend
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
+from lantern.runtime.integrity import load_neighbors
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.memory import available_memory
-from lantern.runtime.plan import Call, StepPlan, decode_bytes, estimate_bytes
+from lantern.runtime.plan import Call, decode_bytes, estimate_bytes, StepPlan
 from lantern.runtime.settings import GenerationSettings
-from lantern.runtime.streams import RandomStreams, image_seeds
+from lantern.runtime.streams import image_seeds, RandomStreams
 from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.vocabulary import VocabularyView
 
@@ -81,7 +82,6 @@ class Engine:
         self.tree = build_tree(m.tree) if m.tree else None
         self.neighbors = None
         if m.neighbors is not None:
-            from lantern.runtime.integrity import load_neighbors
 
             self.neighbors = load_neighbors(os.path.join(self.directory, m.neighbors.file), m.vocabulary.codes,
                                             m.neighbors.k)

@@ -14,6 +14,7 @@ import zlib
 import numpy as np
 
 from lantern.runtime.errors import LanternError
+from lantern.runtime.outdir import write_file
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -40,7 +41,6 @@ def encode_png(image, compress_level=6):
 
 def write_png(path, image):
     """Write an [H, W, 3] uint8 image to `path` atomically, mode 0o666 less the umask."""
-    from lantern.runtime.outdir import write_file
 
     data = encode_png(image)
     path = os.fspath(path)

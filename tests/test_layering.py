@@ -3,6 +3,7 @@ ones included, since those are what hide a cycle): tools -> export -> runtime, n
 no cycle between lantern modules."""
 import ast
 import os
+import sys
 
 import pytest
 
@@ -119,3 +120,136 @@ def test_the_checks_see_a_wrong_import(tmp_path, layer, text):
 
 def test_the_cycle_check_sees_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Function-level imports: only where a file-top one would cost something
+
+
+def _top_level_nodes(tree):
+    """Import nodes that run when the module is imported (not inside a function)."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def _function_level_nodes(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    yield inner
+
+
+def _names(node):
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if node.module and node.level == 0:
+        return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return []
+
+
+def _resolve(name, sources):
+    """The lantern module a dotted name imports (the longest module it starts with), or None."""
+    while name and name not in sources:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _packages_of(module):
+    """A module and the packages above it: importing a.b.c runs a, a.b and a.b.c."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(2, len(parts) + 1)]
+
+
+def _third_party(name):
+    """The optional third-party package a name imports (None: stdlib, numpy, lantern)."""
+    top = name.split(".")[0]
+    return None if top in sys.stdlib_module_names or top in ("numpy", "lantern", "__future__") else top
+
+
+def _top_level_imports(sources):
+    """{module: (lantern modules, optional third-party packages) its file-top imports name}."""
+    out = {}
+    for module, path in sources.items():
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        lantern_deps, packages = set(), set()
+        for node in _top_level_nodes(tree):
+            for name in _names(node):
+                target = _resolve(name, sources)
+                if target is not None:
+                    lantern_deps.update(m for m in _packages_of(target) if m != module and m in sources)
+                elif _third_party(name):
+                    packages.add(_third_party(name))
+        out[module] = (lantern_deps, packages)
+    return out
+
+
+def _closure(start, top):
+    """(lantern modules, optional packages) that importing the modules `start` runs."""
+    seen, packages, todo = set(), set(), list(start)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        deps, pkgs = top[module]
+        packages |= pkgs
+        todo.extend(deps)
+    return seen, packages
+
+
+def function_level_lantern_imports(sources):
+    """(module, line, imported lantern module) of every import inside a function."""
+    for module, path in sources.items():
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        for node in _function_level_nodes(tree):
+            targets = {_resolve(n, sources) for n in _names(node)} - {None}
+            for target in sorted(targets):
+                if not any(t != target and t.startswith(target + ".") for t in targets):  # from pkg import mod
+                    yield module, node.lineno, target
+
+
+def count_top_level_lantern_imports(sources):
+    count = 0
+    for path in sources.values():
+        tree = ast.parse(open(path, encoding="utf-8").read(), path)
+        count += sum(any(_resolve(n, sources) for n in _names(node)) for node in _top_level_nodes(tree))
+    return count
+
+
+def hoistable_imports(sources):
+    """Function-level lantern imports a file-top import could replace: it would close no import
+    cycle and pull in no optional package (torch, onnx, onnxruntime, tensorrt, ...) that the
+    module does not already import at its top."""
+    top = _top_level_imports(sources)
+    found = []
+    for module, line, target in function_level_lantern_imports(sources):
+        if target == module or module.startswith(target + "."):
+            continue
+        reached, packages = _closure(_packages_of(target), top)
+        _, own = _closure([module], top)
+        if module in reached or not packages <= own:
+            continue  # a cycle, or a dependency the module does not have at its top
+        found.append(f"{module}:{line} imports {target} inside a function")
+    return found
+
+
+def test_function_level_lantern_imports_only_where_needed():
+    """A lantern import inside a function must avoid a cycle or an optional package
+    (torch above all: the `cpu` install runs lantern-run without it); anything else goes at the
+    top of the file, where a reader sees the module's dependencies."""
+    assert hoistable_imports(modules()) == []
+
+
+def test_the_hoist_check_sees_a_needless_function_level_import(tmp_path):
+    sources = modules()
+    path = tmp_path / "needless.py"
+    path.write_text("def f():\n    from lantern.runtime.errors import LanternError\n    return LanternError\n")
+    sources["lantern.runtime.needless"] = str(path)
+    assert hoistable_imports(sources) == [f"lantern.runtime.needless:2 imports lantern.runtime.errors inside a function"]

@@ -37,6 +37,17 @@ import tempfile
 import time
 
 import numpy as np
+from lantern.export.check import _compare_float, check_cases
+from lantern.export.tensorrt_build import available_flavors
+from lantern.export.trt_export import build_engine_plans
+from lantern.runtime.backends.cuda import gpu_compute_capability
+from lantern.runtime.backends.tensorrt_plans import rtx_targets
+from lantern.runtime.backends.torch import TorchBackend
+from lantern.runtime.generator import Engine
+from lantern.runtime.manifest import read_manifest
+from lantern.runtime.plan import Call
+from lantern.tools.bench.device_step import device_acceptance
+from lantern.tools.latency import default_condition, verify_latency
 
 
 class Skip(Exception):
@@ -102,7 +113,6 @@ def environment():
         env["onnxruntime_providers"] = ort.get_available_providers()
     except ImportError:
         pass
-    from lantern.runtime.backends.cuda import gpu_compute_capability
 
     env["compute_capability"] = gpu_compute_capability()
     return env
@@ -110,7 +120,6 @@ def environment():
 
 def classes_for(engine, n):
     """Condition inputs for n images (classes for LlamaGen c2i, else latency's defaults)."""
-    from lantern.tools.latency import default_condition
 
     c = engine.manifest.condition
     if c.kind == "class":
@@ -130,8 +139,6 @@ def exactness(engine, cpu, n=4):
 
 def numerics(engine, cpu):
     """Worst error per graph output against ONNX Runtime CPU over check's cases."""
-    from lantern.export.check import _compare_float, check_cases
-    from lantern.runtime.plan import Call
 
     rng = np.random.default_rng(0)
     worst = {}
@@ -153,7 +160,6 @@ def numerics(engine, cpu):
 
 def latency(engine, tokens, repeats):
     """L(T) of the target's verification call (tensorrt: the T its plans' profiles serve)."""
-    from lantern.tools.latency import verify_latency
 
     plans = getattr(engine.backend, "plans", None)
     if plans is not None and "target" in plans.plans:  # exact profiles: the one-image T they were built for
@@ -244,9 +250,6 @@ def torch_cuda(engine_dir, cpu, opts, cuda_graphs):
     if cuda_visible() is None:
         raise Skip("torch sees no CUDA device")
     from lantern.export.onnx_export import load_graph_modules, open_torch_backend
-    from lantern.runtime.backends.torch import TorchBackend
-    from lantern.runtime.generator import Engine
-    from lantern.runtime.manifest import read_manifest
 
     if cuda_graphs:
         backend = open_torch_backend(engine_dir, device="cuda")
@@ -265,7 +268,6 @@ def onnxruntime_cuda(engine_dir, cpu, opts):
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise Skip("ONNX Runtime has no CUDAExecutionProvider here (pip install 'lantern[gpu]' instead of the CPU "
                    "wheel, on a host with an NVIDIA driver)")
-    from lantern.runtime.generator import Engine
 
     return measure(engine_dir, Engine(engine_dir, backend="onnxruntime", device="cuda"), cpu, *opts)
 
@@ -273,10 +275,6 @@ def onnxruntime_cuda(engine_dir, cpu, opts):
 def _plan_copy(engine_dir, flavor, workdir, batches):
     """A copy of the engine with plans of `flavor` for this GPU (or SM89 ahead of time for
     tensorrt-rtx without one): (directory, build record)."""
-    from lantern.export.trt_export import build_engine_plans
-    from lantern.runtime.backends.cuda import gpu_compute_capability
-    from lantern.runtime.backends.tensorrt_plans import rtx_targets
-    from lantern.runtime.manifest import read_manifest
 
     gpu = gpu_compute_capability()
     if flavor == "tensorrt-rtx" and gpu is not None and gpu not in rtx_targets():
@@ -297,9 +295,6 @@ def _plan_copy(engine_dir, flavor, workdir, batches):
 
 
 def tensorrt(engine_dir, cpu, opts, flavor, workdir):
-    from lantern.export.tensorrt_build import available_flavors
-    from lantern.runtime.backends.cuda import gpu_compute_capability
-
     if flavor not in available_flavors():
         raise Skip(f"{flavor} is not installed (pip install 'lantern[{flavor}]')")
     if flavor == "tensorrt" and gpu_compute_capability() is None:
@@ -308,7 +303,6 @@ def tensorrt(engine_dir, cpu, opts, flavor, workdir):
     if gpu_compute_capability() is None:
         out["run"] = "skipped: no NVIDIA GPU visible (the plans were built ahead of time for SM89; running one needs the GPU)"
         return out
-    from lantern.runtime.generator import Engine
 
     for graphs in (True, False):
         label = "cuda_graphs" if graphs else "no_cuda_graphs"
@@ -325,7 +319,6 @@ def tensorrt(engine_dir, cpu, opts, flavor, workdir):
 def inspect_plans(engine_dir, flavor):
     """`polygraphy inspect model PLAN` per plan: the engine's I/O per profile and its layers as
     TensorRT built them (which the manifest cannot say: what was fused, which tactics ran)."""
-    from lantern.runtime.manifest import read_manifest
 
     (_, build), = read_manifest(engine_dir, verify=False).tensorrt.items()
     env = dict(os.environ, POLYGRAPHY_USE_TENSORRT_RTX="1" if flavor == "tensorrt-rtx" else "0")
@@ -358,9 +351,6 @@ def polygraphy_check(engine_dir):
 
 
 def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir):
-    from lantern.runtime.generator import Engine
-    from lantern.runtime.manifest import read_manifest
-
     # ONNX Runtime's CPU provider runs fp32/fp16 engines: the reference for the GPU backends
     cpu = Engine(engine_dir, threads=cpu_threads) if read_manifest(engine_dir).dtype != "bf16" else None
     report.section(f"{label}/torch-cuda-graphs", torch_cuda, engine_dir, cpu, opts, True)
@@ -374,7 +364,6 @@ def device_acceptance_section(batches, repeats):
     """Acceptance on the device vs the logits copied to the host and numpy, GPT-B shapes."""
     if cuda_visible() is None:
         raise Skip("no CUDA device visible to torch")
-    from lantern.tools.bench.device_step import device_acceptance
 
     return {"runs": device_acceptance("cuda", batches, repeats)}
 

@@ -37,7 +37,12 @@ import time
 
 import numpy as np
 
+from lantern.export.quantize import greedy_agreement, quantize_engine, QuantizeOptions
 from lantern.runtime.errors import LanternError
+from lantern.runtime.generator import Engine
+from lantern.runtime.manifest import quantization_scheme
+from lantern.runtime.outdir import only_files, OutputDirectory
+from lantern.runtime.png import image_grid, write_png
 from lantern.runtime.settings import GenerationSettings
 
 # What the report directory holds: --force replaces only a directory with nothing else in it.
@@ -144,8 +149,6 @@ def batch_seed(seed, role, index):
 
 
 def run(args):
-    from lantern.runtime.outdir import OutputDirectory, only_files
-
     _check_args(args)
     out_dir = args.out or f"quality-{os.path.basename(os.path.abspath(args.engine))}"
     # Checked and locked before any work; the report appears only when the sweep is complete.
@@ -159,8 +162,6 @@ def run(args):
 
 def _engines(args, work):
     """{scheme label: Engine}: the engine as given first (the reference), then its quantized copies."""
-    from lantern.runtime.generator import Engine
-    from lantern.runtime.manifest import quantization_scheme
 
     reference = Engine(args.engine, threads=args.threads)
     m = reference.manifest
@@ -174,7 +175,6 @@ def _engines(args, work):
                            f"engine, or --schemes none to judge this one alone)")
     engines = {label: reference}
     if args.schemes:
-        from lantern.export.quantize import QuantizeOptions, quantize_engine
 
         for scheme in args.schemes:
             out = os.path.join(work, scheme)
@@ -193,8 +193,6 @@ def sweep(args, out_dir):
 def _sweep(args, out_dir, work):
     import torch
 
-    from lantern.export.quantize import greedy_agreement
-    from lantern.runtime.png import image_grid, write_png
     from lantern.tools.train.classifier import load_classifier
 
     engines = _engines(args, work)

@@ -14,7 +14,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from lantern.runtime.errors import LanternError
-from lantern.tools.image_service import Cancelled, ImageService, RequestError, error_response
+from lantern.runtime.generator import Engine
+from lantern.tools.image_service import Cancelled, error_response, ImageService, RequestError
 
 logger = logging.getLogger("ray.serve")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -26,8 +27,6 @@ class ImageDeployment:
     event loop keeps taking requests and noticing disconnects)."""
 
     def __init__(self, engine_dir, options):
-        from lantern.runtime.generator import Engine
-
         device = "cuda" if options.backend == "tensorrt" else None
         # The Engine refuses a batch its memory headroom cannot hold (MemAvailable and the
         # container's cgroup limit), before any work: that request gets a 503 with the reason.

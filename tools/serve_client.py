@@ -14,7 +14,9 @@ import urllib.request
 
 import numpy as np
 
+from lantern.runtime.cli import _classes
 from lantern.runtime.errors import LanternError
+from lantern.tools.image_service import read_api_key
 
 
 def post(url, payload, api_key=None, timeout=300.0):
@@ -39,8 +41,6 @@ def request(url, body=None, api_key=None, timeout=300.0, headers=None):
 
 
 def add_parser(sub):
-    from lantern.runtime.cli import _classes
-
     p = sub.add_parser("client", help="request images from a `lantern-run serve` endpoint")
     p.add_argument("url", help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--classes", type=_classes, help="class labels (c2i engines)")
@@ -74,7 +74,6 @@ def run_client(args):
         payload["prompt"] = args.prompt
     key = None
     if args.api_key_file:
-        from lantern.tools.image_service import read_api_key
 
         key = read_api_key(args.api_key_file)
     status, body = post(args.url, payload, api_key=key)

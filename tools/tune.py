@@ -62,16 +62,17 @@ import time
 import numpy as np
 
 from lantern.runtime import enginedir
+from lantern.runtime.cli import _classes, _load_npy, add_generation_options, generation_settings, open_engine
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import TunedSettings, TunedTree, describe_files, read_manifest
+from lantern.runtime.manifest import describe_files, read_manifest, TunedSettings, TunedTree
 from lantern.runtime.outdir import write_file
 from lantern.runtime.plan import StepPlan
 from lantern.runtime.settings import GenerationSettings
-from lantern.runtime.tree import MAX_WIDTH, build_tree, root_only
+from lantern.runtime.tree import build_tree, MAX_WIDTH, root_only
 from lantern.tools import tree_report
 from lantern.tools.latency import CLOCKS, default_condition, draft_latency, verify_latency
-from lantern.tools.tree_search import (AcceptanceCounts, LatencyModel, acceptance_vectors, calibration_tree,
-                                       search)
+from lantern.tools.tree_search import (acceptance_vectors, AcceptanceCounts, calibration_tree, Candidate, LatencyModel,
+                                       search, SearchResult)
 
 DEFAULT_BUDGET = 64
 DEFAULT_DEPTH = 6
@@ -504,7 +505,6 @@ def write_report(directory, report, chosen=None):
 
 def _result_of(r):
     """A SearchResult-like view of a batch report for plot_latency (best and best per budget)."""
-    from lantern.tools.tree_search import Candidate, SearchResult
 
     def cand(d):
         return Candidate(name=d["name"], paths=d.get("paths", []), nodes=d["nodes"], depth=d["depth"],
@@ -614,7 +614,6 @@ def _report_files(m, entry):
 
 def add_parser(sub, backend_loaders=None):
     """backend_loaders: as lantern.runtime.cli.add_parser's (lantern-run adds torch)."""
-    from lantern.runtime.cli import _classes, add_generation_options
 
     loaders = dict(backend_loaders or {})
 
@@ -644,8 +643,6 @@ def add_parser(sub, backend_loaders=None):
 
 
 def run(args):
-    from lantern.runtime.cli import _load_npy, generation_settings, open_engine
-
     for name, value in (("--images", args.images), ("--batch", args.batch), ("--repeats", args.repeats)):
         if value < 1:
             raise LanternError(f"{name} must be >= 1, got {value}")

@@ -33,6 +33,8 @@ import numpy as np  # noqa: E402
 
 from lantern.runtime.accept import LanternPP, accept_greedy, accept_sampling_batch, filtered_probs  # noqa: E402
 from lantern.runtime.tree import build_tree  # noqa: E402
+from lantern.runtime.generator import Engine
+from lantern.tools.latency import verify_latency
 
 GPT_B = dict(layers=12, dim=768, heads=12, ffn=2048, vocab=16384)
 PAST = 256
@@ -86,8 +88,6 @@ def stand_in_step(tokens, repeats, rng):
 def _engine_step(directory, tokens, acceptance_ms):
     """The real thing: one `tokens`-token verification on an exported engine (ONNX Runtime CPU,
     2 threads, context PAST), and the acceptance timings as fractions of it."""
-    from lantern.runtime.generator import Engine
-    from lantern.tools.latency import verify_latency
 
     engine = Engine(directory, threads=2)
     step_ms = 1e3 * verify_latency(engine, (tokens,), context=PAST)[tokens]

@@ -21,6 +21,7 @@ import tempfile
 import time
 
 import numpy as np
+from lantern.runtime.contracts import resolved_io
 
 SEVEN_B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
                vocab_size=65536)
@@ -49,7 +50,6 @@ def write_checkpoint(directory, layers, seed=0):
 def target_io(model, float_dtype):
     """The target graph's contract resolved for this model, as the export resolves it."""
     from lantern.export.families import FAMILIES, LoadedModel
-    from lantern.runtime.contracts import resolved_io
 
     family = FAMILIES["chameleon"]
     models = {"target": LoadedModel(model, {})}

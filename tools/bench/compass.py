@@ -26,6 +26,8 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np
+from lantern.export.quantize import quantize_engine, QuantizeOptions
+from lantern.runtime.generator import Engine
 
 
 def llamagen_seconds(checkout, state_dict, args):
@@ -55,8 +57,6 @@ def llamagen_seconds(checkout, state_dict, args):
 
 
 def ours_seconds(engine_dir, args):
-    from lantern.runtime.generator import Engine
-
     engine = Engine(engine_dir, threads=args.threads)
     options = dict(classes=[args.cls], mode="ar", cfg_scale=args.cfg_scale, top_k=args.top_k, seed=args.seed)
     engine.generate(**options)  # warm up
@@ -82,7 +82,6 @@ def main(argv=None):
 
     from lantern.export import checkpoints, llamagen
     from lantern.export.onnx_export import export_engine
-    from lantern.export.quantize import QuantizeOptions, quantize_engine
 
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)

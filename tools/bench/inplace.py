@@ -29,6 +29,9 @@ import time
 
 import numpy as np
 
+from lantern.export.tensorrt_build import build_plan, exact_profile
+from lantern.runtime.generator import Engine
+from lantern.runtime.plan import StepPlan
 from lantern.tools.latency import plan_for, verify_tree
 
 
@@ -116,10 +119,6 @@ def interleaved_generation(engines, modes, rounds):
 
 
 def trt_builds(engine_dir, cc):
-    from lantern.export.tensorrt_build import build_plan, exact_profile
-    from lantern.runtime.generator import Engine
-    from lantern.runtime.plan import StepPlan
-
     engine = Engine(engine_dir, threads=1)
     prefix = engine.condition.prefix(True, classes=[207])
     plan = StepPlan(engine.manifest, engine.backend, engine.tree, prefix,
@@ -148,7 +147,6 @@ def main(argv=None):
 
     import torch
 
-    from lantern.runtime.generator import Engine
 
     torch.set_num_threads(args.threads)
     workdir = args.workdir or tempfile.mkdtemp(prefix="lantern-inplace-")

@@ -26,6 +26,9 @@ import tempfile
 import time
 
 import numpy as np
+from lantern.export.quantize import quantize_engine, quantize_graph, QuantizeOptions, RecordingBackend
+from lantern.runtime.generator import Engine
+from lantern.runtime.manifest import read_manifest
 
 TOKENS = (1, 2, 4, 8, 16, 26, 58)
 
@@ -111,8 +114,6 @@ def fidelity(engine_dir, graphs, threads, classes, cfg_scale, top_k, seed=0):
     quantized graphs (`graphs`: {name: onnx path}) run on the same inputs; per scheme the
     fraction of calls' last positions whose CFG-combined greedy token equals fp32's, and the
     relative RMS error of the logits there."""
-    from lantern.export.quantize import RecordingBackend
-    from lantern.runtime.generator import Engine
 
     engine = Engine(engine_dir, threads=threads)
     engine.backend = recorder = RecordingBackend(engine.backend)
@@ -142,7 +143,6 @@ def fidelity(engine_dir, graphs, threads, classes, cfg_scale, top_k, seed=0):
 
 def variants(target, out_dir, decisions):
     """{name: (onnx path, quantization seconds, record)} for the schemes (and alternatives)."""
-    from lantern.export.quantize import quantize_graph
 
     plan = {"int8": dict(scheme="int8"), "int4": dict(scheme="int4")}
     if decisions:
@@ -172,8 +172,6 @@ def variants(target, out_dir, decisions):
 def image_seconds(engine_dir, scheme, threads, work, repeats=2):
     """One AR image (class 207, cfg 4, top-k 2000) through the decoding loop (Engine.generate),
     after one warm-up image: seconds of each timed run."""
-    from lantern.export.quantize import QuantizeOptions, quantize_engine
-    from lantern.runtime.generator import Engine
 
     if scheme != "fp32":
         quantized = os.path.join(work, f"engine-{scheme}")
@@ -205,7 +203,6 @@ def main(argv=None):
 
     import onnxruntime
 
-    from lantern.runtime.manifest import read_manifest
 
     load_at_start = os.getloadavg()
     work = args.workdir or tempfile.mkdtemp(prefix="lantern-bench-quant-")

@@ -20,6 +20,10 @@ import tempfile
 import time
 
 import numpy as np
+from lantern.export.quantize import quantize_qdq, relative_errors
+from lantern.runtime.backends.tensorrt import error_logger
+from lantern.runtime.generator import Engine
+from lantern.runtime.manifest import read_manifest
 
 
 class _Enough(Exception):
@@ -46,7 +50,6 @@ class _Recording:
 def record_feeds(engine_dir, graphs, calls, threads):
     """Copies of the inputs of `calls` target / drafter calls of a greedy `exact` generation with
     CFG (prefill, verification and every drafter depth), spread over the first 4 x calls."""
-    from lantern.runtime.generator import Engine
 
     engine = Engine(engine_dir, threads=threads)
     engine.backend = recorder = _Recording(engine.backend, graphs, 4 * calls)
@@ -68,7 +71,6 @@ def build(trt, path, cc, sizes):
     """Parse + strongly typed build for one compute capability. Returns a result dict."""
     import onnx
 
-    from lantern.runtime.backends.tensorrt import error_logger
 
     dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
             for i in onnx.load(path, load_external_data=False).graph.input}
@@ -110,7 +112,6 @@ def ort_errors(reference_path, path, feeds, threads):
     cannot run the graph (its message instead)."""
     import onnxruntime as ort
 
-    from lantern.export.quantize import relative_errors
 
     def run(p, level):
         options = ort.SessionOptions()
@@ -149,7 +150,6 @@ def main(argv=None):
 
     import tensorrt_rtx as trt
 
-    from lantern.runtime.manifest import read_manifest
 
     work = args.workdir or tempfile.mkdtemp(prefix="lantern-quant-trt-")
     engine_dir = args.engine or _export(work, args.model, args.threads)
@@ -179,7 +179,6 @@ def main(argv=None):
 def _quantized_row(trt, src, dst, scheme, feeds, ccs, sizes, threads):
     """Quantize, compare on ONNX Runtime, build per compute capability; a failure is reported in
     the row (with its message) and the other schemes still run."""
-    from lantern.export.quantize import quantize_qdq
 
     try:
         record = quantize_qdq(src, dst, scheme, feeds)

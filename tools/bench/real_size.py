@@ -30,6 +30,11 @@ import sys
 import tempfile
 import threading
 import time
+from lantern.export import cli
+from lantern.export.check import check_engine
+from lantern.runtime.generator import Engine
+from lantern.runtime.manifest import read_manifest
+from lantern.tools.latency import default_condition
 
 CONFIGS = ("gpt-xl-c2i", "gpt-xl-t2i", "anole-7b", "lumina-mgpt-7b")
 STAGES = ("write", "export", "hash", "check", "tokens", "trt")
@@ -166,8 +171,6 @@ def stage_write(spec):
 
 
 def stage_export(spec):
-    from lantern.export import cli
-
     with open(os.path.join(spec["src"], "sources.json")) as f:
         src = json.load(f)
     argv = ["onnx", "--target", src["target"], *src["options"], "--drafter", src["drafter"],
@@ -175,7 +178,6 @@ def stage_export(spec):
     code = cli.main(argv)
     if code:
         raise RuntimeError(f"lantern-export onnx exited {code}")
-    from lantern.runtime.manifest import read_manifest
 
     m = read_manifest(spec["engine"], verify=False)
     return {"engine_bytes": _tree_bytes(spec["engine"]),
@@ -184,8 +186,6 @@ def stage_export(spec):
 
 
 def stage_hash(spec):
-    from lantern.runtime.manifest import read_manifest
-
     t = time.perf_counter()
     read_manifest(spec["engine"], verify=True)
     first = time.perf_counter() - t
@@ -195,8 +195,6 @@ def stage_hash(spec):
 
 
 def stage_check(spec):
-    from lantern.export.check import check_engine
-
     report = check_engine(spec["engine"], verify=False)
     worst = max((r for r in report["results"] if "max_abs" in r), key=lambda r: r["max_abs"] / max(r["bound"], 1e-30))
     return {"check_ok": report["ok"], "check_outputs": len(report["results"]), "check_atol": report["atol"],
@@ -210,8 +208,6 @@ class _Enough(Exception):
 
 def stage_tokens(spec):
     """A few speculative steps (greedy lantern++; exact without a VQ decoder) on ONNX Runtime CPU."""
-    from lantern.runtime.generator import Engine
-    from lantern.tools.latency import default_condition
 
     engine = Engine(spec["engine"], threads=2)
     condition = default_condition(engine, 1)  # a class, a blank caption or a five-token prompt
@@ -234,9 +230,6 @@ def stage_tokens(spec):
 
 
 def stage_trt(spec):
-    from lantern.export import cli
-    from lantern.runtime.manifest import read_manifest
-
     code = cli.main(["trt", spec["engine"], "--flavor", "tensorrt-rtx", "--compute-capability", "89", "--batch", "1"])
     if code:
         raise RuntimeError(f"lantern-export trt exited {code}")

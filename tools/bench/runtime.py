@@ -25,6 +25,7 @@ import tracemalloc
 
 import numpy as np
 
+from lantern.runtime.generator import Engine
 from lantern.tools.latency import verify_latency
 
 
@@ -97,7 +98,6 @@ def main(argv=None):
     p.add_argument("--plot", help="also draw the latency curve L(T) and L(T)/L(1) to this PNG")
     args = p.parse_args(argv)
 
-    from lantern.runtime.generator import Engine
 
     workdir = args.engine or tempfile.mkdtemp(prefix="lantern-bench-")
     engine_dir = os.path.join(workdir, "engine")

@@ -18,6 +18,10 @@ import sys
 import time
 
 import numpy as np
+from lantern.runtime.generator import Engine
+from lantern.tools.image_service import ImageService
+from lantern.tools.serve import ServeOptions
+from lantern.tools.serve_client import post
 
 
 def _free_port():
@@ -58,8 +62,6 @@ def _request(i, classes):
 
 
 def _level(url, clients, requests, settings, classes, expected):
-    from lantern.tools.serve_client import post
-
     def one(i):
         c, seed = _request(i, classes)
         t = time.perf_counter()
@@ -97,9 +99,6 @@ def run(args):
     import ray
     from ray import serve
 
-    from lantern.runtime.generator import Engine
-    from lantern.tools.image_service import ImageService
-    from lantern.tools.serve import ServeOptions
     from lantern.tools.serve_app import build_app
 
     settings = {"mode": args.mode, "cfg_scale": args.cfg_scale, "lam": args.lam, "k": args.k}

@@ -17,11 +17,12 @@ import json
 import os
 import statistics
 import sys
+from lantern.export import trt_export
+from lantern.export.tensorrt_build import build_plan, spanning_profile
+from lantern.runtime.manifest import read_manifest
 
 
 def measure(onnx_path, exact, spanning, flavor, compute_capabilities, repeat=1):
-    from lantern.export.tensorrt_build import build_plan
-
     out = {}
     for name, profiles in (("per_call_shape", exact), ("spanning", spanning)):
         seconds = []
@@ -34,10 +35,6 @@ def measure(onnx_path, exact, spanning, flavor, compute_capabilities, repeat=1):
 
 
 def main(argv=None):
-    from lantern.export import trt_export
-    from lantern.export.tensorrt_build import spanning_profile
-    from lantern.runtime.manifest import read_manifest
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("engine", help="engine directory (lantern-export onnx)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1], help="images per call (default 1)")

@@ -16,6 +16,7 @@ import sys
 import tempfile
 
 import numpy as np
+from lantern.export import tensorrt_build as tb
 
 
 def _reference(q, k, v, cache_k, cache_v, write_index, mask):
@@ -70,7 +71,6 @@ def main(argv=None):
     import torch
 
     from lantern.export import fused_forms as ff
-    from lantern.export import tensorrt_build as tb
 
     result = {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
               "flavor": args.flavor}

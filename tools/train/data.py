@@ -10,6 +10,7 @@ person (and a small CNN) still tells the classes apart at a glance.
     x = to_tensor(images)                         # float [N, 3, 32, 32] in [-1, 1]
 """
 import numpy as np
+from lantern.runtime.png import image_grid, write_png
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring")
 COLOURS = {"red": (0.90, 0.12, 0.10), "green": (0.10, 0.72, 0.18), "blue": (0.12, 0.28, 0.95)}
@@ -131,7 +132,6 @@ def to_tensor(images):
 def main():
     import argparse
 
-    from lantern.runtime.png import image_grid, write_png
 
     p = argparse.ArgumentParser(description="Write a PNG grid of demo dataset images (one row per class).")
     p.add_argument("--out", default="demo_data.png")

@@ -17,10 +17,10 @@ import time
 import torch
 
 from lantern.export.checkpoints import load_drafter, save_drafter
-from lantern.tools.demo import DEMO_DIR
-from lantern.export.llamagen import count_parameters
+from lantern.export.llamagen import count_parameters, ModelArgs
 from lantern.export.vq import load_vq, save_vq
 from lantern.runtime.png import image_grid, to_uint8, write_png
+from lantern.tools.demo import DEMO_DIR
 from lantern.tools.train import data as demo_data
 from lantern.tools.train.classifier import accuracy, load_classifier, save_classifier, train_classifier
 from lantern.tools.train.drafter import collect_generations, evaluate_drafter, train_drafter
@@ -276,8 +276,6 @@ def _reused_note(m):
 
 
 def _ffn(config):
-    from lantern.export.llamagen import ModelArgs
-
     return ModelArgs(**config).ffn_hidden
 
 

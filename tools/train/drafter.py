@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lantern.export.checkpoints import save_drafter
-from lantern.export.llamagen import Drafter, DrafterArgs, count_parameters
-from lantern.tools.train.target import causal_mask, generate, sequence_forward
+from lantern.export.llamagen import count_parameters, Drafter, DrafterArgs
+from lantern.tools.train.target import causal_mask, generate, load_demo_target, sequence_forward
 
 HIDDEN_WEIGHT = 1.0  # weight of the hidden-state regression next to the distillation loss
 
@@ -137,8 +137,6 @@ def evaluate_drafter(drafter, target, data, cfg_scale):
 
 
 def main():
-    from lantern.tools.train.target import load_demo_target
-
     p = argparse.ArgumentParser(description="Train the demo drafter on the target's own generations.")
     p.add_argument("--target", required=True, help="gpt.pt with gpt_config.json next to it")
     p.add_argument("--out", required=True, help="output drafter directory")

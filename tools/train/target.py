@@ -20,8 +20,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from lantern.export.checkpoints import load_target, save_llamagen_pt
-from lantern.export.llamagen import ModelArgs, Transformer, count_parameters, validate_config
+from lantern.export.llamagen import count_parameters, ModelArgs, Transformer, validate_config
+from lantern.export.vq import load_vq
 from lantern.tools.train import data as demo_data
+from lantern.tools.train.vq import encode_images
 
 CLASS_DROPOUT = 0.1
 
@@ -168,9 +170,6 @@ def load_demo_target(path):
 
 
 def main():
-    from lantern.export.vq import load_vq
-    from lantern.tools.train.vq import encode_images
-
     p = argparse.ArgumentParser(description="Train the demo LlamaGen target on VQ codes of the demo dataset.")
     p.add_argument("--vq", required=True)
     p.add_argument("--out", required=True, help="output .pt (LlamaGen format); gpt_config.json goes next to it")
