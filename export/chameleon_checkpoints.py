@@ -35,8 +35,7 @@ import torch
 
 from lantern.export import chameleon
 from lantern.export.chameleon import ChameleonConfig, ChameleonDrafter, ChameleonTarget, DrafterConfig
-from lantern.export.checkpoints import check_state_keys
-from lantern.export.safeload import load_state_file
+from lantern.export.checkpoints import check_state_keys, peek_keys, read_json, read_state
 from lantern.runtime.errors import LanternError
 
 INDEX_FILE, SAFETENSORS_FILE, BIN_FILE = "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin"
@@ -56,14 +55,14 @@ def detect(path):
         raise LanternError(f"{path}: a Chameleon checkpoint is a directory (config.json + weights, or vqgan.yaml + vqgan.ckpt)")
     if os.path.isfile(os.path.join(path, "vqgan.yaml")):
         return {"role": "vq", "family": "chameleon", "layout": "taming", "weights": os.path.join(path, "vqgan.ckpt")}
-    config = _read_json(os.path.join(path, "config.json"))
+    config = read_json(os.path.join(path, "config.json"))
     arch = (config.get("architectures") or [None])[0]
     if arch not in chameleon.ARCHITECTURES:
         raise LanternError(f"{path}: architecture {arch!r} is not a Chameleon model "
                            f"(expected {', '.join(chameleon.ARCHITECTURES)})")
     family, layout = chameleon.ARCHITECTURES[arch]
     weights = _weights_file(path)
-    if weights.endswith(BIN_FILE) or "fc.weight" in _safetensors_keys(weights):
+    if weights.endswith(BIN_FILE) or "fc.weight" in peek_keys(weights):
         return {"role": "drafter", "family": None, "layout": None, "weights": weights}
     return {"role": "target", "family": family, "layout": layout, "weights": weights}
 
@@ -75,37 +74,9 @@ def _weights_file(directory):
     raise LanternError(f"{directory}: no weights file (expected {INDEX_FILE}, {SAFETENSORS_FILE} or {BIN_FILE})")
 
 
-def _safetensors_keys(weights):
-    if weights.endswith(INDEX_FILE):
-        return set(_read_json(weights).get("weight_map", {}))
-    from safetensors import safe_open
-
-    try:
-        with safe_open(weights, "pt") as f:
-            return set(f.keys())
-    except Exception as e:  # safetensors' own error type moved between versions
-        raise LanternError(f"{weights}: unreadable safetensors file ({e})") from None
-
-
-def _read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise LanternError(f"{path}: no such file") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise LanternError(f"{path}: cannot read JSON ({e})") from None
-
-
 def _read_tensors(weights):
     """All tensors of a weights file (or of every shard an index lists)."""
-    if weights.endswith(INDEX_FILE):
-        directory = os.path.dirname(weights)
-        state = {}
-        for shard in sorted(set(_read_json(weights).get("weight_map", {}).values())):
-            state.update(load_state_file(os.path.join(directory, shard)))
-        return state
-    state = load_state_file(weights)
+    state = read_state(weights)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise LanternError(f"{weights}: expected a flat dict of tensors")
     return dict(state)
@@ -153,7 +124,7 @@ def load_target(path):
     found = detect(path)
     if found["role"] != "target":
         raise LanternError(f"{path}: this is a {found['role']} checkpoint, not a Chameleon target")
-    raw_config = _read_json(os.path.join(path, "config.json"))
+    raw_config = read_json(os.path.join(path, "config.json"))
     config = ChameleonConfig.from_hf(raw_config, os.path.join(path, "config.json"))
     raw = _read_tensors(found["weights"])
     state = {}
@@ -189,7 +160,7 @@ def load_drafter(path, target_config=None):
     found = detect(path)
     if found["role"] != "drafter":
         raise LanternError(f"{path}: this is a {found['role']} checkpoint, not a LANTERN drafter")
-    raw_config = _read_json(os.path.join(path, "config.json"))
+    raw_config = read_json(os.path.join(path, "config.json"))
     state = _read_tensors(found["weights"])
     if target_config is not None:
         family, layout = target_config.family, target_config.qk_norm_layout

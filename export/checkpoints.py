@@ -30,9 +30,9 @@ _WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_m
 def detect_format(path):
     path = os.fspath(path)
     if os.path.isdir(path):
-        config = _read_json(os.path.join(path, "config.json"))
+        config = read_json(os.path.join(path, "config.json"))
         weights = _weights_file(path)
-        keys = _peek_keys(weights)
+        keys = peek_keys(weights)
         if "fc.weight" in keys:
             return "drafter"
         if "lm_head.weight" in keys or "model.embed_tokens.weight" in keys or "hidden_size" in config:
@@ -57,9 +57,11 @@ def _weights_file(directory):
     raise LanternError(f"{directory}: no weights file (expected one of {', '.join(_WEIGHT_FILES)})")
 
 
-def _peek_keys(weights):
+def peek_keys(weights):
+    """The tensor names of a weights file (safetensors, a shard index, or a pickle) without
+    loading the tensors where the format allows."""
     if weights.endswith(".index.json"):
-        return set(_read_json(weights).get("weight_map", {}))
+        return set(read_json(weights).get("weight_map", {}))
     if weights.endswith(".safetensors"):
         from safetensors import safe_open
         try:
@@ -70,7 +72,7 @@ def _peek_keys(weights):
     return set(load_pickle(weights))
 
 
-def _read_json(path):
+def read_json(path):
     try:
         with open(path) as f:
             return json.load(f)
@@ -218,18 +220,23 @@ def _hf_config_to_args(config, path):
         raise LanternError(f"{path}: config.json lacks {e.args[0]!r}") from None
 
 
-def _read_weights(directory):
-    weights = _weights_file(directory)
+def read_state(weights):
+    """The tensors of a weights file, or of every shard a shard index (.index.json) lists."""
     if weights.endswith(".index.json"):
         state = {}
-        for shard in sorted(set(_read_json(weights).get("weight_map", {}).values())):
-            state.update(load_state_file(os.path.join(directory, shard)))
-        return state, weights
-    return dict(load_state_file(weights)), weights
+        for shard in sorted(set(read_json(weights).get("weight_map", {}).values())):
+            state.update(load_state_file(os.path.join(os.path.dirname(weights), shard)))
+        return state
+    return load_state_file(weights)
+
+
+def _read_weights(directory):
+    weights = _weights_file(directory)
+    return dict(read_state(weights)), weights
 
 
 def _load_hf_target(directory, config_file=None):
-    config = _read_json(config_file or os.path.join(directory, "config.json"))
+    config = read_json(config_file or os.path.join(directory, "config.json"))
     args = _hf_config_to_args(config, directory)
     hf, weights = _read_weights(directory)
     state = {}
@@ -270,7 +277,7 @@ def load_drafter(directory, target_args=None):
     if not os.path.isdir(directory):
         raise LanternError(f"{directory}: a drafter is a directory with config.json and weights")
     config_path = os.path.join(directory, "config.json")
-    config = _read_json(config_path)
+    config = read_json(config_path)
     if not isinstance(config, dict):
         raise LanternError(f"{config_path}: expected a JSON object of config fields")
     layers = config.get("num_hidden_layers", 1)
