@@ -44,7 +44,7 @@ from lantern.runtime.contracts import GRAPHS, IN_PLACE_CONTRACTS, graph_io
 from lantern.runtime.enginedir import inside, load_json, onnx_external_files, open_file, write_file
 from lantern.runtime.errors import LanternError
 from lantern.runtime.integrity import REBUILD, sha256_file, verify_files
-from lantern.runtime.settings import MODES, RELAXED, GenerationSettings
+from lantern.runtime.settings import MODES, GenerationSettings
 from lantern.runtime.tree import build_tree
 
 SCHEMA_VERSION = 2
@@ -310,21 +310,16 @@ class TunedTree:
 
 
 def _read_tuned_settings(r, name):
-    """The GenerationSettings of a tuned-tree entry, in the canonical form tune writes, or one
-    LanternError line."""
+    """The GenerationSettings of a tuned-tree entry, in the canonical form tune writes (each value
+    of the type its GenerationSettings field has), or one LanternError line."""
     r = r.obj(name)
-    mode = r.get("mode", str, check=lambda v: v in MODES[1:], why=f"one of {', '.join(MODES[1:])}")
-    sampling = r.get("sampling", str, check=lambda v: v in ("greedy", "sample"), why="'greedy' or 'sample'")
-    sample = sampling == "sample"
-    values = dict(
-        k=r.get("k", int, mode not in RELAXED, *AT_LEAST_0),
-        lam=r.get("lam", float, mode != "lantern++"), delta=r.get("delta", float, mode != "lantern"),
-        temperature=r.get("temperature", float, not sample), top_k=r.get("top_k", int, not sample, *AT_LEAST_0),
-        top_p=r.get("top_p", float, not sample), cfg_scale=r.get("cfg_scale", float, check=lambda v: v >= 0),
-        cfg_interval=r.get("cfg_interval", int, check=lambda v: v >= -1, why="an integer >= -1"))
+    r.get("mode", str, check=lambda v: v in MODES[1:], why=f"one of {', '.join(MODES[1:])}")  # ar needs no tree
+    r.get("sampling", str, check=lambda v: v in ("greedy", "sample"), why="'greedy' or 'sample'")
+    for f in dataclasses.fields(GenerationSettings):
+        if f.name in r.data:
+            r.get(f.name, _kind(f.type)[0])
     try:
-        settings = GenerationSettings(mode=mode, greedy=not sample,
-                                      **{name: v for name, v in values.items() if v is not None})
+        settings = GenerationSettings.from_canonical(r.data)
     except LanternError as e:
         r.fail("", str(e))
     if settings.canonical() != r.data:
