@@ -7,7 +7,7 @@ jadohu/LANTERN's copies (`models/kv_variants/modeling_anole_kv.py`, `modeling_lu
 ones without the `model.` prefix, so a checkpoint's keys map one to one. Like export/llamagen.py,
 nothing here keeps state: every call takes explicit position ids, an explicit boolean attention
 mask (any tree mask) and one cache input per layer, and the cache form it is handed decides how a
-layer meets its cache (lantern.export.fused_forms: plain, mask [B, 1, T, P + T] and the new
+layer meets its cache (lantern.export.cache_forms: plain, mask [B, 1, T, P + T] and the new
 tokens' K/V returned; or in place, a static cache written at write_index, mask [B, 1, T, S]).
 Unlike LlamaGen, the target embeds its own token ids (Chameleon prompts are token ids).
 
@@ -30,8 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lantern.export import fused_forms
-from lantern.export.fused_forms import PLAIN
+from lantern.export import cache_forms
+from lantern.export.cache_forms import PLAIN
 from lantern.export.layers import RMSNorm, count_parameters, init_random, run_layers  # noqa: F401 (count_parameters, init_random: this family's too)
 from lantern.runtime.errors import LanternError
 from lantern.export.graphs import VQDecoderGraph
@@ -307,7 +307,7 @@ class ChameleonTarget(nn.Module):
         past_keys/values: one [B, Hkv, P, hd] tensor per layer.
         Returns logits [B, T, V] (fp32), hidden [B, T, D] after the final norm, and the new
         tokens' keys and values [L, B, Hkv, T, hd] (RoPE applied, as cached). With
-        kv = fused_forms.IN_PLACE: mask [B, 1, T, S] over static caches [B, Hkv, S, hd],
+        kv = cache_forms.IN_PLACE: mask [B, 1, T, S] over static caches [B, Hkv, S, hd],
         write_index [B], and the updated caches come back instead (keys of every layer, then values)."""
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
@@ -455,14 +455,14 @@ def _filtered_probs(values, temperature, top_k, top_p):
 
 def graph_modules(target, drafter=None, vq=None, candidates=None, attention="plain"):
     """{graph name: (contract name, module)} of a Chameleon engine (no embed or condition graph);
-    attention: the cache form of the target and drafter graphs ('plain' or 'fused')."""
-    kv, suffix = (PLAIN, "") if attention == "plain" else (fused_forms.IN_PLACE, "_inplace")
+    attention: the cache form of the target and drafter graphs ('plain' or 'inplace')."""
+    kv, suffix = (PLAIN, "") if attention == "plain" else (cache_forms.IN_PLACE, "_inplace")
     graphs = {"target": ("target_ids" + suffix, TargetGraph(target, kv))}
     if drafter is not None:
         graphs["drafter"] = ("drafter" + suffix, DrafterGraph(drafter, target, candidates or
                                                               min(2048, target.config.num_image_tokens), kv))
-        if attention == "fused":
-            graphs["commit"] = ("commit", fused_forms.CommitGraph())
+        if attention == "inplace":
+            graphs["commit"] = ("commit", cache_forms.CommitGraph())
     if vq is not None:
 
         graphs["vq_decoder"] = ("vq_decoder", VQDecoderGraph(vq))

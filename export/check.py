@@ -11,7 +11,7 @@ Cases per graph (seeded random inputs), in the shapes the decoding loop's step p
            mask = valid cache slots + tree mask, positions = past + depth
   draft0   the drafter's fixed-width first call: real pairs then padding that sees only itself
 plus two batch sizes for the condition graph and two code grids for the VQ decoder. In-place
-engines (--attention fused) get the same cases in their static layout: the caches' S slots, the
+engines (--attention inplace) get the same cases in their static layout: the caches' S slots, the
 new tokens written at write_index = the valid slots, the mask's block at those slots; their
 updated caches are outputs like any other, and the commit graph gets random moves. With CFG
 rows the drafter combines [cond; uncond] partners; its filters are exercised in one case.

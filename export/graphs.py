@@ -1,14 +1,14 @@
 """The engine graphs of a LlamaGen engine as torch modules: exactly what goes to ONNX, and what the
 runtime's torch backend runs. Inputs and outputs follow lantern.runtime.contracts.GRAPHS, in order.
 
-The target and drafter graphs take a cache form (lantern.export.fused_forms) when they are built:
+The target and drafter graphs take a cache form (lantern.export.cache_forms) when they are built:
 the plain one (contracts target, drafter) or the in-place one (target_inplace, drafter_inplace,
 plus the commit graph); graph_modules(..., attention=) picks it, once."""
 import torch
 import torch.nn as nn
 
-from lantern.export import fused_forms
-from lantern.export.fused_forms import PLAIN
+from lantern.export import cache_forms
+from lantern.export.cache_forms import PLAIN
 
 
 class ConditionC2IGraph(nn.Module):
@@ -107,8 +107,8 @@ class VQDecoderGraph(nn.Module):
 
 def graph_modules(target, drafter=None, vq=None, candidates=None, attention="plain"):
     """{graph name: (contract name, module)} for an engine of these models; attention: the cache
-    form of the target and drafter graphs ('plain' or 'fused', see lantern.export.fused_forms)."""
-    kv, suffix = (PLAIN, "") if attention == "plain" else (fused_forms.IN_PLACE, "_inplace")
+    form of the target and drafter graphs ('plain' or 'inplace', see lantern.export.cache_forms)."""
+    kv, suffix = (PLAIN, "") if attention == "plain" else (cache_forms.IN_PLACE, "_inplace")
     graphs = {
         "condition": (f"condition_{target.args.model_type}",
                       ConditionC2IGraph(target) if target.args.model_type == "c2i" else ConditionT2IGraph(target)),
@@ -117,8 +117,8 @@ def graph_modules(target, drafter=None, vq=None, candidates=None, attention="pla
     if drafter is not None:
         graphs["drafter"] = ("drafter" + suffix, DrafterGraph(drafter, target, candidates or min(2048, target.args.vocab_size),
                                                              kv))
-        if attention == "fused":
-            graphs["commit"] = ("commit", fused_forms.CommitGraph())
+        if attention == "inplace":
+            graphs["commit"] = ("commit", cache_forms.CommitGraph())
     if vq is not None:
         graphs["vq_decoder"] = ("vq_decoder", VQDecoderGraph(vq))
     return {name: (contract, module.eval()) for name, (contract, module) in graphs.items()}

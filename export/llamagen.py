@@ -5,7 +5,7 @@ Faithful to FoundationVision/LlamaGen `autoregressive/models/gpt.py` (configs, p
 drafter layout. Unlike LlamaGen's own forward, nothing here keeps state: every call takes explicit
 position ids, an explicit boolean attention mask (any tree mask) and the KV cache as one tensor
 [B, H_kv, P, head_dim] per layer. How a layer meets its cache is the cache form it is handed
-(lantern.export.fused_forms): by default the plain form (mask [B, 1, T, P + T], the new tokens'
+(lantern.export.cache_forms): by default the plain form (mask [B, 1, T, P + T], the new tokens'
 K/V returned, the caller keeps what it accepts); the in-place form writes them into a static
 cache at `write_index` and attends over all of it (mask [B, 1, T, S]). The caller (the runtime)
 owns the cache.
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lantern.export.fused_forms import PLAIN
+from lantern.export.cache_forms import PLAIN
 from lantern.export.layers import RMSNorm, count_parameters, init_random, run_layers  # noqa: F401 (count_parameters, init_random: this family's too)
 from lantern.runtime.errors import LanternError
 
@@ -346,7 +346,7 @@ class Transformer(nn.Module):
         """inputs_embeds [B, T, D]; position_ids [B, T] (rows of the RoPE table);
         attention_mask [B, 1, T, P + T] bool; past_keys/values [L, B, Hkv, P, hd] (or per-layer lists).
         Returns logits [B, T, V] (fp32), hidden [B, T, D] after the final norm, and the new
-        tokens' keys and values [L, B, Hkv, T, hd]. With kv = fused_forms.IN_PLACE: mask
+        tokens' keys and values [L, B, Hkv, T, hd]. With kv = cache_forms.IN_PLACE: mask
         [B, 1, T, S] over static caches [B, Hkv, S, hd] per layer, write_index [B], and the
         updated caches come back instead (keys of every layer, then values)."""
         rope = self.rope[position_ids]

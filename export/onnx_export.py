@@ -13,11 +13,11 @@ where the TorchScript exporter takes a fraction of a second.
 The directory is built in a temporary sibling of --out and renamed into place when complete,
 so --out either holds a whole engine or nothing. manifest.json is written last.
 
-Attention form (--attention, lantern.export.fused_forms): `plain` (default) exports the target and
-drafter with caches in and the new tokens' K/V out, at any cache length; `fused` exports the forms
+Attention form (--attention, lantern.export.cache_forms): `plain` (default) exports the target and
+drafter with caches in and the new tokens' K/V out, at any cache length; `inplace` exports the forms
 TensorRT fuses (opset 24: TensorScatter writes the new K/V into static caches in place, Attention
 attends over them with the tree mask) plus commit.onnx, with cache lengths fixed here
-(Manifest.static_cache: the prefix budget, the grid's tokens and --max-tree-nodes).
+(Manifest.inplace_cache: the prefix budget, the grid's tokens and --max-tree-nodes).
 
 Precision: --dtype casts the target and the drafter; LlamaGen's RMSNorm and RoPE still compute
 in fp32 inside (the RoPE table stays fp32), logits and the drafter's top-k probabilities come
@@ -41,7 +41,7 @@ import torch
 
 from lantern.export import placement
 from lantern.export.families import DTYPES, FAMILIES, family_of
-from lantern.export.fused_forms import ATTENTION_FORMS
+from lantern.export.cache_forms import ATTENTION_FORMS
 from lantern.export.inspect_cmd import add_model_options, target_options
 from lantern.export.neighbors import nearest_neighbors
 from lantern.export.quantize import add_quantize_options, describe_quantization, quantize_graphs, quantize_options
@@ -55,7 +55,7 @@ from lantern.runtime.tree import build_tree
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_OPSET = 18  # the dynamo exporter's own opset; lower ones are not offered
-FUSED_OPSET = 24  # TensorScatter (in-place cache update) is opset 24; Attention opset 23
+INPLACE_OPSET = 24  # TensorScatter (in-place cache update) is opset 24; Attention opset 23
 DEFAULT_TREE = "mc_sim_7b_63"  # EAGLE-1's default and the public LANTERN command line's
 EXTERNAL_DATA_BYTES = 100 * 2**20  # graphs with more weights than this keep them in <file>.data
 DEFAULT_NEIGHBORS_K = 1000  # the public code's default k
@@ -241,8 +241,8 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
     quantize: a lantern.export.quantize.QuantizeOptions to quantize the target and drafter
     graphs (weight-only int8 / int4) before the manifest is written; None keeps them float.
 
-    attention: 'plain' or 'fused' (module docstring); max_tree_nodes / max_prompt_tokens size a
-    fused engine's static caches (default: the export tree's nodes / 128 prompt tokens).
+    attention: 'plain' or 'inplace' (module docstring); max_tree_nodes / max_prompt_tokens size a
+    in-place engine's static caches (default: the export tree's nodes / 128 prompt tokens).
     Everything that can be checked is checked before anything is written; the directory appears
     at `out` only when complete."""
     import onnx
@@ -253,14 +253,14 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
         raise LanternError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     if attention not in ATTENTION_FORMS:
         raise LanternError(f"unknown attention form {attention!r}; valid: {', '.join(ATTENTION_FORMS)}")
-    lowest = FUSED_OPSET if attention == "fused" else DEFAULT_OPSET
+    lowest = INPLACE_OPSET if attention == "inplace" else DEFAULT_OPSET
     opset = lowest if opset is None else opset
     if isinstance(opset, bool) or not isinstance(opset, int) or not lowest <= opset <= onnx.defs.onnx_opset_version():
-        why = f" (--attention fused needs TensorScatter, opset {FUSED_OPSET})" if attention == "fused" else ""
+        why = f" (--attention inplace needs TensorScatter, opset {INPLACE_OPSET})" if attention == "inplace" else ""
         raise LanternError(f"opset {opset!r} is not supported: the dynamo exporter writes opset "
                            f"{lowest}..{onnx.defs.onnx_opset_version()}{why}")
     if attention == "plain" and (max_tree_nodes is not None or max_prompt_tokens is not None):
-        raise LanternError("--max-tree-nodes and --max-prompt-tokens size static caches: they need --attention fused")
+        raise LanternError("--max-tree-nodes and --max-prompt-tokens size static caches: they need --attention inplace")
     if candidates is not None and (isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1):
         raise LanternError(f"--candidates must be a positive integer, got {candidates!r}")
     if drafter is None and tree is not None:
@@ -279,7 +279,7 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
 
         draft_tree = build_tree(tree or DEFAULT_TREE)
     tree_nodes = None
-    if attention == "fused":
+    if attention == "inplace":
         tree_nodes = draft_tree.num_nodes if draft_tree is not None else 1
         if max_tree_nodes is not None:
             if isinstance(max_tree_nodes, bool) or not isinstance(max_tree_nodes, int) or max_tree_nodes < tree_nodes:
@@ -289,7 +289,7 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
 
     family = family_of(target, target_format)
     stages = ["load"] + (["condition"] if family.condition_graph else []) + ["target"] + \
-             (["drafter"] if drafter else []) + (["commit"] if drafter and attention == "fused" else []) + \
+             (["drafter"] if drafter else []) + (["commit"] if drafter and attention == "inplace" else []) + \
              (["vq_decoder", "neighbors"] if vq else []) + ["manifest"]
     bar = _progress(stages, progress)
     job = _Export(family=family, target=target, target_format=target_format, target_options=target_options,
@@ -318,16 +318,16 @@ class _Export:
     opset: int
     neighbors_k: Optional[int]
     attention: str
-    tree_nodes: Optional[int]  # static cache tree slots (fused form)
+    tree_nodes: Optional[int]  # static cache tree slots (in-place form)
     max_prompt_tokens: Optional[int]
     quantize: object = None  # a QuantizeOptions, or None
 
 
-def _static_cache(family, models, tree_nodes, max_prompt_tokens):
-    """The fused form's cache budget (Manifest.static_cache)."""
+def _inplace_cache(family, models, tree_nodes, max_prompt_tokens):
+    """The in-place form's cache budget (Manifest.inplace_cache)."""
     prefix = family.prefix_tokens(models, max_prompt_tokens)
     image = family.image_tokens(models)
-    return engine_format.StaticCache(prefix=prefix, image_tokens=image, tree_nodes=tree_nodes,
+    return engine_format.CacheBudget(prefix=prefix, image_tokens=image, tree_nodes=tree_nodes,
                                      target=prefix + image + tree_nodes, drafter=image + tree_nodes)
 
 
@@ -348,7 +348,7 @@ def _build(staging, bar, job):
         neighbors_k = min(DEFAULT_NEIGHBORS_K, n_codes - 1) if neighbors_k is None else neighbors_k
         if isinstance(neighbors_k, bool) or not isinstance(neighbors_k, int) or not 1 <= neighbors_k <= n_codes - 1:
             raise LanternError(f"--neighbors-k must be in [1, {n_codes - 1}] for {n_codes} codes, got {neighbors_k!r}")
-    static_cache = None if attention == "plain" else _static_cache(family, models, job.tree_nodes,
+    inplace_cache = None if attention == "plain" else _inplace_cache(family, models, job.tree_nodes,
                                                                    job.max_prompt_tokens)
     family.cast(models, dtype)
     graphs = family.graphs(models, candidates, attention)
@@ -371,8 +371,8 @@ def _build(staging, bar, job):
             bar.set_description(f"export {name}")
             graph_dtype = "fp32" if name == "vq_decoder" else dtype
             dims = family.dims(name, models, candidates)
-            if static_cache is not None:  # S: the graph's static cache slots
-                dims["S"] = static_cache.drafter if name == "drafter" else static_cache.target
+            if inplace_cache is not None:  # S: the graph's static cache slots
+                dims["S"] = inplace_cache.drafter if name == "drafter" else inplace_cache.target
             io_spec = resolved_io(contract, dims, DTYPE_NAMES[graph_dtype], layers=family.layers(name, models))
             path = os.path.join(tmp, engine_format.GRAPH_FILES[name])
             written = export_graph(module, io_spec, path, job.opset)
@@ -405,7 +405,7 @@ def _build(staging, bar, job):
             sources=sources, tools=_tool_versions(),
             build={"kind": "onnx", "exporter": "torch.onnx.export(dynamo=True)", "attention": attention,
                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-            static_cache=static_cache, files=engine_format.describe_files(tmp, files))
+            inplace_cache=inplace_cache, files=engine_format.describe_files(tmp, files))
         manifest.write(tmp)
         staging.place()  # re-checks `out` under the lock; never replaces what this run did not expect
         bar.update()
@@ -466,15 +466,15 @@ def add_parser(sub):
     p.add_argument("--tree", help=f"static draft tree: preset name or JSON file (default {DEFAULT_TREE}; needs --drafter)")
     p.add_argument("--dtype", default="fp32", help="graph precision: fp32, fp16 or bf16 (default fp32)")
     p.add_argument("--candidates", type=int, help="top-k width K of the drafter graph (default min(2048, vocab))")
-    p.add_argument("--opset", type=int, help=f"ONNX opset (default {DEFAULT_OPSET}; {FUSED_OPSET} with --attention fused)")
+    p.add_argument("--opset", type=int, help=f"ONNX opset (default {DEFAULT_OPSET}; {INPLACE_OPSET} with --attention inplace)")
     p.add_argument("--attention", default="plain", choices=ATTENTION_FORMS,
-                   help="graph form: plain (caches in, new K/V out; any cache length) or fused (static caches "
+                   help="graph form: plain (caches in, new K/V out; any cache length) or inplace (static caches "
                         "updated in place and fused attention, the forms TensorRT fuses, plus commit.onnx)")
     p.add_argument("--max-tree-nodes", type=int,
-                   help="fused: the largest draft tree (nodes, root included) the static caches hold "
+                   help="inplace: the largest draft tree (nodes, root included) the static caches hold "
                         "(default: the export tree's)")
     p.add_argument("--max-prompt-tokens", type=int,
-                   help="fused, prompt engines: the longest prompt row the static caches hold; shorter prompts are "
+                   help="inplace, prompt engines: the longest prompt row the static caches hold; shorter prompts are "
                         "left-padded (default 128)")
     p.add_argument("--neighbors-k", type=int, help=f"latent neighbors per code (default min({DEFAULT_NEIGHBORS_K}, codes - 1))")
 
@@ -496,8 +496,8 @@ def run(args):
     size = sum(f.size for f in manifest.files.values())
     print(f"engine {args.out}: {', '.join(manifest.graphs)} ({manifest.dtype}, opset {manifest.opset}, "
           f"{manifest.attention} attention, {size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f}s")
-    if manifest.static_cache is not None:
-        s = manifest.static_cache
+    if manifest.inplace_cache is not None:
+        s = manifest.inplace_cache
         print(f"static caches: target {s.target} slots (prefix {s.prefix} + image {s.image_tokens} + tree "
               f"{s.tree_nodes}), drafter {s.drafter}")
     if describe_quantization(manifest):

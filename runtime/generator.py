@@ -238,7 +238,7 @@ class _Decoding:
         self.rule, self.sampler, self.streams, self.observer = rule or acceptance.Exact(), sampler, streams, observer
         self.cfg, self.cfg_scale, self.cfg_interval = plan.prefix.cfg, cfg_scale, cfg_interval
         self.N, self.B = plan.images, plan.rows
-        self.image_of_row = plan.halves  # [B]: the image each batch row belongs to (CFG: both halves)
+        self.image_of_row = plan.image_of_row  # [B]: the image each batch row belongs to (CFG: both halves)
         self.offset = plan.prefix.position_offset
         self.max_position = engine.manifest.max_positions - 1
         self.view = VocabularyView(engine.manifest.vocabulary, plan.prefix.forced)

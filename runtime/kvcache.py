@@ -4,7 +4,7 @@ drafter); which class is the engine's choice, made once from its graph contracts
 
   KVCache         plain graphs: a call reads the cache through per-layer views and returns only
                   its new tokens' K/V; `append` and `write` copy the entries the loop keeps.
-  InPlaceKVCache  in-place graphs (Manifest.static_cache): a call writes its new tokens' K/V into
+  InPlaceKVCache  in-place graphs (Manifest.inplace_cache): a call writes its new tokens' K/V into
                   the cache itself, at slots write_index[b] .. + T - 1 of row b, and attends over
                   the whole static cache; `append` and `write` only move what is not already
                   where it belongs: the accepted path of a tree, with the engine's commit graph,
@@ -100,7 +100,7 @@ class InPlaceKVCache(KVCache):
         start = self.length if call.first_slot is None else np.full(B, call.first_slot, dtype=np.int64)
         if start.max() + T > self.capacity:
             raise LanternError(f"a call of {T} tokens at slot {start.max()} overruns the static cache of "
-                               f"{self.capacity} slots; the engine's budget (manifest static_cache) is too small")
+                               f"{self.capacity} slots; the engine's budget (manifest inplace_cache) is too small")
         call.feeds["write_index"][:] = start
         mask = call.feeds["attention_mask"][:, 0]
         mask[:] = self.visible[:, None, :]
@@ -147,10 +147,10 @@ def cache_layout(manifest, prefix, tree):
     drafter image tokens + the tree's M - 1 nodes (scratch). In-place graphs: the static sizes
     the engine was exported with; the prefix is left-padded to the budget's prefix slots (so every
     prefix sits in the same slots and the prefill has one shape), and the generation must fit."""
-    s = manifest.static_cache
+    s = manifest.inplace_cache
     if s is None:
         return KVCache, prefix, prefix.tokens + prefix.length, prefix.length + tree.num_nodes - 1
-    fix = "re-export it with `lantern-export onnx --attention fused` and a larger"
+    fix = "re-export it with `lantern-export onnx --attention inplace` and a larger"
     if prefix.tokens > s.prefix:
         raise LanternError(f"the prompt takes {prefix.tokens} tokens; this engine's static cache holds prompts of at "
                            f"most {s.prefix} ({fix} --max-prompt-tokens, or use a plain engine)")

@@ -79,6 +79,7 @@ class _Rule:
     fix: Optional[str] = None  # what errors below this field tell the user to do
     read: Optional[typing.Callable] = None  # read(reader, name) -> value, for a field with its own JSON form
     write: Optional[typing.Callable] = None  # write(value) -> JSON, its inverse
+    was: Optional[str] = None  # the field's key in files written before it was renamed (read, never written)
 
 
 _PLAIN = _Rule()
@@ -220,7 +221,7 @@ class Neighbors:
 
 
 @dataclass(frozen=True)
-class StaticCache:
+class CacheBudget:
     """The cache budget of an in-place engine, fixed at export (its caches have a static length,
     which TensorRT's fused cache update needs). A generation fits when its prefix (condition
     tokens, or prompt rows left-padded to `prefix`), its image tokens and its tree fit.
@@ -385,13 +386,13 @@ class Manifest:
     tensorrt: Optional[dict] = rule(of=TensorRTPlans, fix=REBUILD_PLANS, default=None)  # plans key -> TensorRTPlans
     tuned_trees: dict = rule(of=TunedSettings, fix=RETUNE, optional=True,
                              default_factory=dict)  # settings key -> TunedSettings (lantern-run tune)
-    static_cache: Optional[StaticCache] = None  # in-place engines only (target contract *_inplace)
+    inplace_cache: Optional[CacheBudget] = rule(was="static_cache", default=None)  # in-place engines only
     schema: int = SCHEMA_VERSION
 
     @property
     def attention(self):
-        """The graphs' cache form: 'fused' (in place, static caches) or 'plain'."""
-        return "fused" if self.static_cache is not None else "plain"
+        """The graphs' cache form: 'inplace' (static caches updated in the graphs) or 'plain'."""
+        return "inplace" if self.inplace_cache is not None else "plain"
 
     def to_json(self):
         return _to_json(self)
@@ -486,7 +487,8 @@ def _read_record(cls, r, **given):
     for f in dataclasses.fields(cls):
         if f.name not in given:
             values[f.name] = _read_field(r, f)
-    r.done(f.name for f in dataclasses.fields(cls) if f.name not in given)
+    r.done([f.name for f in dataclasses.fields(cls) if f.name not in given] +
+           [_rule(f).was for f in dataclasses.fields(cls) if _rule(f).was])
     record = cls(**values)
     check = _RECORD_CHECKS.get(cls)
     return (check(record, r) or record) if check else record
@@ -496,21 +498,26 @@ def _read_field(r, f):
     how = _rule(f)
     if how.read:
         return how.read(r, f.name)
+    name = f.name
+    if how.was is not None and how.was in r.data:  # an engine written before the rename
+        if name in r.data:
+            r.fail(how.was, f"and {name} are one field under its old and new name")
+        name = how.was
     kind, optional = _kind(f.type)
     record = dataclasses.is_dataclass(kind)
-    value = r.get(f.name, dict if record else list if kind is tuple else kind, optional or how.optional,
+    value = r.get(name, dict if record else list if kind is tuple else kind, optional or how.optional,
                   how.check, how.why)
     if value is None:
         return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
     fix = how.fix or r.fix  # what to do about what is wrong inside the value
     if record:
-        return _read_record(kind, _Reader(value, r.where, f"{r.path}{f.name}.", fix))
+        return _read_record(kind, _Reader(value, r.where, f"{r.path}{name}.", fix))
     if how.of is None:
         return tuple(value) if kind is tuple else value
     place = [(f"{k}", v) for k, v in value.items()] if kind is dict else [(f"[{i}]", v) for i, v in enumerate(value)]
     items = {}
     for label, v in place:
-        at = f"{r.path}{f.name}{'.' if kind is dict else ''}{label}."
+        at = f"{r.path}{name}{'.' if kind is dict else ''}{label}."
         if dataclasses.is_dataclass(how.of):
             items[label] = _read_record(how.of, _Reader(v, r.where, at, fix, key=label))
         else:
@@ -599,7 +606,7 @@ def _check_tuned_settings(t, r):
         r.fail("", f"is keyed {r.key!r} but its settings make the key {t.settings.key!r}")
 
 
-def _check_static_cache_sum(s, r):
+def _check_cache_budget(s, r):
     if s.target != s.prefix + s.image_tokens + s.tree_nodes or s.drafter != s.image_tokens + s.tree_nodes:
         r.fail("", f"{s} does not add up (target = prefix + image_tokens + tree_nodes, "
                    f"drafter = image_tokens + tree_nodes)")
@@ -607,7 +614,7 @@ def _check_static_cache_sum(s, r):
 
 _RECORD_CHECKS = {Shape: _check_shape, Condition: _check_condition, Vocabulary: _check_vocabulary,
                   Graph: _check_graph, Quantization: _check_quantization, TunedTree: _check_tuned_tree,
-                  TunedSettings: _check_tuned_settings, StaticCache: _check_static_cache_sum}
+                  TunedSettings: _check_tuned_settings, CacheBudget: _check_cache_budget}
 
 
 def quantization_scheme(manifest):
@@ -637,13 +644,13 @@ def _check_consistency(m, r):
     modes, a neighbor table for relaxed ones; every file a record names listed in `files`."""
     if "target" not in m.graphs:
         r.fail("graphs", "has no target graph")
-    _check_static_cache(m, r)
+    _check_inplace_cache(m, r)
     wants = "target_ids" if m.condition.kind == "prompt" else "target"
-    if m.static_cache is not None:
+    if m.inplace_cache is not None:
         wants = IN_PLACE_CONTRACTS[wants]
     if m.graphs["target"].contract != wants:
         r.fail("graphs.target.contract", f"is {m.graphs['target'].contract!r}; a {m.condition.kind} engine "
-                                         f"{'with' if m.static_cache else 'without'} a static cache has {wants!r}")
+                                         f"{'with' if m.inplace_cache else 'without'} a static cache has {wants!r}")
     if m.vocabulary.size != m.graphs["target"].outputs["logits"].shape[-1]:
         r.fail("vocabulary.size", f"({m.vocabulary.size}) differs from the target's logits width")
     if m.graphs["target"].layers != m.target.layers:
@@ -696,17 +703,17 @@ def _check_plans(m, t, r):
                     r.fail(at, f"needs min <= opt <= max of the input's rank, got {dims}")
 
 
-def _check_static_cache(m, r):
+def _check_inplace_cache(m, r):
     """An in-place engine: every graph in its in-place form, with caches of the budget's length,
     and a commit graph when it drafts; a plain engine has none of these."""
-    s = m.static_cache
+    s = m.inplace_cache
     in_place = {name: g for name, g in m.graphs.items() if "aliases" in GRAPHS[g.contract]}
     if s is None:
         if in_place:
-            r.fail("static_cache", f"is missing; graphs {', '.join(sorted(in_place))} update static caches in place")
+            r.fail("inplace_cache", f"is missing; graphs {', '.join(sorted(in_place))} update static caches in place")
         return
     if s.image_tokens < m.image.tokens:
-        r.fail("static_cache.image_tokens", f"({s.image_tokens}) is less than the engine's grid makes ({m.image.tokens})")
+        r.fail("inplace_cache.image_tokens", f"({s.image_tokens}) is less than the engine's grid makes ({m.image.tokens})")
     slots = {"target": s.target, "commit": s.target, "drafter": s.drafter}
     for name, want in slots.items():
         if name in m.graphs:
@@ -722,7 +729,7 @@ def _check_static_cache(m, r):
     if "commit" in m.graphs and m.graphs["commit"].layers != m.target.layers:
         r.fail("graphs.commit", f"moves {m.graphs['commit'].layers} layers' caches; the target has {m.target.layers}")
     if m.tree is not None and build_tree(m.tree).num_nodes > s.tree_nodes:
-        r.fail("static_cache.tree_nodes", f"({s.tree_nodes}) is less than the default tree's nodes")
+        r.fail("inplace_cache.tree_nodes", f"({s.tree_nodes}) is less than the default tree's nodes")
 
 
 def read_manifest(directory, verify=True):

@@ -54,7 +54,7 @@ class StepPlan:
         cache_type, prefix, target_slots, drafter_slots = cache_layout(m, prefix, tree)
         self.images, self.rows, self.tokens = prefix.images, prefix.rows, prefix.tokens
         B, C = prefix.rows, prefix.tokens
-        self.halves = np.arange(B) % self.images  # the image of each batch row
+        self.image_of_row = np.arange(B) % self.images  # [B]: the image batch row b belongs to (CFG: [cond; uncond])
         self.image_tokens = prefix.length  # tokens generated per image
         t = m.target
         self.target_cache = cache_type(backend, t.layers, B, t.kv_heads, target_slots, t.head_dim)

@@ -49,7 +49,7 @@ def build_engine(root, model_type="c2i", tree="mc_sim_7b_63", drafter=True, with
 
 def export_like(engine, out, *extra):
     """The checkpoints `engine` was exported from, exported again through the CLI with the same
-    tree, candidates and neighbors plus `extra` options (e.g. --attention fused): an engine of
+    tree, candidates and neighbors plus `extra` options (e.g. --attention inplace): an engine of
     the same weights in another form. Returns its directory."""
     assert cli.main(export_argv(engine, out, *extra)) == 0
     return str(out)

@@ -1,4 +1,4 @@
-"""In-place ("fused") engines, `lantern-export onnx --attention fused`: static caches the graphs
+"""In-place engines, `lantern-export onnx --attention inplace`: static caches the graphs
 update in place (TensorScatter), fused attention over them (ONNX Attention), the accepted path
 committed by commit.onnx. Checked against the plain form of the same checkpoints (the session
 fixtures, re-exported), on ONNX Runtime CPU, and built with TensorRT-RTX where it is installed."""
@@ -27,32 +27,32 @@ MODES = [dict(mode="ar"), dict(mode="exact"), dict(mode="lantern", delta=0.2, k=
 
 
 @pytest.fixture(scope="module")
-def fused_c2i(c2i_engine, tmp_path_factory):
-    return export_like(c2i_engine, tmp_path_factory.mktemp("fused") / "c2i", "--attention", "fused")
+def inplace_c2i(c2i_engine, tmp_path_factory):
+    return export_like(c2i_engine, tmp_path_factory.mktemp("inplace") / "c2i", "--attention", "inplace")
 
 
 @pytest.fixture(scope="module")
-def fused_t2i(t2i_engine, tmp_path_factory):
-    return export_like(t2i_engine, tmp_path_factory.mktemp("fused") / "t2i", "--attention", "fused")
+def inplace_t2i(t2i_engine, tmp_path_factory):
+    return export_like(t2i_engine, tmp_path_factory.mktemp("inplace") / "t2i", "--attention", "inplace")
 
 
 @pytest.fixture(scope="module")
-def fused_anole(chameleon_engines, tmp_path_factory):
+def inplace_anole(chameleon_engines, tmp_path_factory):
     # a prompt budget of 24 tokens keeps the tiny engine's static cache small
-    return export_like(chameleon_engines["anole"], tmp_path_factory.mktemp("fused") / "anole", "--attention", "fused",
+    return export_like(chameleon_engines["anole"], tmp_path_factory.mktemp("inplace") / "anole", "--attention", "inplace",
                        "--max-prompt-tokens", "24")
 
 
 @pytest.fixture(scope="module")
-def fused_fp16(tmp_path_factory):
+def inplace_fp16(tmp_path_factory):
     """fp16, head_dim 16 (TensorRT has no fused attention kernel for head_dim 8), no VQ: ar and exact."""
-    root = tmp_path_factory.mktemp("fused-fp16")
+    root = tmp_path_factory.mktemp("inplace-fp16")
     target = tiny_target("c2i", dim=64, n_head=4, n_kv_head=2, block_size=36)
     checkpoints.save_hf_target(target, root / "target")
     checkpoints.save_drafter(tiny_drafter(target), root / "drafter")
     out = root / "engine"
     assert cli.main(["onnx", "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--candidates", "8",
-                     "--dtype", "fp16", "--attention", "fused", "--out", str(out), "--no-progress"]) == 0
+                     "--dtype", "fp16", "--attention", "inplace", "--out", str(out), "--no-progress"]) == 0
     return str(out)
 
 
@@ -69,10 +69,10 @@ def _inputs(kind, n=3):
 # The export
 
 
-def test_fused_export_writes_the_forms_tensorrt_fuses(fused_c2i):
-    m = read_manifest(fused_c2i)
-    s = m.static_cache
-    assert m.attention == "fused" and m.opset == 24
+def test_inplace_export_writes_the_forms_tensorrt_fuses(inplace_c2i):
+    m = read_manifest(inplace_c2i)
+    s = m.inplace_cache
+    assert m.attention == "inplace" and m.opset == 24
     assert {n: g.contract for n, g in m.graphs.items() if n != "vq_decoder"} == {
         "condition": "condition_c2i", "target": "target_inplace", "drafter": "drafter_inplace", "commit": "commit"}
     # c2i: 1 condition token, a 6x6 grid, mc_sim_7b_63's 26 nodes
@@ -82,7 +82,7 @@ def test_fused_export_writes_the_forms_tensorrt_fuses(fused_c2i):
     assert target.inputs["past_keys_1"].shape[2] == target.outputs["present_keys_1"].shape[2] == 63
     assert list(target.inputs)[-1] == "write_index" and "new_keys" not in target.outputs
     assert m.graphs["drafter"].inputs["past_keys_0"].shape[2] == 62
-    ops = {name: [n.op_type for n in onnx.load(f"{fused_c2i}/{name}.onnx").graph.node]
+    ops = {name: [n.op_type for n in onnx.load(f"{inplace_c2i}/{name}.onnx").graph.node]
            for name in ("target", "drafter", "commit")}
     layers = m.target.layers
     assert (ops["target"].count("TensorScatter"), ops["target"].count("Attention")) == (2 * layers, layers)
@@ -121,7 +121,7 @@ def _plain_feeds(static):
     return feeds, P, T
 
 
-def _compare_forms(plain_out, fused_out, P, T, feeds, atol, rtol):
+def _compare_forms(plain_out, inplace_out, P, T, feeds, atol, rtol):
     """Fused outputs against plain ones: same logits, hidden states and top-K; the present caches
     hold the plain call's new K/V at P .. P + T - 1 and the old cache elsewhere."""
     worst = 0.0
@@ -129,13 +129,13 @@ def _compare_forms(plain_out, fused_out, P, T, feeds, atol, rtol):
         if name in ("new_keys", "new_values"):
             kind = "keys" if name == "new_keys" else "values"
             for layer in range(want.shape[0]):
-                got = fused_out[f"present_{kind}_{layer}"]
+                got = inplace_out[f"present_{kind}_{layer}"]
                 before = feeds[f"past_{kind}_{layer}"]
                 np.testing.assert_array_equal(got[:, :, :P], before[:, :, :P])
                 np.testing.assert_array_equal(got[:, :, P + T:], before[:, :, P + T:])
                 worst = max(worst, _within(got[:, :, P:P + T], want[layer], atol, rtol))
         elif name != "topk_ids":
-            worst = max(worst, _within(fused_out[name], want, atol, rtol))
+            worst = max(worst, _within(inplace_out[name], want, atol, rtol))
     return worst
 
 
@@ -147,26 +147,26 @@ def _within(got, want, atol, rtol):
 
 
 @pytest.mark.parametrize("graph", ["target", "drafter"])
-def test_fused_graphs_match_plain_graphs_fp32(c2i_engine, fused_c2i, graph):
+def test_inplace_graphs_match_plain_graphs_fp32(c2i_engine, inplace_c2i, graph):
     """The same calls (prefill, one token, a tree, draft0; junk in masked slots) through both
     forms on ONNX Runtime: fp32 tolerances (atol 1e-5, rtol 1e-4 of the output's scale)."""
-    plain, fused = Engine(c2i_engine, threads=2), Engine(fused_c2i, threads=2)
-    slots = fused.manifest.graphs[graph].inputs["past_keys_0"].shape[2]
+    plain, inplace = Engine(c2i_engine, threads=2), Engine(inplace_c2i, threads=2)
+    slots = inplace.manifest.graphs[graph].inputs["past_keys_0"].shape[2]
     atol, rtol = TOLERANCES["fp32"]
     for case, feeds in check_cases(graph, plain.manifest, np.random.default_rng(0)):
         static, P, T = _static_feeds(feeds, slots)
         want = plain.backend.run(Call(graph, case, feeds))
-        got = fused.backend.run(Call(graph, case, {k: v.copy() for k, v in static.items()}))
+        got = inplace.backend.run(Call(graph, case, {k: v.copy() for k, v in static.items()}))
         _compare_forms(want, got, P, T, static, atol, rtol)
         if graph == "drafter":  # the top-K ids wherever the ranks are clear of a near-tie
             assert _compare_ids(got["topk_ids"], want["topk_ids"], got["topk_probs"], want["topk_probs"])["ok"]
 
 
-def test_fused_fp16_graphs_match_the_plain_form(fused_fp16):
+def test_inplace_fp16_graphs_match_the_plain_form(inplace_fp16):
     """fp16 in-place graphs on ONNX Runtime against the plain torch modules of the same fp16
     weights run in fp32: within the fp16 tolerances of `check` (atol 1e-3, rtol 1e-2)."""
     from lantern.export.families import FAMILIES
-    engine = Engine(fused_fp16, threads=2)
+    engine = Engine(inplace_fp16, threads=2)
     m = engine.manifest
     family, src = FAMILIES[m.family], m.sources
     models = family.load(src["target"]["path"], drafter=src["drafter"]["path"])
@@ -192,25 +192,25 @@ def test_fused_fp16_graphs_match_the_plain_form(fused_fp16):
 
 
 @pytest.mark.parametrize("kind", ["c2i", "t2i", "anole"])
-def test_fused_engines_give_the_tokens_of_plain_engines(request, kind):
+def test_inplace_engines_give_the_tokens_of_plain_engines(request, kind):
     if kind == "anole":
-        plain_dir, fused_dir = request.getfixturevalue("chameleon_engines")["anole"], request.getfixturevalue("fused_anole")
+        plain_dir, inplace_dir = request.getfixturevalue("chameleon_engines")["anole"], request.getfixturevalue("inplace_anole")
     else:
-        plain_dir, fused_dir = request.getfixturevalue(f"{kind}_engine"), request.getfixturevalue(f"fused_{kind}")
-    plain, fused = Engine(plain_dir, threads=2), Engine(fused_dir, threads=2)
+        plain_dir, inplace_dir = request.getfixturevalue(f"{kind}_engine"), request.getfixturevalue(f"inplace_{kind}")
+    plain, inplace = Engine(plain_dir, threads=2), Engine(inplace_dir, threads=2)
     # every mode on c2i; the other families' conditions with a drafting mode of each kind (time)
     for options in MODES if kind == "c2i" else [MODES[1], MODES[3]]:
         kw = dict(greedy=True, cfg_scale=3.0, **options, **_inputs(kind))
-        a, b = plain.generate(**kw), fused.generate(**kw)
+        a, b = plain.generate(**kw), inplace.generate(**kw)
         np.testing.assert_array_equal(b.tokens, a.tokens, err_msg=str(options))
         assert a.stats["steps_per_image"] == b.stats["steps_per_image"]
     if kind == "c2i":  # sampling draws from logits that agree to ~1e-7: the same draws
         kw = dict(mode="lantern++", lam=3.0, k=8, cfg_scale=3.0, seed=7, **_inputs(kind))
-        np.testing.assert_array_equal(fused.generate(**kw).tokens, plain.generate(**kw).tokens)
+        np.testing.assert_array_equal(inplace.generate(**kw).tokens, plain.generate(**kw).tokens)
 
 
-def test_greedy_exact_equals_ar_on_a_fused_fp16_engine(fused_fp16):
-    engine = Engine(fused_fp16, threads=2)
+def test_greedy_exact_equals_ar_on_a_inplace_fp16_engine(inplace_fp16):
+    engine = Engine(inplace_fp16, threads=2)
     for cfg in (1.0, 3.0):
         ar = engine.generate(classes=[2, 5], mode="ar", greedy=True, cfg_scale=cfg)
         exact = engine.generate(classes=[2, 5], mode="exact", greedy=True, cfg_scale=cfg)
@@ -218,10 +218,10 @@ def test_greedy_exact_equals_ar_on_a_fused_fp16_engine(fused_fp16):
         assert exact.stats["mean_accepted_drafts"] >= 0 and exact.stats["steps_per_image"] <= ar.stats["steps_per_image"]
 
 
-def test_prompts_of_any_length_share_one_plan(fused_anole):
+def test_prompts_of_any_length_share_one_plan(inplace_anole):
     """A static cache holds every prompt left-padded to the budget: prefill has one shape, and
     the plan made for one prompt serves another of a different length."""
-    engine = Engine(fused_anole, threads=2)
+    engine = Engine(inplace_anole, threads=2)
     engine.generate(prompt_ids=[[30, 31, 32]], grid=(2, 2), greedy=True, mode="exact")
     plan = engine._plan
     assert plan.calls["prefill"].feeds["input_ids"].shape == (1, 24)
@@ -229,16 +229,16 @@ def test_prompts_of_any_length_share_one_plan(fused_anole):
     assert engine._plan is plan
     for regime, (_, shapes) in plan.shapes().items():
         if "attention_mask" in shapes:
-            want = engine.manifest.static_cache.target if regime in ("prefill", "verify") else \
-                engine.manifest.static_cache.drafter
+            want = engine.manifest.inplace_cache.target if regime in ("prefill", "verify") else \
+                engine.manifest.inplace_cache.drafter
             assert shapes["attention_mask"][-1] == want, regime
 
 
-def test_onnxruntime_updates_the_bound_caches_in_place(fused_c2i, capfd):
+def test_onnxruntime_updates_the_bound_caches_in_place(inplace_c2i, capfd):
     """Every bound in-place call writes into the plan's cache buffers: its present outputs are
     the caches themselves, and ONNX Runtime never falls back to copying a cache (it says so on
     stderr when it does)."""
-    engine = Engine(fused_c2i, threads=2)
+    engine = Engine(inplace_c2i, threads=2)
     capfd.readouterr()
     engine.generate(classes=[1, 2], mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=3.0)
     assert "in-place optimization not activated" not in capfd.readouterr().err
@@ -266,17 +266,17 @@ def test_onnxruntime_updates_the_bound_caches_in_place(fused_c2i, capfd):
     assert "in-place optimization not activated" not in capfd.readouterr().err
 
 
-def test_plain_session_runs_of_a_fused_engine_copy_the_caches_back(fused_c2i):
+def test_plain_session_runs_of_a_inplace_engine_copy_the_caches_back(inplace_c2i):
     """Without IOBinding the updated caches come back as outputs and are copied into the cache
     buffers: the same tokens, at the price of a whole-cache copy per call."""
     kw = dict(classes=[3], mode="exact", greedy=True, cfg_scale=3.0)
-    bound = Engine(fused_c2i, threads=2).generate(**kw)
-    unbound = Engine(fused_c2i, threads=2, io_binding=False).generate(**kw)
+    bound = Engine(inplace_c2i, threads=2).generate(**kw)
+    unbound = Engine(inplace_c2i, threads=2, io_binding=False).generate(**kw)
     np.testing.assert_array_equal(unbound.tokens, bound.tokens)
 
 
-def test_check_compares_fused_engines_with_their_torch_modules(fused_c2i):
-    report = check_engine(fused_c2i)
+def test_check_compares_inplace_engines_with_their_torch_modules(inplace_c2i):
+    report = check_engine(inplace_c2i)
     assert report["ok"], report["failures"]
     checked = {(r["graph"], r["output"]) for r in report["results"]}
     assert ("commit", "present_values_1") in checked and ("target", "present_keys_0") in checked
@@ -286,37 +286,37 @@ def test_check_compares_fused_engines_with_their_torch_modules(fused_c2i):
 # Budgets and refusals
 
 
-def test_what_a_static_cache_cannot_hold_is_refused_in_one_line(fused_c2i, fused_anole):
-    c2i = Engine(fused_c2i, threads=1)
+def test_what_a_static_cache_cannot_hold_is_refused_in_one_line(inplace_c2i, inplace_anole):
+    c2i = Engine(inplace_c2i, threads=1)
     with pytest.raises(LanternError, match=r"has \d+ nodes; this engine's static cache holds trees of at most 26"):
         c2i.generate(classes=[1], mode="exact", greedy=True, tree="naive_extend_57")
     c2i.generate(classes=[1], mode="exact", greedy=True, tree="chain")  # a smaller tree fits
-    anole = Engine(fused_anole, threads=1)
+    anole = Engine(inplace_anole, threads=1)
     with pytest.raises(LanternError, match="the prompt takes 28 tokens; .* at most 24 .*--max-prompt-tokens"):
         anole.generate(prompt_ids=[list(range(30, 55))], grid=(2, 2), mode="ar", greedy=True)
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--attention", "fused", "--opset", "18"], "needs TensorScatter, opset 24"),
-    (["--attention", "fused", "--max-tree-nodes", "3"], "--max-tree-nodes must be an integer >= 26"),
-    (["--max-tree-nodes", "40"], "need --attention fused"),
-    (["--attention", "fused", "--max-prompt-tokens", "40"], "applies to prompt (Chameleon) engines"),
+    (["--attention", "inplace", "--opset", "18"], "needs TensorScatter, opset 24"),
+    (["--attention", "inplace", "--max-tree-nodes", "3"], "--max-tree-nodes must be an integer >= 26"),
+    (["--max-tree-nodes", "40"], "need --attention inplace"),
+    (["--attention", "inplace", "--max-prompt-tokens", "40"], "applies to prompt (Chameleon) engines"),
 ])
-def test_bad_fused_export_options_are_refused(c2i_engine, tmp_path, capsys, extra, words):
+def test_bad_inplace_export_options_are_refused(c2i_engine, tmp_path, capsys, extra, words):
     assert cli.main(export_argv(c2i_engine, tmp_path / "out", *extra)) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("change, words", [
-    (lambda m: m.pop("static_cache"), "static_cache is missing; graphs commit, drafter, target update"),
-    (lambda m: m["static_cache"].update(target=64), "does not add up"),
-    (lambda m: m["static_cache"].update(tree_nodes=27, target=64, drafter=63), "has 63 slots; the static cache gives it 64"),
+    (lambda m: m.pop("inplace_cache"), "inplace_cache is missing; graphs commit, drafter, target update"),
+    (lambda m: m["inplace_cache"].update(target=64), "does not add up"),
+    (lambda m: m["inplace_cache"].update(tree_nodes=27, target=64, drafter=63), "has 63 slots; the static cache gives it 64"),
     (lambda m: (m["graphs"].pop("commit"), m["files"].pop("commit.onnx")), "has no commit graph"),
 ])
-def test_inconsistent_static_caches_are_refused(fused_c2i, tmp_path, change, words):
+def test_inconsistent_static_caches_are_refused(inplace_c2i, tmp_path, change, words):
     d = tmp_path / "engine"
-    shutil.copytree(fused_c2i, d)
+    shutil.copytree(inplace_c2i, d)
     data = manifest(d)
     change(data)
     (d / "manifest.json").write_text(json.dumps(data))
@@ -325,18 +325,37 @@ def test_inconsistent_static_caches_are_refused(fused_c2i, tmp_path, change, wor
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
+def test_an_engine_written_before_the_inplace_rename_reads_the_same(inplace_c2i, tmp_path):
+    """Engines from before the cache form had one name record `static_cache` and build.attention
+    'fused': they open as they did (the record read under its old key); both keys at once are
+    one line saying to re-export."""
+    d = tmp_path / "engine"
+    shutil.copytree(inplace_c2i, d)
+    data = manifest(d)
+    old = {("static_cache" if k == "inplace_cache" else k): v for k, v in data.items()}
+    old["build"] = {**data["build"], "attention": "fused"}
+    (d / "manifest.json").write_text(json.dumps(old))
+    before, now = read_manifest(d), read_manifest(inplace_c2i)
+    assert before.inplace_cache == now.inplace_cache and before.attention == "inplace"
+    assert before.replace(build=now.build) == now
+    (d / "manifest.json").write_text(json.dumps({**old, "inplace_cache": data["inplace_cache"]}))
+    with pytest.raises(LanternError) as e:
+        read_manifest(d)
+    assert "static_cache and inplace_cache are one field" in str(e.value) and "re-export" in str(e.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # TensorRT-RTX (builds without a GPU)
 
 
 @pytest.mark.parametrize("cc", ["SM89", "SM120"])
-def test_tensorrt_rtx_builds_the_fused_fp16_graphs(fused_fp16, cc):
+def test_tensorrt_rtx_builds_the_inplace_fp16_graphs(inplace_fp16, cc):
     """Target, drafter and commit plans with one exact profile per call regime of a CFG step
     plan; the parser maps every cache update and attention to TensorRT's fused layers."""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'lantern[tensorrt-rtx]')")
     from lantern.export.tensorrt_build import build_plan, exact_profile
 
-    engine = Engine(fused_fp16, threads=1)
+    engine = Engine(inplace_fp16, threads=1)
     prefix = engine.condition.prefix(True, classes=[1, 2])
     settings = dict(cfg_scale=3.0, temperature=1.0, top_k=0, top_p=1.0)
     plan = StepPlan(engine.manifest, engine.backend, engine.tree, prefix, settings)
@@ -346,19 +365,19 @@ def test_tensorrt_rtx_builds_the_fused_fp16_graphs(fused_fp16, cc):
             "commit": {"attention": 0, "kv_cache_update": 2 * layers}}
     for graph, fused in want.items():
         profiles = [exact_profile(shapes) for g, shapes in plan.shapes().values() if g == graph]
-        blob, record = build_plan(f"{fused_fp16}/{graph}.onnx", profiles, flavor="tensorrt-rtx",
+        blob, record = build_plan(f"{inplace_fp16}/{graph}.onnx", profiles, flavor="tensorrt-rtx",
                                   compute_capabilities=[cc])
         assert record["fused_layers"] == fused and len(blob) > 0
         assert record["io"]["inputs"]["past_keys_0"]["shape"][2] == \
             engine.manifest.graphs[graph].inputs["past_keys_0"].shape[2]
-    assert build_tree(engine.manifest.tree).num_nodes == engine.manifest.static_cache.tree_nodes
+    assert build_tree(engine.manifest.tree).num_nodes == engine.manifest.inplace_cache.tree_nodes
 
 
-def test_trt_command_builds_a_fused_engines_plans_commit_included(fused_fp16, tmp_path):
+def test_trt_command_builds_a_inplace_engines_plans_commit_included(inplace_fp16, tmp_path):
     """`lantern-export trt` lays out the in-place step plans (write_index, static caches, the
     commit regime) and builds every graph of the engine, commit.onnx included."""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'lantern[tensorrt-rtx]')")
-    engine = shutil.copytree(fused_fp16, tmp_path / "engine")
+    engine = shutil.copytree(inplace_fp16, tmp_path / "engine")
     assert cli.main(["trt", str(engine), "--flavor", "tensorrt-rtx", "--compute-capability", "89", "--batch", "2",
                      "--no-progress"]) == 0
     plans = read_manifest(engine).tensorrt["tensorrt-rtx-SM89"].plans

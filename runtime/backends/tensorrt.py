@@ -35,7 +35,7 @@ On the device, without kernels of our own:
           2 x (depth + 1) x rows copy calls and never leaves the GPU.
   numpy   a device-to-host copy and a stream synchronize (logits, top-K).
 The price of copies over kernels is API calls: a few microseconds each on the host. In-place
-engines (--attention fused) commit with their commit graph instead, one launch, and their
+engines (--attention inplace) commit with their commit graph instead, one launch, and their
 present_* outputs are bound to the past_* cache buffers they update (untested on a GPU so far).
 """
 import importlib

@@ -1,22 +1,22 @@
-"""Plain against in-place ("fused") graphs of one GPT-B-shaped model (random weights), on ONNX
-Runtime CPU, and TensorRT-RTX builds of the fused fp16 graphs. Prints JSON.
+"""Plain against in-place graphs of one GPT-B-shaped model (random weights), on ONNX
+Runtime CPU, and TensorRT-RTX builds of the in-place fp16 graphs. Prints JSON.
 
   python -m lantern.tools.bench.inplace [--model GPT-B] [--threads 2] [--workdir DIR] [--trt 89]
 
 Measures, in one run on one machine, for the same checkpoints exported twice (fp32,
-`--attention plain` and `--attention fused --max-tree-nodes 58`):
+`--attention plain` and `--attention inplace --max-tree-nodes 58`):
   latency_ms      the target's verification call L(T), T = 1, 26, 58, at a context of 192
                   cached tokens (median of --repeats rounds, the two forms' calls interleaved in
                   each round, through real bound step plans): plain attends
                   over its cache (condition + image tokens: 257 slots) plus the T new tokens,
-                  fused over its whole static cache (1 + 256 + 58 = 315 slots, the new tokens
+                  in place over its whole static cache (1 + 256 + 58 = 315 slots, the new tokens
                   among them) and writes their K/V into it;
   generation      one image, `ar` and `exact` (greedy, mc_sim_7b_63, no CFG) through the real
                   decoding loop with bound plans, forms interleaved, medians over --repeats / 3
                   rounds: per step, the engine calls' time, the host's
                   time outside them, and the commit phase (plain: copies of the accepted K/V on
-                  the host; fused: the commit graph, also an engine run, counted in the phase);
---trt CC also exports the fused graphs in fp16 and builds target, drafter and commit plans for
+                  the host; inplace: the commit graph, also an engine run, counted in the phase);
+--trt CC also exports the in-place graphs in fp16 and builds target, drafter and commit plans for
 that compute capability with TensorRT-RTX (one exact profile per call regime of a one-image CFG
 step plan): build seconds, plan bytes, fused layers per graph. Random weights: acceptance is
 meaningless here, the per-step costs are not.
@@ -142,7 +142,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--workdir", help="keep (and reuse) checkpoints and engines here")
-    p.add_argument("--trt", metavar="CC", help="also build the fused fp16 graphs for this compute capability")
+    p.add_argument("--trt", metavar="CC", help="also build the in-place fp16 graphs for this compute capability")
     args = p.parse_args(argv)
 
     import torch
@@ -153,21 +153,21 @@ def main(argv=None):
     src = write_checkpoints(workdir, args.model)
     report = {"benchmark": "plain vs in-place graphs, ONNX Runtime CPU (forms interleaved)", "model": args.model,
               "threads": args.threads, "random_weights": True, "context": 192, "export_seconds": {}}
-    forms = {"plain": dict(), "fused": dict(attention="fused", max_tree_nodes=58)}
+    forms = {"plain": dict(), "inplace": dict(attention="inplace", max_tree_nodes=58)}
     engines = {}
     for form, options in forms.items():
         engine_dir, seconds = export(workdir, f"{form}-fp32", src, args.model, **options)
         report["export_seconds"][form] = seconds
         engines[form] = Engine(engine_dir, threads=args.threads)
-    report["static_cache"] = engines["fused"].manifest.static_cache.__dict__
+    report["inplace_cache"] = engines["inplace"].manifest.inplace_cache.__dict__
     tokens = (1, 26, 58)
     latency = interleaved_latency(verify_calls(engines, tokens, 192, np.random.default_rng(0)), args.repeats)
     report["latency_ms"] = {form: {str(T): round(1000 * latency[(form, T)], 2) for T in tokens} for form in forms}
-    report["fused_over_plain"] = {str(T): round(latency[("fused", T)] / latency[("plain", T)], 3) for T in tokens}
+    report["inplace_over_plain"] = {str(T): round(latency[("inplace", T)] / latency[("plain", T)], 3) for T in tokens}
     report["generation_one_image"] = interleaved_generation(engines, ("ar", "exact"), max(1, args.repeats // 3))
     engines.clear()
     if args.trt:
-        engine_dir, seconds = export(workdir, "fused-fp16", src, args.model, dtype="fp16", attention="fused")
+        engine_dir, seconds = export(workdir, "inplace-fp16", src, args.model, dtype="fp16", attention="inplace")
         report["tensorrt_rtx"] = {"compute_capability": args.trt, "export_seconds": seconds,
                                   "graphs": trt_builds(engine_dir, args.trt)}
     print(json.dumps(report, indent=2, default=lambda v: v.item() if isinstance(v, np.generic) else str(v)))

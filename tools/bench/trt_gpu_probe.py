@@ -35,7 +35,7 @@ def _reference(q, k, v, cache_k, cache_v, write_index, mask):
 
 
 def run_step(trt, plan, feeds, alias_cache):
-    """Run the fused step plan once on device buffers; the presents bound to the caches'
+    """Run the in-place step plan once on device buffers; the presents bound to the caches'
     memory when alias_cache. Returns host copies of out, cache_k, cache_v and the presents."""
     import torch
 
@@ -70,7 +70,7 @@ def main(argv=None):
 
     import torch
 
-    from lantern.export import fused_forms as ff
+    from lantern.export import cache_forms as ff
 
     result = {"gpu": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
               "flavor": args.flavor}

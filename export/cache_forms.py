@@ -8,7 +8,7 @@ decides how a layer meets its cache and what the graph returns. No layer branche
                 attention over [past cache, new tokens] scored per part (layers.attend,
                 shared by the families), the new tokens' K/V returned stacked [L, B, H, T, hd]; the runtime
                 copies the entries it keeps into its cache.
-  InPlaceCache  the form TensorRT fuses ("fused"; contracts target_inplace / target_ids_inplace
+  InPlaceCache  the form TensorRT fuses ("inplace"; contracts target_inplace / target_ids_inplace
                 / drafter_inplace): each layer writes its T new K/V entries into a static cache
                 [B, H, S, hd] at per-row slots write_index[b] .. + T - 1 (ONNX TensorScatter,
                 opset 24 -> TensorRT IKVCacheUpdateLayer; the output aliases the input, in
@@ -19,7 +19,7 @@ decides how a layer meets its cache and what the graph returns. No layer branche
                 device-resident cache (GatherElements + TensorScatter), so a step moves no cache
                 across PCIe.
 
-tests/test_fused_forms.py checks each op against eager torch, a numpy reference and ONNX Runtime;
+tests/test_cache_forms.py checks each op against eager torch, a numpy reference and ONNX Runtime;
 tests/test_inplace_engines.py checks whole engines of both forms against each other.
 """
 import contextlib
@@ -77,7 +77,7 @@ class InPlaceCache:
     """Write the new K/V into the static caches at write_index, attend over the whole cache;
     the layer returns the updated caches, the graph returns them one output per layer."""
 
-    name = "fused"
+    name = "inplace"
 
     def split(self, cache_inputs):
         """(the caches of every layer, then write_index) -> (write_index, keys, values)."""
@@ -96,7 +96,7 @@ class InPlaceCache:
 
 PLAIN = PlainCache()  # the default of every layer and model
 IN_PLACE = InPlaceCache()
-ATTENTION_FORMS = ("plain", "fused")
+ATTENTION_FORMS = ("plain", "inplace")
 
 
 class AttentionStep(nn.Module):

@@ -1,4 +1,4 @@
-"""The fused graph forms (lantern.export.fused_forms): eager torch, ONNX Runtime and a numpy
+"""The cache forms of the graphs (lantern.export.cache_forms): eager torch, ONNX Runtime and a numpy
 reference agree; ONNX Runtime updates a bound cache in place; TensorRT-RTX builds them."""
 import numpy as np
 import onnx
@@ -6,7 +6,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from lantern.export import fused_forms as ff
+from lantern.export import cache_forms as ff
 from lantern.runtime.errors import LanternError
 
 B, H, HKV, T, P, HD = 2, 4, 2, 3, 12, 16  # grouped-query heads; TensorRT fuses head dims >= 16
@@ -54,7 +54,7 @@ def _reference(q, k, v, cache_k, cache_v, write_index, mask):
 
 @pytest.fixture(scope="module")
 def step_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fused")
+    root = tmp_path_factory.mktemp("cache-forms")
     return {dtype: ff.export(ff.AttentionStep(), _step_inputs(dtype), str(root / f"step_{dtype}.onnx"), STEP_INPUTS,
                              STEP_OUTPUTS, STEP_DIMS) for dtype in ("fp32", "fp16", "bf16")}
 
@@ -64,7 +64,7 @@ def _numpy(t):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-def test_eager_fused_form_matches_reference_and_plain_form(dtype):
+def test_eager_inplace_form_matches_reference_and_plain_form(dtype):
     inputs = _step_inputs(dtype)
     out, cache_k, cache_v = ff.AttentionStep()(*inputs)
     want_out, want_k, want_v = _reference(*(_numpy(t) for t in inputs))
@@ -92,7 +92,7 @@ def test_export_emits_the_single_fused_ops(step_files):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-def test_onnxruntime_runs_the_fused_forms(step_files, dtype):
+def test_onnxruntime_runs_the_cache_forms(step_files, dtype):
     inputs = [t.numpy() for t in _step_inputs(dtype)]
     session = ort.InferenceSession(step_files[dtype], providers=["CPUExecutionProvider"])
     out, cache_k, cache_v = session.run(None, dict(zip(STEP_INPUTS, inputs)))
@@ -185,7 +185,7 @@ def _step_profile():
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("cc", ["SM89", "SM120"])
-def test_tensorrt_rtx_builds_the_fused_forms(step_files, dtype, cc):
+def test_tensorrt_rtx_builds_the_cache_forms(step_files, dtype, cc):
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'lantern[tensorrt-rtx]')")
     from lantern.export.tensorrt_build import build_plan
 
