@@ -132,9 +132,9 @@ class Quantization:
     `check` verifies the graph against this record and applies the scheme's tolerance."""
 
     scheme: str = rule(one_of(QUANT_SCHEMES))  # int8 / int4: the bits of the body's weights
-    bits: int = rule()  # QUANT_SCHEMES[scheme]
+    bits: int  # QUANT_SCHEMES[scheme]
     block: int = rule(lambda v: v >= 16 and not v & (v - 1), "a power of two >= 16")
-    symmetric: bool = rule()  # no zero points
+    symmetric: bool  # no zero points
     accuracy_level: int = rule(lambda v: 0 <= v <= 4, "0..4")  # MatMulNBits' compute type: 4 = int8 activations per block, 0 = fp32
     head: str = rule(one_of(QUANT_HEADS))  # float / int8 / int4: the output head's weights
     head_nodes: tuple = rule(NAMES)  # names of the head's MatMuls in the float graph
@@ -217,7 +217,7 @@ class Image:
 class Neighbors:
     file: str = rule(file=True)
     k: int = rule(POSITIVE)  # neighbors per code
-    dtype: str = rule()
+    dtype: str
 
 
 @dataclass(frozen=True)
@@ -304,10 +304,10 @@ class TunedTree:
 
     images: int  # the batch size: the key of the entry in the file
     file: Optional[str] = rule(file=True)  # choices JSON, or None: AR, no drafting
-    name: str = rule()
+    name: str
     nodes: int = rule(POSITIVE)  # root included (the verification's T)
     depth: int = rule(AT_LEAST_0)
-    predicted: dict = rule()  # model predictions: tokens_per_step, step_ms, tokens_per_s (of a call), speedup_vs_ar
+    predicted: dict  # model predictions: tokens_per_step, step_ms, tokens_per_s (of a call), speedup_vs_ar
 
 
 def _read_tuned_settings(r, name):
