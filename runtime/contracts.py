@@ -12,7 +12,7 @@ follows, and the KV caches, step plans and backends feed and read graphs by them
 # Two forms of the target and drafter graphs, chosen at export (`lantern-export onnx --attention`):
 #   plain  (target, target_ids, drafter): caches in, the new tokens' K/V out; the runtime copies
 #          the entries it keeps into its cache (any cache length P).
-#   in place (target_inplace, target_ids_inplace, drafter_inplace, + commit): the forms TensorRT
+#   inplace (target_inplace, target_ids_inplace, drafter_inplace, + commit): the forms TensorRT
 #          fuses. S cache slots, fixed at export (Manifest.inplace_cache); the caches are in/out,
 #          one buffer: each layer writes the T new tokens' K/V at slots write_index[b] ..
 #          write_index[b] + T - 1 of row b (ONNX TensorScatter), and attention_mask [B, 1, T, S]
