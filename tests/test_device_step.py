@@ -1,0 +1,161 @@
+"""The device step (runtime/backends/torch_step.py) against the host step on the torch backend
+on the CPU: the same tokens, token for token, over modes, CFG, batch sizes and a forced-token
+(Lumina-mGPT) engine; batch invariance; and, through a backend that records every host
+crossing, a step that moves only a few integers per image and nothing that grows with the
+vocabulary, the cache or the tree."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lantern.export.onnx_export import open_torch_backend
+from lantern.runtime.errors import LanternError
+from lantern.runtime.generator import Engine
+from lantern.tools.run_cli import main as run_main
+
+torch.set_grad_enabled(False)
+
+
+@pytest.fixture(scope="module")
+def torch_c2i(c2i_engine):
+    return c2i_engine, open_torch_backend(c2i_engine, threads=2)
+
+
+def both(directory, backend, **kw):
+    host = Engine(directory, backend=backend, step="host").generate(greedy=True, **kw)
+    device = Engine(directory, backend=backend, step="device").generate(greedy=True, **kw)
+    assert (host.stats["step"], device.stats["step"]) == ("host", "device")
+    return host, device
+
+
+# each mode with CFG off and on, batch 1 and 3 among them (every pair costs two generations)
+CASES = [("ar", 4.0, 3, {}), ("exact", 1.0, 1, {}), ("exact", 4.0, 3, {"cfg_interval": 5}),
+         ("lantern", 4.0, 1, {"delta": 0.2, "k": 8}), ("lantern++", 1.0, 3, {"lam": 3.0, "k": 8}),
+         ("lantern++", 4.0, 3, {"lam": 3.0, "k": 8})]
+
+
+@pytest.mark.parametrize("mode, cfg, images, extra", CASES)
+def test_device_step_equals_host_step(torch_c2i, mode, cfg, images, extra):
+    directory, backend = torch_c2i
+    host, device = both(directory, backend, mode=mode, cfg_scale=cfg, classes=list(range(1, images + 1)), **extra)
+    np.testing.assert_array_equal(device.tokens, host.tokens)
+    for key in ("steps_per_image", "mean_accepted_length", "accepted_histogram"):
+        assert device.stats[key] == host.stats[key], key
+    if mode == "lantern++":  # relaxed acceptance really ran: drafts were accepted
+        assert device.stats["mean_accepted_drafts"] > 0
+    if images == 3 and cfg > 1 and mode == "lantern++":  # batch invariance: image 2 alone = in the batch
+        alone = Engine(directory, backend=backend, step="device").generate(
+            mode=mode, greedy=True, cfg_scale=cfg, classes=[2], **extra)
+        np.testing.assert_array_equal(alone.tokens[0], device.tokens[1])
+
+
+def test_forced_tokens_on_the_device(chameleon_engines):
+    directory = chameleon_engines["lumina_mgpt"]
+    backend = open_torch_backend(directory, threads=2)
+    host, device = both(directory, backend, mode="lantern++", lam=4.0, k=8, prompt=["a red cat", "a dog on a mat"],
+                        grid=(4, 4), cfg_scale=3.0)
+    np.testing.assert_array_equal(device.body, host.body)  # forced line breaks and end of image included
+    assert device.stats["mean_accepted_drafts"] > 0
+
+
+class Recording:
+    """The real backend, with every host crossing counted: arrays the loop hands to run()
+    (feeds copied to the device on a GPU), index arrays of gather/commit, numpy() and to_host()
+    reads, to_device() writes, synchronisations. `start`: where the last device step's steps begin in `events`."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.events = []  # (kind, bytes)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _host_bytes(self, *arrays):
+        return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
+
+    def run(self, call):
+        self.events.append(("to_device", self._host_bytes(*call.feeds.values())))
+        self.events.append(("launch", 0))
+        return self.inner.run(call)
+
+    def numpy(self, array):
+        out = self.inner.numpy(array)
+        self.events.append(("to_host", out.nbytes))
+        self.events.append(("sync", 0))
+        return out
+
+    def gather(self, src, rows, cols, out):
+        self.events.append(("to_device", self._host_bytes(np.asarray(rows), np.asarray(cols))))
+        return self.inner.gather(src, rows, cols, out)
+
+    def commit(self, cache, new, rows, src, dst):
+        self.events.append(("to_device", self._host_bytes(*(np.asarray(a) for a in (rows, src, dst)))))
+        return self.inner.commit(cache, new, rows, src, dst)
+
+    def copy(self, src, out):
+        self.events.append(("to_device", self._host_bytes(src)))
+        return self.inner.copy(src, out)
+
+    def to_device(self, array):
+        self.events.append(("to_device", np.asarray(array).nbytes))
+        return self.inner.to_device(array)
+
+    def to_host(self, tensor):
+        out = self.inner.to_host(tensor)
+        self.events.append(("to_host", out.nbytes))
+        self.events.append(("sync", 0))
+        return out
+
+    def synchronize(self):
+        self.events.append(("sync", 0))
+        return self.inner.synchronize()
+
+    def device_step(self, decoding):
+        step = self.inner.device_step(decoding)  # its setup uploads (once per generation) not counted
+        self.start = len(self.events)
+        return step
+
+
+
+def test_device_step_moves_a_few_integers_per_image(torch_c2i):
+    directory, inner = torch_c2i
+    backend = Recording(inner)
+    kw = dict(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, classes=[1, 2, 3])
+    engine = Engine(directory, backend=backend, step="device")
+    device = engine.generate(**kw)
+    events = backend.events[backend.start:]
+    depth, vocab = engine.tree.depth, engine.manifest.vocabulary.size
+    report = 3 * (depth + 3) * 8  # per image: accepted, depth + 1 tokens, invalid (int64)
+    # per step one read of the report and its one synchronisation; no launches from the host,
+    # nothing written up, nothing that grows with the vocabulary, the cache or the tree
+    assert {kind for kind, _ in events} == {"to_host", "sync"}
+    reads = [size for kind, size in events if kind == "to_host"]
+    assert reads == [report] * len(reads) and len(reads) == len(events) // 2 >= device.stats["steps_per_image"]
+
+    start = len(backend.events)
+    host = Engine(directory, backend=backend, step="host").generate(**kw)
+    events = backend.events[start:]
+    logits = 6 * engine.tree.num_nodes * vocab * 4  # [rows, nodes, vocabulary] float32, read back every step
+    assert max(size for kind, size in events if kind == "to_host") >= logits
+    assert sum(kind == "sync" for kind, _ in events) >= (depth + 2) * host.stats["steps_per_image"]
+    np.testing.assert_array_equal(device.tokens, host.tokens)
+
+
+def test_step_choice_and_refusals(torch_c2i, c2i_engine, tmp_path, capsys):
+    directory, backend = torch_c2i
+    assert Engine(directory, backend=backend).step == "host"  # torch on the CPU: the measured default
+    with pytest.raises(LanternError, match="unknown step path 'gpu'"):
+        Engine(directory, backend=backend, step="gpu")
+    with pytest.raises(LanternError, match="onnxruntime backend has no device step"):
+        Engine(c2i_engine, step="device")
+    with pytest.raises(LanternError, match="greedy decoding only"):
+        Engine(directory, backend=backend, step="device").generate(mode="exact", classes=[1])
+    out = tmp_path / "run"
+    assert run_main(["generate", str(directory), "--backend", "torch", "--step", "device", "--mode", "exact",
+                     "--greedy", "--classes", "1,2", "--cfg-scale", "4", "--threads", "2", "--out", str(out)]) == 0
+    assert "device step" in capsys.readouterr().out
+    assert json.loads((out / "stats.json").read_text())["step"] == "device"
+    host = Engine(directory, backend=backend, step="host").generate(mode="exact", greedy=True, cfg_scale=4.0,
+                                                                     classes=[1, 2])
+    np.testing.assert_array_equal(np.load(out / "tokens.npy"), host.tokens)
