@@ -511,6 +511,7 @@ class _Decoding:
         seconds = time.perf_counter() - start
         stats = self.stats(steps, seconds)
         stats["engine_calls_per_step"] = (self.engine_calls - prefill_calls) / max(step, 1)
+        stats["steps"] = step  # loop iterations (the batch runs until its last image is done)
         return Generation(tokens=self.view.codes_of(self.tokens), stats=stats, grid=self.plan.prefix.grid,
                           body=self.tokens)
 

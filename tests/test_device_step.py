@@ -12,6 +12,7 @@ import torch
 from lantern.export.onnx_export import open_torch_backend
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
+from lantern.tools.bench.device_step import RecordingBackend
 from lantern.tools.run_cli import main as run_main
 
 torch.set_grad_enabled(False)
@@ -59,68 +60,9 @@ def test_forced_tokens_on_the_device(chameleon_engines):
     assert device.stats["mean_accepted_drafts"] > 0
 
 
-class Recording:
-    """The real backend, with every host crossing counted: arrays the loop hands to run()
-    (feeds copied to the device on a GPU), index arrays of gather/commit, numpy() and to_host()
-    reads, to_device() writes, synchronisations. `start`: where the last device step's steps begin in `events`."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.events = []  # (kind, bytes)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def _host_bytes(self, *arrays):
-        return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
-
-    def run(self, call):
-        self.events.append(("to_device", self._host_bytes(*call.feeds.values())))
-        self.events.append(("launch", 0))
-        return self.inner.run(call)
-
-    def numpy(self, array):
-        out = self.inner.numpy(array)
-        self.events.append(("to_host", out.nbytes))
-        self.events.append(("sync", 0))
-        return out
-
-    def gather(self, src, rows, cols, out):
-        self.events.append(("to_device", self._host_bytes(np.asarray(rows), np.asarray(cols))))
-        return self.inner.gather(src, rows, cols, out)
-
-    def commit(self, cache, new, rows, src, dst):
-        self.events.append(("to_device", self._host_bytes(*(np.asarray(a) for a in (rows, src, dst)))))
-        return self.inner.commit(cache, new, rows, src, dst)
-
-    def copy(self, src, out):
-        self.events.append(("to_device", self._host_bytes(src)))
-        return self.inner.copy(src, out)
-
-    def to_device(self, array):
-        self.events.append(("to_device", np.asarray(array).nbytes))
-        return self.inner.to_device(array)
-
-    def to_host(self, tensor):
-        out = self.inner.to_host(tensor)
-        self.events.append(("to_host", out.nbytes))
-        self.events.append(("sync", 0))
-        return out
-
-    def synchronize(self):
-        self.events.append(("sync", 0))
-        return self.inner.synchronize()
-
-    def device_step(self, decoding):
-        step = self.inner.device_step(decoding)  # its setup uploads (once per generation) not counted
-        self.start = len(self.events)
-        return step
-
-
-
 def test_device_step_moves_a_few_integers_per_image(torch_c2i):
     directory, inner = torch_c2i
-    backend = Recording(inner)
+    backend = RecordingBackend(inner)
     kw = dict(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, classes=[1, 2, 3])
     engine = Engine(directory, backend=backend, step="device")
     device = engine.generate(**kw)
