@@ -65,6 +65,7 @@ class TorchBackend:
         self.acceptance = acceptance
         self.default_step = "device" if self.device.type == "cuda" and acceptance is not None else "host"
         self._pinned = {}  # (shape, dtype) -> pinned host buffer for to_host on CUDA
+        self._steps = {}  # id(plan) -> its TorchDeviceStep (tensors and CUDA graph), reused by its generations
 
     def _tensor(self, x, is_float):
         if not isinstance(x, self.torch.Tensor):
@@ -121,6 +122,7 @@ class TorchBackend:
     def release(self, plan):
         for call in plan.calls.values():
             self._bound.pop(id(call), None)
+        self._steps.pop(id(plan), None)
 
     def run(self, call):
         bound = self._bound.get(id(call))
@@ -189,7 +191,13 @@ class TorchBackend:
         decoding.backend (this backend, or a wrapper that records them)."""
         from lantern.runtime.backends.torch_step import TorchDeviceStep
 
-        return TorchDeviceStep(decoding.backend, decoding, self.acceptance)
+        step = self._steps.get(id(decoding.plan))
+        if step is not None and step.plan is decoding.plan and step.key == TorchDeviceStep.key_of(decoding) \
+                and step.backend is decoding.backend:
+            step.load(decoding)  # the same tensors (and CUDA graph), refilled
+            return step
+        step = self._steps[id(decoding.plan)] = TorchDeviceStep(decoding.backend, decoding, self.acceptance)
+        return step
 
     def to_device(self, array):
         """A device tensor holding a copy of a host array."""

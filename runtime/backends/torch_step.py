@@ -11,7 +11,9 @@ handed in by whoever opened the backend: the runtime never imports lantern.expor
 
 Every shape is a function of the plan, and nothing in a step reads a device value on the host,
 so on CUDA the whole step is captured as one CUDA graph per plan and replayed (after one eager
-step that warms the kernels up). On the CPU, and where capture fails (one warning line), the
+step that warms the kernels up); the backend keeps a plan's step for its next generations, which
+refill the same tensors (load), so the graph is captured once per plan, not per generation.
+Python values the graph bakes in are constants of the plan (or of `key_of`). On the CPU, and where capture fails (one warning line), the
 same function runs eagerly. Finished images keep running in their batch rows (static shapes);
 their commits are made harmless instead of skipped: entries they would keep land on slots that
 no one sees, and their token counts stop.
@@ -39,59 +41,32 @@ def refusal(plan, sampler):
 
 
 class TorchDeviceStep:
-    """One generation's step on the device. decoding: the generator's _Decoding after prefill
-    (its plan's feeds and caches hold the state the first step starts from); backend: the one
-    it runs on (decoding.backend: every host crossing goes through its to_device / to_host)."""
+    """The device step of one plan: its tensors and, on CUDA, its captured graph, kept by the
+    backend for the plan's next generations (load() refills the same tensors, so the graph
+    stays valid). decoding: the generator's _Decoding after prefill (its plan's feeds and caches
+    hold the state the first step starts from); backend: the one it runs on (decoding.backend:
+    every host crossing goes through its to_device / to_host)."""
 
     def __init__(self, backend, decoding, acceptance_module):
         torch = self.torch = backend.torch
         self.backend = b = backend
         d, plan = decoding, decoding.plan
         tree = self.tree = plan.tree
+        self.plan = plan
         self.N, self.B, self.length = d.N, d.B, d.length
         self.depth = tree.depth
+        self.key = self.key_of(decoding)
         dev = b.device
-
-        def up(x, dtype=None):
-            return b.to_device(np.ascontiguousarray(x) if dtype is None else np.asarray(x, dtype=dtype))
-
-        # the loop's state (mirrors of what _Decoding keeps on the host)
-        self.count = up(d.count, np.int64)
-        self.root = up(d.tokens[np.arange(d.N), d.count - 1], np.int64)
-        self.pending = up(d.pending, np.int64)
-        self.node_tokens = torch.zeros((d.N, tree.num_nodes), dtype=torch.int64, device=dev)
+        up = self._up
         # constants of the plan
-        self.image_of_row = up(d.image_of_row, np.int64)
         self.batch_rows = torch.arange(d.B, device=dev)
-        self.offset = up(d.offset, np.int64)
         self.max_position = d.max_position
         self.depths = up(tree.depths, np.int64)
         view = d.view
-        self.codes, self.start = view.codes, view.start
-        vocab = int(plan.calls["verify"].output_shapes["logits"][-1])
-        self.column_of_id = up(view.columns(np.arange(vocab)), np.int64)
-        self.extra = up(view.extra if len(view.extra) else np.zeros(1), np.int64)
-        self.plain_view = view.plain
-        self.forced_column = up(view.forced_column, np.int64)
-        # caches: K/V already live on the device; what each row sees and how much it holds
-        self.target = self._cache(plan.target_cache, up)
-        self.drafter = self._cache(plan.drafter_cache, up) if tree.depth else None
-        # each call's feeds as device tensors (float ones are the plan's device buffers already)
-        self.feeds = {}
-        cfg_pair = up(plan.settings["cfg_pair"]) if tree.depth else None
-        for regime in ["verify"] + [f"draft{i}" for i in range(tree.depth)]:
-            call = plan.calls[regime]
-            feeds = {}
-            for name, buf in call.feeds.items():
-                if isinstance(buf, torch.Tensor):
-                    feeds[name] = buf
-                elif name == "cfg_pair":
-                    feeds[name] = cfg_pair
-                else:
-                    feeds[name] = up(buf)
-            self.feeds[regime] = feeds
+        self.codes, self.start, self.plain_view = view.codes, view.start, view.plain
+        self.vocab = int(plan.calls["verify"].output_shapes["logits"][-1])
+        self.node_tokens = torch.zeros((d.N, tree.num_nodes), dtype=torch.int64, device=dev)
         if tree.depth:
-            self.cfg_pair, self.cfg_partners = cfg_pair, up(plan.cfg_partners)
             W = tree.depth + 1
             self.pair_index = torch.arange(W, device=dev)
             self.pair_block = torch.tril(torch.ones((W, W), dtype=torch.bool, device=dev))
@@ -103,32 +78,92 @@ class TorchDeviceStep:
             self.widths = [lv.width for lv in tree.levels]
             self.candidates = torch.zeros((d.N, tree.num_nodes, d.engine.manifest.candidates), dtype=torch.int64,
                                           device=dev)
-        self.cfg_interval = d.cfg_interval if d.cfg else -1
-        # acceptance: the exported module over this token space, its inputs as device tensors
+        self.cfg_interval_on = d.cfg and d.cfg_interval >= 0
+        # acceptance: the exported module over this token space
         self.accept_module = acceptance_module(tree, np.concatenate([view.start + np.arange(view.codes),
                                                                      view.extra]), view.codes).to(dev).eval()
-        rule = d.rule
-        neighbors = d.neighbors if d.neighbors is not None else np.zeros((view.size, 1), dtype=np.int64)
-        cond_rows = np.arange(d.N)
-        self.accept_feeds = dict(
-            cond_rows=up(cond_rows, np.int64), uncond_rows=up(cond_rows + d.N if d.cfg else cond_rows, np.int64),
-            cfg_scale=up([d.cfg_scale if d.cfg else 1.0], np.float32), cfg_interval=up([self.cfg_interval], np.int64),
-            forced_columns=self.forced_column, neighbors=up(neighbors, np.int64), k=up([rule.k], np.int64),
-            lam=up([getattr(rule, "lam", 1.0)], np.float32), delta=up([getattr(rule, "delta", 0.0)], np.float32))
         # the report: per image accepted, emitted tokens [depth + 1], invalid; decisions after it
         self.report = torch.zeros((d.N, tree.depth + 3 + tree.num_nodes), dtype=torch.int64, device=dev)
         self.graph = None
         self.eager_steps = 0
         self.capture = b.device.type == "cuda" and getattr(b, "cuda_graphs", False)
+        self.state = {}  # name -> the device tensor the step reads (refilled in place by load)
+        self.load(decoding)
+
+    @staticmethod
+    def key_of(decoding):
+        """What fixes the step's structure beyond its plan: a generation with another key needs
+        a step of its own (and its own graph)."""
+        view = decoding.view
+        return (decoding.cfg and decoding.cfg_interval >= 0, tuple(view.extra.tolist()),
+                None if decoding.neighbors is None else decoding.neighbors.shape)
+
+    def _up(self, x, dtype=None):
+        return self.backend.to_device(np.ascontiguousarray(x) if dtype is None else np.asarray(x, dtype=dtype))
+
+    def _keep(self, name, value, dtype=None):
+        """The state tensor `name` holding `value` (host): the tensor already there, refilled, so
+        a captured graph reads the new values; else a new one."""
+        new = self._up(value, dtype)
+        old = self.state.get(name)
+        if old is None:
+            self.state[name] = new
+            return new
+        old.copy_(new)
+        return old
+
+    def load(self, decoding):
+        """A generation's starting state (after its prefill) into the step's tensors."""
+        torch, d, plan = self.torch, decoding, decoding.plan
+        keep = self._keep
+        # the loop's state (mirrors of what _Decoding keeps on the host)
+        self.count = keep("count", d.count, np.int64)
+        self.root = keep("root", d.tokens[np.arange(d.N), d.count - 1], np.int64)
+        self.pending = keep("pending", d.pending, np.int64)
+        self.image_of_row = keep("image_of_row", d.image_of_row, np.int64)
+        self.offset = keep("offset", d.offset, np.int64)
+        view = d.view
+        self.column_of_id = keep("column_of_id", view.columns(np.arange(self.vocab)), np.int64)
+        self.extra = keep("extra", view.extra if len(view.extra) else np.zeros(1), np.int64)
+        self.forced_column = keep("forced_column", view.forced_column, np.int64)
+        # caches: K/V live on the device already; what each row sees and how much it holds
+        self.target = self._cache("target", plan.target_cache)
+        self.drafter = self._cache("drafter", plan.drafter_cache) if self.depth else None
+        # each call's feeds as device tensors (float ones are the plan's device buffers already)
+        self.feeds = {}
+        cfg_pair = keep("cfg_pair", plan.settings["cfg_pair"]) if self.depth else None
+        for regime in ["verify"] + [f"draft{i}" for i in range(self.depth)]:
+            feeds = {}
+            for name, buf in plan.calls[regime].feeds.items():
+                if isinstance(buf, torch.Tensor):
+                    feeds[name] = buf
+                elif name == "cfg_pair":
+                    feeds[name] = cfg_pair
+                else:
+                    feeds[name] = keep(f"{regime}/{name}", buf)
+            self.feeds[regime] = feeds
+        if self.depth:
+            self.cfg_pair, self.cfg_partners = cfg_pair, keep("cfg_partners", plan.cfg_partners)
+        rule = d.rule
+        neighbors = d.neighbors if d.neighbors is not None else np.zeros((view.size, 1), dtype=np.int64)
+        cond_rows = np.arange(d.N)
+        self.accept_feeds = dict(
+            cond_rows=keep("cond_rows", cond_rows, np.int64),
+            uncond_rows=keep("uncond_rows", cond_rows + d.N if d.cfg else cond_rows, np.int64),
+            cfg_scale=keep("cfg_scale", [d.cfg_scale if d.cfg else 1.0], np.float32),
+            cfg_interval=keep("cfg_interval", [d.cfg_interval if d.cfg else -1], np.int64), forced_columns=self.forced_column,
+            neighbors=keep("neighbors", neighbors, np.int64), k=keep("k", [rule.k], np.int64),
+            lam=keep("lam", [getattr(rule, "lam", 1.0)], np.float32),
+            delta=keep("delta", [getattr(rule, "delta", 0.0)], np.float32))
+
+    def _cache(self, name, cache):
+        return dict(keys=cache.keys, values=cache.values, visible=self._keep(f"{name}/visible", cache.visible),
+                    length=self._keep(f"{name}/length", cache.length, np.int64), capacity=cache.capacity)
 
     @property
     def report_width(self):
         """Integers per image a step reads back (decisions only when an observer wants them)."""
         return self.depth + 3
-
-    def _cache(self, cache, up):
-        return dict(keys=cache.keys, values=cache.values, visible=up(cache.visible), length=up(cache.length),
-                    capacity=cache.capacity)
 
     # -- the host side: one call per step ------------------------------------------------------
     def step(self, decisions=False):
@@ -220,8 +255,8 @@ class TorchDeviceStep:
         torch = self.torch
         N, B, iob = self.N, self.B, self.image_of_row
         cache = self.drafter
-        if self.cfg_interval >= 0:  # past the interval an image's rows are their own CFG partners
-            late = (self.count >= self.cfg_interval)[iob]
+        if self.cfg_interval_on:  # past the interval an image's rows are their own CFG partners
+            late = (self.count >= self.accept_feeds["cfg_interval"])[iob]  # a tensor: the graph reads its value
             self.cfg_pair.copy_(torch.where(late, self.batch_rows, self.cfg_partners))
         self._mask_cache("draft0", cache)
         out = self._run("draft0", "drafter")
