@@ -9,6 +9,8 @@ engines/NAME/
   vq_decoder.onnx   code grid -> RGB in [-1, 1] (optional)
   neighbors.npy     latent neighbors [codes, k] of every code, nearest first (optional)
   *.onnx.data       external weights of a graph
+  accept/*.onnx     acceptance graphs per draft tree (`Manifest.acceptance`; optional: a tree
+                    without them runs acceptance on the host)
   plans/KEY/*.plan  TensorRT plans built from the graphs by `lantern-export trt` (optional;
                     KEY = flavor and compute capabilities, e.g. tensorrt-rtx-SM89)
 
@@ -38,7 +40,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lantern.runtime.contracts import GRAPHS, IN_PLACE_CONTRACTS, graph_io
+from lantern.runtime.contracts import ACCEPT_CONTRACTS, GRAPHS, IN_PLACE_CONTRACTS, graph_io
 from lantern.runtime.errors import LanternError
 from lantern.runtime.integrity import sha256_file
 from lantern.runtime.settings import MODES, RELAXED, GenerationSettings
@@ -255,6 +257,19 @@ class TunedSettings:
 
 
 @dataclass(frozen=True)
+class AcceptanceGraphs:
+    """The acceptance graphs of one draft tree (lantern.export.accept_graphs; contracts
+    accept_greedy / accept_sampling). They work in the token space of the image codes followed
+    by `forced_ids` (the ids the prompt style forces, ascending; none for LlamaGen and Anole),
+    which must equal the generation's VocabularyView.extra for the graphs to serve it."""
+
+    tree: dict  # {"name", "paths"}, as Manifest.tree
+    forced_ids: tuple  # vocabulary ids after the codes in the graphs' token space
+    greedy: Graph
+    sampling: Optional[Graph] = None
+
+
+@dataclass(frozen=True)
 class Manifest:
     family: str
     model: dict  # the family's own config and parameter count, for people and for re-export
@@ -280,7 +295,24 @@ class Manifest:
     tensorrt: Optional[dict] = None  # plans directory key ("tensorrt-rtx-SM89") -> TensorRTPlans
     tuned_trees: dict = field(default_factory=dict)  # settings key -> TunedSettings (lantern-run tune)
     static_cache: Optional[StaticCache] = None  # in-place engines only (target contract *_inplace)
+    acceptance: dict = field(default_factory=dict)  # tree name -> AcceptanceGraphs (`lantern-export accept`)
     schema: int = SCHEMA_VERSION
+
+    def acceptance_for(self, tree):
+        """The AcceptanceGraphs of a runtime Tree (matched by its paths, whatever its name), or None."""
+        for entry in self.acceptance.values():
+            if [list(p) for p in tree.paths[1:]] == entry.tree["paths"]:
+                return entry
+        return None
+
+    def all_graphs(self):
+        """{label: Graph} of the engine graphs and the acceptance graphs ("accept_greedy@TREE")."""
+        out = dict(self.graphs)
+        for name, entry in self.acceptance.items():
+            for kind in ("greedy", "sampling"):
+                if getattr(entry, kind) is not None:
+                    out[f"accept_{kind}@{name}"] = getattr(entry, kind)
+        return out
 
     @property
     def attention(self):
@@ -509,6 +541,7 @@ def _parse(data, where):
         vq=r.get("vq", dict, optional=True), sources=r.get("sources", dict), tools=r.get("tools", dict),
         build=r.get("build", dict), tuned_trees=_tuned_trees(r.get("tuned_trees", dict, optional=True), where),
         static_cache=static_cache, schema=SCHEMA_VERSION)
+    m = m.replace(acceptance=_acceptance(r.get("acceptance", dict, optional=True), where, m))
     r.done(_fields(Manifest))
     _check_consistency(m, r)
     plans = r.get("tensorrt", dict, optional=True)
@@ -625,6 +658,57 @@ def _tuned_trees(data, where):
     return out
 
 
+def _acceptance(data, where, m):
+    """Manifest.acceptance: per tree, graphs of the acceptance contracts whose fixed dims fit the
+    tree, the vocabulary and the token space, listed in `files`."""
+    if not data:
+        return {}
+    from lantern.runtime.tree import build_tree
+
+    fix = "add them again with `lantern-export accept ENGINE --force`"
+    r = _Reader(data, f"{where}: acceptance", fix)
+    codes = m.vocabulary.codes
+    out = {}
+    for name in r.data:
+        e = r.obj(name)
+        tree_data = e.get("tree", dict)
+        try:
+            tree = build_tree(tree_data)
+        except LanternError as err:
+            e.fail("tree", f"is not a draft tree ({err})")
+        if tree.name != name or tree.depth == 0:
+            e.fail("tree", f"is named {tree.name!r} with depth {tree.depth}; the entry is keyed {name!r} and needs drafts")
+        forced = e.get("forced_ids", list, check=lambda v: all(isinstance(i, int) and not isinstance(i, bool) and
+                                                               0 <= i < m.vocabulary.size for i in v)
+                       and v == sorted(set(v)), why="ascending distinct vocabulary ids")
+        if any(m.vocabulary.image_start <= i < m.vocabulary.image_end for i in forced):
+            e.fail("forced_ids", "holds an image token id")
+        kinds = {}
+        for kind in ("greedy", "sampling"):
+            g = e.obj(kind, optional=kind == "sampling")
+            if g is None:
+                kinds[kind] = None
+                continue
+            graph = _graph(g, f"accept_{kind}")
+            if graph.contract != f"accept_{kind}" or graph.dtype != "fp32" or graph.external_data is not None:
+                g.fail("contract", f"is {graph.contract!r} ({graph.dtype}); expected 'accept_{kind}', fp32, no weights file")
+            want = {"M": tree.num_nodes, "V": m.vocabulary.size, "W": codes + len(forced), "depth+1": tree.depth + 1}
+            if kind == "sampling":
+                want["K"] = m.candidates
+            dims = {"M": graph.inputs["tokens"].shape[1], "V": graph.inputs["logits"].shape[2],
+                    "W": graph.inputs["neighbors"].shape[0], "depth+1": graph.outputs["path"].shape[1]}
+            if kind == "sampling":
+                dims["K"] = graph.inputs["draft_ids"].shape[2]
+            if dims != want:
+                g.fail("inputs", f"have dims {dims}; tree {name!r} and the engine make {want}")
+            if graph.file not in m.files:
+                g.fail("file", f"names {graph.file}, which `files` does not list")
+            kinds[kind] = graph
+        e.done(_fields(AcceptanceGraphs))
+        out[name] = AcceptanceGraphs(tree=tree_data, forced_ids=tuple(forced), **kinds)
+    return out
+
+
 def _check_consistency(m, r):
     """What the modes promise must be there: a drafter, a tree and candidates for speculative
     modes, a neighbor table for relaxed ones; every graph's file listed."""
@@ -644,6 +728,8 @@ def _check_consistency(m, r):
     if m.graphs["target"].layers != m.target.layers:
         r.fail("target.layers", f"({m.target.layers}) differs from the target graph's cache inputs")
     for name, g in m.graphs.items():
+        if g.contract in ACCEPT_CONTRACTS:
+            r.fail(f"graphs.{name}.contract", f"is {g.contract!r}; acceptance graphs are recorded per tree in `acceptance`")
         if g.file not in m.files:
             r.fail(f"graphs.{name}.file", f"names {g.file}, which `files` does not list")
         if g.external_data is not None and g.external_data not in m.files:
@@ -746,7 +832,7 @@ def _check_external_data(directory, manifest):
     confined and hashed): ONNX Runtime and TensorRT open whatever path a graph gives."""
     from lantern.runtime.enginedir import onnx_external_files
 
-    for name, g in manifest.graphs.items():
+    for name, g in manifest.all_graphs().items():
         base = os.path.dirname(g.file)
         for location in sorted(onnx_external_files(directory, g.file)):
             listed = os.path.normpath(os.path.join(base, location)).replace(os.sep, "/")
