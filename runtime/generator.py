@@ -17,10 +17,12 @@ One step (DESIGN.md "One decoding step"); `ar` is the same loop over the root-on
 Every call's shapes and buffers come from a StepPlan made once per (tree, prefix).
 
 Where the step runs (Engine(step=...)): "host" is the loop above, with acceptance in numpy over
-logits read back to the host; "device" hands the whole step to the backend
-(backend.device_step: the torch backend's runs draft -> verify -> accept -> commit on its device
-and reads back a few integers per image). None takes the backend's default_step (host where a
-backend has no device step). The same loop drives both; stats["step"] says which ran.
+logits read back to the host; "device" hands the step to the backend (backend.device_step): the
+torch backend's runs the whole step, draft -> verify -> accept -> commit, on its device and reads
+back a few integers per image; ONNX Runtime's runs acceptance only, the engine's acceptance graph
+(`lantern-export accept`) fed the verification logits where the target left them, and the host
+does the rest. None takes the backend's default_step (host where a backend has none). The same
+loop drives every path; stats["step"] says which ran.
 """
 import os
 import threading
@@ -462,16 +464,20 @@ class _Decoding:
         return emit
 
     # -- the loop ------------------------------------------------------------------------------
-    def host_step(self, active):
+    def host_step(self, active, acceptor=None):
         """One step on the host: draft, verify, accept, commit; returns the Outcome of the
-        active images."""
+        active images. acceptor: a backend's acceptance where the logits are (a device step
+        that is not whole: ONNX Runtime's acceptance graph), else numpy's."""
         t0 = time.perf_counter()
         draws = self.streams.step()
         self.draft(active, draws.race)
         t1 = time.perf_counter()
         out = self.verify()
         t2 = time.perf_counter()
-        outcome = self.accept(active, out, draws.accept)
+        if acceptor is None:
+            outcome = self.accept(active, out, draws.accept)
+        else:
+            outcome = acceptor.accept(self, active)
         t3 = time.perf_counter()
         self.commit(active, outcome, out)
         t4 = time.perf_counter()
@@ -502,9 +508,10 @@ class _Decoding:
         steps = np.zeros(self.N, dtype=np.int64)
         step, prefill_calls = 0, self.engine_calls
         device = self.backend.device_step(self) if self.step_path == "device" else None
+        whole = device is not None and device.whole_step  # else the backend accepts, the host does the rest
         while (active := self.count < self.length).any():
             steps[active] += 1
-            outcome = self.host_step(active) if device is None else self.device_step(device, active)
+            outcome = self.device_step(device, active) if whole else self.host_step(active, device)
             if self.observer is not None:
                 self.observer(self.record(step, active, outcome))
             step += 1

@@ -47,6 +47,8 @@ class TorchDeviceStep:
     hold the state the first step starts from); backend: the one it runs on (decoding.backend:
     every host crossing goes through its to_device / to_host)."""
 
+    whole_step = True  # draft, verify, accept and commit: the generator only reads the report
+
     def __init__(self, backend, decoding, acceptance_module):
         torch = self.torch = backend.torch
         self.backend = b = backend
