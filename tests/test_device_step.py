@@ -1,8 +1,9 @@
-"""The device step (runtime/backends/torch_step.py) against the host step on the torch backend
-on the CPU: the same tokens, token for token, over modes, CFG, batch sizes and a forced-token
-(Lumina-mGPT) engine; batch invariance; and, through a backend that records every host
-crossing, a step that moves only a few integers per image and nothing that grows with the
-vocabulary, the cache or the tree."""
+"""The device step against the host step: the torch backend's whole step on the device
+(runtime/backends/torch_step.py) on the CPU, and ONNX Runtime's acceptance graph fed the
+verification logits in place. The same tokens, token for token, over modes, CFG, batch sizes and
+a forced-token (Lumina-mGPT) engine; batch invariance; and, through a backend that records every
+host crossing, a torch step that moves only a few integers per image and nothing that grows with
+the vocabulary, the cache or the tree, and an ONNX Runtime step whose logits never cross."""
 import json
 
 import numpy as np
@@ -102,8 +103,8 @@ def test_step_choice_and_refusals(torch_c2i, c2i_engine, tmp_path, capsys):
     assert Engine(directory, backend=backend).step == "host"  # torch on the CPU: the measured default
     with pytest.raises(LanternError, match="unknown step path 'gpu'"):
         Engine(directory, backend=backend, step="gpu")
-    with pytest.raises(LanternError, match="onnxruntime backend has no device step"):
-        Engine(c2i_engine, step="device")
+    with pytest.raises(LanternError, match="no acceptance graph for tree 'mc_sim_7b_63'.*lantern-export accept"):
+        Engine(c2i_engine, step="device").generate(mode="exact", greedy=True, classes=[1])
     with pytest.raises(LanternError, match="greedy decoding only"):
         Engine(directory, backend=backend, step="device").generate(mode="exact", classes=[1])
     out = tmp_path / "run"
@@ -114,3 +115,24 @@ def test_step_choice_and_refusals(torch_c2i, c2i_engine, tmp_path, capsys):
     host = Engine(directory, backend=backend, step="host").generate(mode="exact", greedy=True, cfg_scale=4.0,
                                                                      classes=[1, 2])
     np.testing.assert_array_equal(np.load(out / "tokens.npy"), host.tokens)
+
+
+@pytest.mark.parametrize("mode, cfg, images, extra", [("exact", 4.0, 3, {"cfg_interval": 5}),
+                                                      ("lantern++", 1.0, 1, {"lam": 3.0, "k": 8})])
+def test_onnxruntime_acceptance_graph_equals_host_and_keeps_the_logits(c2i_accept_engine, mode, cfg, images, extra):
+    from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from lantern.runtime.manifest import read_manifest
+
+    manifest = read_manifest(c2i_accept_engine)
+    backend = RecordingBackend(OnnxRuntimeBackend(c2i_accept_engine, manifest, threads=2))
+    kw = dict(mode=mode, greedy=True, cfg_scale=cfg, classes=list(range(1, images + 1)), **extra)
+    host = Engine(c2i_accept_engine, backend=backend, step="host").generate(**kw)
+    host_reads = max(size for kind, size in backend.events if kind == "to_host")
+    device_engine = Engine(c2i_accept_engine, backend=backend, step="device")
+    device = device_engine.generate(**kw)
+    assert (host.stats["step"], device.stats["step"]) == ("host", "device")
+    np.testing.assert_array_equal(device.tokens, host.tokens)
+    logits = (2 if cfg > 1 else 1) * images * 26 * manifest.vocabulary.size * 4
+    assert host_reads >= logits  # the host path reads the verification logits every step ...
+    reads = [size for kind, size in backend.events[backend.start:] if kind == "to_host"]
+    assert reads and max(reads) < logits  # ... the device path never (the drafts' top-K ids and probs only)
