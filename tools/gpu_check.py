@@ -41,6 +41,8 @@ import time
 
 import numpy as np
 
+from lantern.tools.bench.device_step import export_gpt
+
 
 class Skip(Exception):
     """A section that does not apply here; its message says why."""
@@ -203,26 +205,6 @@ def export_demo(root):
     out = os.path.join(root, "demo")
     export_engine(out, src["target"], target_options={"config_file": src["target_config"]}, drafter=src["drafter"],
                   vq=src["vq"], tree="mc_sim_7b_63")
-    return out
-
-
-def export_gpt(root, model, dtype):
-    """A random-weight LlamaGen engine of `model`'s shape (weights don't matter for timings)."""
-    import torch
-
-    from lantern.export import checkpoints, llamagen
-    from lantern.export.onnx_export import export_engine
-
-    args = llamagen.make_config(model)
-    src = os.path.join(root, "src")
-    os.makedirs(src, exist_ok=True)
-    checkpoints.save_llamagen_pt(llamagen.init_random(llamagen.Transformer(args)), os.path.join(src, "gpt.pt"))
-    drafter = llamagen.init_random(llamagen.Drafter(llamagen.DrafterArgs.for_target(args)), seed=1)
-    checkpoints.save_drafter(drafter, os.path.join(src, "drafter"), fmt="safetensors")
-    out = os.path.join(root, model)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    export_engine(out, os.path.join(src, "gpt.pt"), target_options={"name": model},
-                  drafter=os.path.join(src, "drafter"), tree="mc_sim_7b_63", dtype=dtype, candidates=64)
     return out
 
 

@@ -151,6 +151,26 @@ def device_acceptance(device, batches=(1, 8), repeats=10, cfg=4.0, tree_name="mc
     return results
 
 
+def export_gpt(root, model, dtype):
+    """A random-weight LlamaGen engine of `model`'s shape (weights don't matter for timings)."""
+    import torch
+
+    from lantern.export import checkpoints, llamagen
+    from lantern.export.onnx_export import export_engine
+
+    args = llamagen.make_config(model)
+    src = os.path.join(root, "src")
+    os.makedirs(src, exist_ok=True)
+    checkpoints.save_llamagen_pt(llamagen.init_random(llamagen.Transformer(args)), os.path.join(src, "gpt.pt"))
+    drafter = llamagen.init_random(llamagen.Drafter(llamagen.DrafterArgs.for_target(args)), seed=1)
+    checkpoints.save_drafter(drafter, os.path.join(src, "drafter"), fmt="safetensors")
+    out = os.path.join(root, model)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    export_engine(out, os.path.join(src, "gpt.pt"), target_options={"name": model},
+                  drafter=os.path.join(src, "drafter"), tree="mc_sim_7b_63", dtype=dtype, candidates=64)
+    return out
+
+
 OWN_BUFFERS = ("target_hidden", "cond_embeds")
 
 
@@ -340,8 +360,6 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = args.engine
         if engine_dir is None:
-            from lantern.tools.gpu_check import export_gpt
-
             from lantern.export.accept_graphs import add_acceptance_graphs
 
             engine_dir = export_gpt(tmp, args.gpt, "fp32")
