@@ -22,7 +22,9 @@ Where the host loop writes only the entries it keeps, the step writes fixed-widt
 points the unneeded ones at a kept entry (the same value written twice) or at an invisible slot,
 so no scatter ever has two different values for one place.
 
-Greedy, plain (not in-place) caches only; sampling waits for the sampling acceptance module."""
+Greedy, plain (not in-place) caches only. Sampling needs more than SamplingAcceptance (which
+lantern.export.accept_graphs has): the children's draw without replacement and the images'
+uniforms (lantern.runtime.streams.table) on the device."""
 import numpy as np
 
 from lantern.runtime.errors import LanternError
@@ -34,7 +36,8 @@ def refusal(plan, sampler):
     from lantern.runtime.sampling import Greedy
 
     if not isinstance(sampler, Greedy):
-        return "it runs greedy decoding only (the sampling acceptance module is not in yet)"
+        return ("it runs greedy decoding only (sampling there needs the children's draw and the images' random "
+                "streams on the device too: not yet)")
     if isinstance(plan.target_cache, InPlaceKVCache):
         return "it runs plain-cache engines only (this one updates its caches in place)"
     return None
