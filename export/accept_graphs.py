@@ -20,19 +20,63 @@ How it stays loop-free and portable (ONNX opset 18, TensorRT without float64):
 - a node is accepted when no node on its root path failed: a MatMul of the failures with the
   tree's constant ancestor mask; the deepest accepted node is the max of a unique score.
 """
+import contextlib
+import os
+
 import numpy as np
 import torch
 from torch import nn
+
 from lantern.export.onnx_export import _apply_contract, _quiet_exporter
+from lantern.runtime.contracts import GRAPHS, resolved_io
+from lantern.runtime.errors import LanternError
 
 # float64's rounding limits around 1: 1 + e rounds above 1 iff e > 2^-53 (2^-53 itself ties to
 # 1.0, the even neighbor), and rounds to 1.0 iff -2^-54 <= e <= 2^-53.
 _ABOVE_ONE = 2.0 ** -53
 _BELOW_ONE = -(2.0 ** -54)
 
-INPUTS = ("logits", "cond_rows", "uncond_rows", "cfg_scale", "cfg_interval", "count", "forced_columns", "tokens",
-          "neighbors", "k", "lam", "delta")
-OUTPUTS = ("accepted", "next_token", "path", "decisions", "invalid")
+
+def _register_tree(module, tree, columns, codes):
+    """The tree and the token space as buffers: constants of the exported graph."""
+    module.codes = int(codes)
+    module.depth = tree.depth
+    parents = np.maximum(tree.parents, 0)  # the root is its own parent; its decision is fixed
+    module.register_buffer("columns", torch.as_tensor(np.array(columns, dtype=np.int64)))
+    module.register_buffer("parents", torch.as_tensor(parents.astype(np.int64)))
+    module.register_buffer("depths", torch.as_tensor(np.array(tree.depths, dtype=np.int64)))
+    module.register_buffer("is_root", torch.arange(tree.num_nodes) == 0)
+    module.register_buffer("ancestors", torch.as_tensor(np.array(tree.mask, dtype=np.float32)))  # [i, j]: j on i's path
+    module.register_buffer("on_path", torch.as_tensor(np.array(tree.mask, dtype=bool)))
+
+
+def _combined(module, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns):
+    """The CFG combination and forced tokens, as the host loop's combined_logits: [N, M, S] in
+    the logits' dtype, -inf outside what may be emitted at each node's body index."""
+    column = torch.arange(module.columns.shape[0], device=logits.device)
+    view = logits.index_select(2, module.columns)
+    cond, uncond = view[cond_rows], view[uncond_rows]
+    body = count[:, None] + module.depths[None, :]  # [N, M]
+    plain = (cond_rows == uncond_rows)[:, None] | ((cfg_interval >= 0) & (body >= cfg_interval))
+    combined = torch.where(plain[..., None], cond, uncond + cfg_scale.to(logits.dtype) * (cond - uncond))
+    length = forced_columns.shape[0]
+    inside = (body >= 0) & (body < length)
+    forced = torch.where(inside, forced_columns[body.clamp(0, length - 1)], torch.full_like(body, -1))
+    is_forced = forced[..., None] >= 0  # (ONNX Runtime has no Where over bool values)
+    keep = (is_forced & (column == forced[..., None])) | (~is_forced & (column < module.codes))
+    return torch.where(keep, combined, torch.full_like(combined, float("-inf")))
+
+
+def _outcome(module, last, next_token, decisions, invalid):
+    """The outcome tensors from each image's last accepted node and the evaluated decisions."""
+    M = module.depths.shape[0]
+    node = torch.arange(M, device=last.device)
+    path_nodes = module.on_path[last]  # [N, M]
+    depth = torch.arange(module.depth + 1, device=last.device)
+    path = torch.where(path_nodes[:, None, :] & (module.depths[None, None, :] == depth[None, :, None]),
+                       node, torch.full_like(node, -1)).amax(dim=2)
+    decisions = torch.where(path_nodes, torch.ones_like(decisions), decisions)
+    return module.depths[last], next_token, path, decisions, invalid
 
 
 class GreedyAcceptance(nn.Module):
@@ -57,15 +101,7 @@ class GreedyAcceptance(nn.Module):
     def __init__(self, tree, columns, codes):
         """columns [S]: the vocabulary id of each column; codes: how many of them are image codes."""
         super().__init__()
-        self.codes = int(codes)
-        self.depth = tree.depth
-        parents = np.maximum(tree.parents, 0)  # the root is its own parent; its decision is fixed
-        self.register_buffer("columns", torch.as_tensor(np.array(columns, dtype=np.int64)))
-        self.register_buffer("parents", torch.as_tensor(parents.astype(np.int64)))
-        self.register_buffer("depths", torch.as_tensor(np.array(tree.depths, dtype=np.int64)))
-        self.register_buffer("is_root", torch.arange(tree.num_nodes) == 0)
-        self.register_buffer("ancestors", torch.as_tensor(np.array(tree.mask, dtype=np.float32)))  # [i, j]: j on i's path
-        self.register_buffer("on_path", torch.as_tensor(np.array(tree.mask, dtype=bool)))
+        _register_tree(self, tree, columns, codes)
 
     def forward(self, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns, tokens,
                 neighbors, k, lam, delta):
@@ -73,19 +109,7 @@ class GreedyAcceptance(nn.Module):
         S = self.columns.shape[0]
         column = torch.arange(S, device=logits.device)
         node = torch.arange(M, device=logits.device)
-
-        # CFG combination and forced tokens, as the host loop's combined_logits
-        view = logits.index_select(2, self.columns)
-        cond, uncond = view[cond_rows], view[uncond_rows]
-        body = count[:, None] + self.depths[None, :]  # [N, M]
-        plain = (cond_rows == uncond_rows)[:, None] | ((cfg_interval >= 0) & (body >= cfg_interval))
-        combined = torch.where(plain[..., None], cond, uncond + cfg_scale * (cond - uncond))
-        length = forced_columns.shape[0]
-        inside = (body >= 0) & (body < length)
-        forced = torch.where(inside, forced_columns[body.clamp(0, length - 1)], torch.full_like(body, -1))
-        is_forced = forced[..., None] >= 0  # (ONNX Runtime has no Where over bool values)
-        keep = (is_forced & (column == forced[..., None])) | (~is_forced & (column < self.codes))
-        l = torch.where(keep, combined, torch.full_like(combined, float("-inf")))
+        l = _combined(self, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns)
 
         # each node's target: the max and the argmax (ties to the lowest column)
         rowmax = l.amax(dim=2)  # [N, M]
@@ -113,55 +137,412 @@ class GreedyAcceptance(nn.Module):
         accepted = failed_on_path == 0
         score = torch.where(accepted, self.depths * (M + 1) + (M - node), torch.full_like(self.depths, -1))
         last = torch.where(score == score.amax(dim=1, keepdim=True), node, M).amin(dim=1)  # [N]
-        path_nodes = self.on_path[last]  # [N, M]
-        depth = torch.arange(self.depth + 1, device=logits.device)
-        path = torch.where(path_nodes[:, None, :] & (self.depths[None, None, :] == depth[None, :, None]),
-                           node, torch.full_like(node, -1)).amax(dim=2)
         evaluated = accepted[:, self.parents] | self.is_root
-        decisions = torch.where(path_nodes, 1, torch.where(evaluated, 0, -1)).to(torch.int64)
+        decisions = torch.where(evaluated, 0, -1).to(torch.int64)
         next_token = top.gather(1, last[:, None])[:, 0]
-        return self.depths[last], next_token, path, decisions, invalid
+        return _outcome(self, last, next_token, decisions, invalid)
+
+
+# The top-p threshold is found by bisection on the probability value: each halving keeps the
+# interval [lo, hi) that holds the smallest kept probability; 40 halvings of [0, 2) isolate
+# float32 values down to ~1e-12 of the row max (smaller probabilities weigh nothing).
+_TOP_P_HALVINGS = 40
+
+
+class SamplingAcceptance(nn.Module):
+    """Sampling acceptance over the static tree (lantern.runtime.accept.accept_sampling_batch:
+    multi-draft recursive rejection sampling with the relaxed p~ of LANTERN / LANTERN++), with the
+    CFG combination and forced tokens in front, as a graph. Inputs as GreedyAcceptance's plus
+        draft_ids [N, M, K] int64, draft_probs [N, M, K]   node i's drafter candidates (columns)
+                                      and probabilities (renormalised here; q(x) = 0: skipped)
+        uniforms [N, M]               the step's acceptance uniforms (uniforms[:, i] decides node
+                                      i, uniforms[:, 0] draws the final token)
+        temperature [1], top_k [1] int64 (0 = off), top_p [1] (1 = off)
+    and the same outputs. Works in the dtype of `logits` (float64 gives the specification's
+    decisions; float32, what TensorRT runs, the same up to rounding).
+
+    How (no loops, TensorRT-portable):
+    - every node's filtered target up front [N, M, S]: temperature, top-k as z >= the k-th value
+      of one TopK of min(3840, S) values (TensorRT's limit; ties with it kept), top-p as the
+      smallest kept probability found by bisection, ties at it kept in column order while the
+      mass above them stays below top_p (the spec's stable sort);
+    - the walk down the tree unrolled over the static tree's children: for each depth, for each
+      rank up to that depth's width, every image tries its current node's child of that rank
+      (one step per (depth, rank): 15 for mc_sim_7b_63);
+    - the residual after a rejection written with ScatterElements whose indices are unique per
+      row: the lent neighbors (the table's rows hold distinct ids), x itself, and the candidates
+      with q > 0 (the drafter's top-K ids are distinct); every other slot writes to a column of
+      its own past the token space, dropped after.
+    """
+
+    def __init__(self, tree, columns, codes):
+        super().__init__()
+        if not tree.contiguous:
+            raise LanternError(f"tree {tree.name!r} has a node whose children skip a rank; sampling needs ranks 0..w-1")
+        _register_tree(self, tree, columns, codes)
+        self.widths = tuple(tree.widths)
+        self.register_buffer("child_at", torch.as_tensor(np.array(tree.child_at, dtype=np.int64)))
+
+    def forward(self, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns, tokens,
+                draft_ids, draft_probs, uniforms, neighbors, k, lam, delta, temperature, top_k, top_p):
+        M = self.depths.shape[0]
+        S = self.columns.shape[0]
+        dt = logits.dtype
+        l = _combined(self, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns)
+        invalid = ~torch.isfinite(l.amax(dim=2)).all(dim=1)
+        target = self.filtered(l, temperature.to(dt), top_k, top_p.to(dt))  # [N, M, S]
+        N = target.shape[0]
+        K = draft_ids.shape[2]
+        Kn = neighbors.shape[1]
+        q_all = draft_probs.to(dt)
+        q_total = q_all.sum(dim=2, keepdim=True)
+        q_all = torch.where(q_total > 0, q_all / torch.where(q_total > 0, q_total, torch.ones_like(q_total)), q_all)
+        # a uniform that rounded up to 1 (float64 -> float32) is the largest value below 1
+        below_one = 1.0 - torch.finfo(dt).eps / 2
+        u_all = torch.clamp(uniforms.to(dt), max=below_one)
+        lam, delta = lam.to(dt), delta.to(dt)
+
+        node_index = torch.arange(M, device=logits.device)
+        cand = torch.arange(K, device=logits.device)
+        rank = torch.arange(Kn, device=logits.device)
+        in_k = rank < k  # [Kn]
+        trash_near = S + rank  # unique scatter targets past the token space
+        trash_cand = S + Kn + cand
+        node = torch.zeros(N, dtype=torch.int64, device=logits.device)
+        p = target[:, 0]
+        q = q_all[:, 0]
+        ids = draft_ids[:, 0]
+        going = torch.ones(N, dtype=torch.bool, device=logits.device)
+        decisions = torch.full((N, M), -1, dtype=torch.int64, device=logits.device)
+        for width in self.widths:
+            chosen = torch.full_like(node, -1)
+            for r in range(width):
+                child = self.child_at[:, r][node]  # [N], -1: no child of this rank
+                active = going & (chosen < 0) & (child >= 0)
+                c = child.clamp(min=0)
+                x = tokens.gather(1, c[:, None])[:, 0]
+                u = u_all.gather(1, c[:, None])[:, 0]
+                hit = ids == x[:, None]
+                col = torch.where(hit, cand, K).amin(dim=1)  # the first candidate that is x
+                qx = torch.where(col < K, q.gather(1, col.clamp(max=K - 1)[:, None])[:, 0], torch.zeros_like(u))
+                decisions = torch.where(active[:, None] & (node_index == c[:, None]), torch.zeros_like(decisions),
+                                        decisions)
+                live = active & (qx > 0)  # a draft outside q's support was not drawn from it: skipped
+                # p~(x): the largest prefix of x's first k neighbors whose mass fits the bound
+                px = p.gather(1, x[:, None])[:, 0]
+                near = neighbors[x]  # [N, Kn]
+                cum = torch.cumsum(torch.where(in_k, p.gather(1, near), torch.zeros_like(u)[:, None]), dim=1)
+                bound = delta + (lam - 1.0) * px
+                fits = in_k & (cum <= bound[:, None])
+                lent_mass = torch.where(fits, cum, torch.zeros_like(cum)).amax(dim=1)
+                pt = px + lent_mass
+                ok = live & (u * qx < pt)
+                chosen = torch.where(ok, child, chosen)
+                rejected = live & ~ok
+                # residual: normalise(max(p~_x - q, 0)), p~_x when that has no mass
+                lent = fits & (lent_mass > 0)[:, None]
+                wide = torch.cat([p, torch.zeros((N, Kn + K), dtype=dt, device=p.device)], dim=1)
+                wide = wide.scatter(1, torch.where(lent, near, trash_near), torch.zeros_like(cum))
+                wide = wide.scatter(1, x[:, None], pt[:, None])  # pt == px when nothing was lent
+                relaxed = wide
+                less = (wide.gather(1, ids) - q).clamp(min=0.0)
+                wide = wide.scatter(1, torch.where(q > 0, ids, trash_cand), less)
+                rest = wide[:, :S]
+                mass = rest.sum(dim=1, keepdim=True)
+                residual = torch.where(mass > 0, rest / torch.where(mass > 0, mass, torch.ones_like(mass)),
+                                       relaxed[:, :S])
+                p = torch.where(rejected[:, None], residual, p)
+                q_less = torch.where(cand == col[:, None], torch.zeros_like(q), q)
+                q_mass = q_less.sum(dim=1, keepdim=True)
+                q_less = torch.where(q_mass > 0, q_less / torch.where(q_mass > 0, q_mass, torch.ones_like(q_mass)),
+                                     q_less)
+                q = torch.where(rejected[:, None], q_less, q)
+            moved = going & (chosen >= 0)
+            going = moved
+            node = torch.where(moved, chosen, node)
+            p = torch.where(moved[:, None], target.gather(1, node[:, None, None].expand(N, 1, S))[:, 0], p)
+            q = torch.where(moved[:, None], q_all.gather(1, node[:, None, None].expand(N, 1, K))[:, 0], q)
+            ids = torch.where(moved[:, None], draft_ids.gather(1, node[:, None, None].expand(N, 1, K))[:, 0], ids)
+
+        # the next token: inverse CDF of the current (residual) p with uniforms[:, 0]
+        column = torch.arange(S, device=logits.device)
+        cdf = torch.cumsum(p, dim=1)
+        drawn = (cdf <= u_all[:, :1] * cdf[:, -1:]).sum(dim=1)
+        last_positive = torch.where(p > 0, column, torch.full_like(column, -1)).amax(dim=1)
+        next_token = torch.minimum(drawn, last_positive)
+        return _outcome(self, node, next_token, decisions, invalid)
+
+    def filtered(self, l, temperature, top_k, top_p):
+        """lantern.runtime.accept.filtered_probs of every node's combined logits [N, M, S]."""
+        from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT
+
+        S = l.shape[2]
+        z = l / temperature
+        cap = min(ACCEPT_TOP_K_LIMIT, S)
+        best = torch.topk(z, cap, dim=2).values  # sorted, largest first
+        kth = best.index_select(2, top_k.clamp(1, cap) - 1)  # [N, M, 1]
+        use_k = (top_k > 0) & (top_k < S)
+        z = torch.where(use_k & (z < kth), torch.full_like(z, float("-inf")), z)
+        p = torch.exp(z - z.amax(dim=2, keepdim=True))  # max 1; -inf -> 0
+        goal = top_p * p.sum(dim=2, keepdim=True)  # the nucleus' mass, unnormalised
+        lo = torch.zeros_like(goal)
+        hi = torch.full_like(goal, 2.0)  # invariant: mass(p >= lo) >= goal > mass(p >= hi)
+        for _ in range(_TOP_P_HALVINGS):
+            mid = (lo + hi) * 0.5
+            enough = torch.where(p >= mid, p, torch.zeros_like(p)).sum(dim=2, keepdim=True) >= goal
+            lo = torch.where(enough, mid, lo)
+            hi = torch.where(enough, hi, mid)
+        smallest = torch.where(p < hi, p, torch.zeros_like(p)).amax(dim=2, keepdim=True)  # the smallest kept value
+        above = torch.where(p > smallest, p, torch.zeros_like(p)).sum(dim=2, keepdim=True)
+        tie = p == smallest
+        before = above + (torch.cumsum(tie.to(p.dtype), dim=2) - 1.0) * smallest  # mass ahead in the stable order
+        keep = (p > smallest) | (tie & (before < goal)) | (top_p >= 1.0)
+        p = torch.where(keep, p, torch.zeros_like(p))
+        return p / p.sum(dim=2, keepdim=True)
+
+
+KINDS = {"greedy": GreedyAcceptance, "sampling": SamplingAcceptance}  # kind -> module; contract accept_<kind>
+_TRACE = {"B": 4, "N": 2, "F": 7, "Kn": 3}  # tracing sizes of the dynamic dims (distinct, > 1)
+
+
+def acceptance_io(kind, tree, width, vocab, candidates=None):
+    """The contract accept_<kind> resolved for a tree, a token space of `width` columns, the
+    vocabulary and (sampling) the drafter's candidates: {"inputs", "outputs"} of {"dtype", "shape"}."""
+    dims = {"M": tree.num_nodes, "V": vocab, "W": width, "depth+1": tree.depth + 1, "K": candidates}
+    return resolved_io(f"accept_{kind}", dims, "float32")
+
+
+def contract_inputs(kind):
+    return tuple(GRAPHS[f"accept_{kind}"]["inputs"])
+
+
+INPUTS = contract_inputs("greedy")
+OUTPUTS = tuple(GRAPHS["accept_greedy"]["outputs"])
 
 
 def acceptance_contract(tree, size):
-    """The graph's I/O (the engine directory's contract form): named dims are dynamic."""
-    f32, i64 = "float32", "int64"
-    M = tree.num_nodes
-    inputs = {"logits": (f32, ["R", M, "V"]), "cond_rows": (i64, ["N"]), "uncond_rows": (i64, ["N"]),
-              "cfg_scale": (f32, [1]), "cfg_interval": (i64, [1]), "count": (i64, ["N"]),
-              "forced_columns": (i64, ["L"]), "tokens": (i64, ["N", M]), "neighbors": (i64, [size, "Kn"]),
-              "k": (i64, [1]), "lam": (f32, [1]), "delta": (f32, [1])}
-    outputs = {"accepted": (i64, ["N"]), "next_token": (i64, ["N"]), "path": (i64, ["N", tree.depth + 1]),
-               "decisions": (i64, ["N", M]), "invalid": ("bool", ["N"])}
-    return {kind: {name: {"dtype": d, "shape": s} for name, (d, s) in spec.items()}
-            for kind, spec in (("inputs", inputs), ("outputs", outputs))}
+    """The greedy graph's I/O with the vocabulary left open (V): see acceptance_io."""
+    return acceptance_io("greedy", tree, size, "V")
 
 
-_TRACE = {"R": 4, "N": 2, "V": None, "L": 7, "Kn": 3}
+def export_acceptance(tree, columns, codes, vocab, path, opset=18, kind="greedy", candidates=None):
+    """Write the acceptance graph of `kind` for this tree and token space to `path` (ONNX);
+    returns its resolved I/O.
 
+    These graphs go through torch's TorchScript exporter, not dynamo as the model graphs do: they
+    hold no weights and no attention, so dynamo's reasons (dtypes kept through SDPA, weights
+    streamed to a data file) do not apply, and on this project's 2-core machines it took
+    166-465 s for the sampling graph (15 unrolled steps, ~2000 nodes) against ~10 s."""
+    import io
+    import warnings
 
-def export_acceptance(tree, columns, codes, vocab, path, opset=18):
-    """Write the greedy acceptance graph for this tree and token space to `path` (ONNX)."""
+    import onnx
 
-    module = GreedyAcceptance(tree, columns, codes).eval()
-    contract = acceptance_contract(tree, len(columns))
-    sizes = dict(_TRACE, V=vocab)
+    module = KINDS[kind](tree, columns, codes).eval()
+    io_spec = acceptance_io(kind, tree, len(columns), vocab, candidates)
     trace, dynamic = [], {}
-    for name, entry in contract["inputs"].items():
-        shape = [sizes[d] if isinstance(d, str) else d for d in entry["shape"]]
+    for name, entry in io_spec["inputs"].items():
+        shape = [_TRACE[d] if isinstance(d, str) else d for d in entry["shape"]]
         value = torch.zeros(shape, dtype=getattr(torch, entry["dtype"]))
         if name in ("cfg_interval", "forced_columns"):
             value -= 1
+        if name in ("temperature", "top_p", "cfg_scale", "lam"):
+            value += 1
         trace.append(value)
-        dims = {i: torch.export.Dim.DYNAMIC for i, d in enumerate(entry["shape"]) if isinstance(d, str) and d != "V"}
-        dynamic[name] = dims or None
-    with _quiet_exporter(), torch.no_grad():
-        program = torch.onnx.export(module, tuple(trace), None, input_names=list(contract["inputs"]),
-                                    output_names=list(contract["outputs"]), dynamic_shapes=dynamic,
-                                    opset_version=opset, dynamo=True, verbose=False)
-    for entry in contract["inputs"].values():  # V is fixed by the engine's vocabulary
-        entry["shape"] = [vocab if d == "V" else d for d in entry["shape"]]
-    _apply_contract(program.model, contract, path)
-    with _quiet_exporter():
-        program.save(path)
-    return contract
+        dims = {i: d for i, d in enumerate(entry["shape"]) if isinstance(d, str)}
+        if dims:
+            dynamic[name] = dims
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, tuple(trace), buffer, input_names=list(io_spec["inputs"]),
+                          output_names=list(io_spec["outputs"]), dynamic_axes=dynamic, opset_version=opset,
+                          dynamo=False)
+    model = onnx.load_from_string(buffer.getvalue())
+    _name_io(model, io_spec, path)
+    onnx.save(model, path)
+    return io_spec
+
+
+_ONNX_TYPES = {"float32": 1, "int64": 7, "bool": 9}
+
+
+def _name_io(model, io_spec, where):
+    """Check the graph's I/O names and dtypes against the contract and write its dims as the
+    contract names them."""
+    for kind, values in (("inputs", model.graph.input), ("outputs", model.graph.output)):
+        expected = io_spec[kind]
+        if [v.name for v in values] != list(expected):
+            raise RuntimeError(f"{where}: exported {kind} {[v.name for v in values]} differ from {list(expected)}")
+        for value in values:
+            entry = expected[value.name]
+            tensor = value.type.tensor_type
+            if tensor.elem_type != _ONNX_TYPES[entry["dtype"]]:
+                raise RuntimeError(f"{where}: {value.name} has type {tensor.elem_type}, the contract says {entry['dtype']}")
+            del tensor.shape.dim[:]
+            for d in entry["shape"]:
+                dim = tensor.shape.dim.add()
+                if isinstance(d, str):
+                    dim.dim_param = d
+                else:
+                    dim.dim_value = d
+
+
+# ---------------------------------------------------------------------------------------------
+# In the engine directory: accept/<tree>-<hash>.<kind>.onnx, recorded in Manifest.acceptance
+
+
+def engine_forced_ids(manifest_condition, image):
+    """The ids the engine's prompt style forces (ascending), which follow the codes in the
+    acceptance graphs' token space; none for class and caption engines."""
+    if manifest_condition.kind != "prompt":
+        return ()
+    from lantern.runtime.chameleon_prompts import forced_tokens
+
+    forced = forced_tokens(manifest_condition.style, (image.grid_height, image.grid_width))
+    return tuple(int(i) for i in np.unique(forced[forced >= 0]))
+
+
+def acceptance_file(tree, kind):
+    """The file of a tree's graph: its name made safe, plus a hash of its paths (names may repeat)."""
+    import hashlib
+    import json
+    import re
+
+    digest = hashlib.sha256(json.dumps(tree.choices).encode()).hexdigest()[:8]
+    return f"accept/{re.sub(r'[^A-Za-z0-9_.-]', '_', tree.name)[:64]}-{digest}.{kind}.onnx"
+
+
+def write_acceptance_graphs(directory, tree, vocabulary, condition, image, candidates, kinds=tuple(KINDS),
+                            opset=18):
+    """Export the acceptance graphs of `tree` into `directory` (a staging copy of the engine):
+    (AcceptanceGraphs, [files written])."""
+    from lantern.runtime import enginedir
+    from lantern.runtime.manifest import AcceptanceGraphs, Graph, TensorSpec
+
+    forced = engine_forced_ids(condition, image)
+    columns = np.concatenate([np.arange(vocabulary.image_start, vocabulary.image_end), np.array(forced, dtype=np.int64)])
+    enginedir.make_dirs(directory, "accept")
+    graphs, files = {}, []
+    for kind in kinds:
+        name = acceptance_file(tree, kind)
+        io_spec = export_acceptance(tree, columns, vocabulary.codes, vocabulary.size, os.path.join(directory, name),
+                                    opset, kind, candidates)
+        graphs[kind] = Graph(file=name, contract=f"accept_{kind}", dtype="fp32",
+                             inputs={k: TensorSpec(v["dtype"], tuple(v["shape"])) for k, v in io_spec["inputs"].items()},
+                             outputs={k: TensorSpec(v["dtype"], tuple(v["shape"])) for k, v in io_spec["outputs"].items()})
+        files.append(name)
+    return AcceptanceGraphs(tree=tree.to_json(), forced_ids=forced, **graphs), files
+
+
+def engine_trees(manifest, directory, specs=()):
+    """The trees `lantern-export accept` covers: the given specs, else the default tree and every
+    tuned tree (whatever backend it was tuned on), each once by its paths."""
+    from lantern.runtime.tree import build_tree
+
+    if manifest.tree is None:
+        raise LanternError("this engine serves 'ar' only (no drafter): there is nothing to accept")
+    if specs:
+        trees = [build_tree(spec) for spec in specs]
+    else:
+        trees = [build_tree(manifest.tree)]
+        for entry in manifest.tuned_trees.values():
+            for t in entry.trees:
+                if t.file is not None:
+                    trees.append(build_tree(os.path.join(directory, t.file), name=os.path.basename(t.file)[:-len(".json")]))
+    out, seen = [], set()
+    for tree in trees:
+        if tree.depth == 0:
+            raise LanternError(f"tree {tree.name!r} has no drafts: AR needs no acceptance graph")
+        if tree.max_width > manifest.candidates:
+            raise LanternError(f"tree {tree.name!r} needs {tree.max_width} children per node but the drafter returns "
+                               f"{manifest.candidates} candidates")
+        if tree.paths not in seen:
+            seen.add(tree.paths)
+            out.append(tree)
+    names = [t.name for t in out]
+    if len(set(names)) != len(names):
+        raise LanternError(f"trees repeat a name with other paths: {', '.join(names)}")
+    return out
+
+
+def add_acceptance_graphs(directory, specs=(), kinds=tuple(KINDS), force=False, opset=18):
+    """`lantern-export accept`: export the acceptance graphs of the engine's trees into it and
+    record them; returns the merged manifest. Staged beside the engine's files, moved into
+    accept/ and recorded under the engine's lock; trees that have graphs are skipped unless
+    force. Nothing changes when any step fails."""
+    from lantern.runtime import enginedir
+    from lantern.runtime.manifest import describe_files, read_manifest
+
+    directory = os.path.abspath(os.fspath(directory))
+    manifest = read_manifest(directory, verify=True)
+    trees = [t for t in engine_trees(manifest, directory, specs)
+             if force or manifest.acceptance_for(t) is None or
+             any(getattr(manifest.acceptance_for(t), k) is None for k in kinds)]
+    if not trees:
+        return manifest
+    enginedir.check_writable(directory, "lantern-export accept")
+    enginedir.inside(directory, "accept")  # a planted link is refused before any work
+    with enginedir.staging(directory, "accept") as stage:
+        built = [write_acceptance_graphs(stage, t, manifest.vocabulary, manifest.condition, manifest.image,
+                                         manifest.candidates, kinds, opset) for t in trees]
+        with enginedir.locked(directory, "lantern-export accept"):
+            current = read_manifest(directory, verify=True)
+            enginedir.make_dirs(directory, "accept")
+            moved = []
+            try:
+                paths = {t.paths for t in trees}
+                entries = {n: e for n, e in current.acceptance.items() if _paths(e) not in paths}
+                for entry, files in built:
+                    for name in files:
+                        os.replace(os.path.join(stage, name), os.path.join(directory, name))
+                        moved.append(name)
+                    entries[entry.tree["name"]] = entry
+                stale = _files(current.acceptance) - _files(entries)
+                records = {k: v for k, v in current.files.items() if k not in stale}
+                records.update(describe_files(directory, moved))
+                merged = current.replace(acceptance=entries, files=dict(sorted(records.items())))
+                merged.write(directory)
+            except BaseException:
+                for name in moved:
+                    if name not in current.files:
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(directory, name))
+                raise
+            for name in stale - set(moved):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+    return merged
+
+
+def _paths(entry):
+    from lantern.runtime.tree import build_tree
+
+    return build_tree(entry.tree).paths
+
+
+def _files(acceptance):
+    return {g.file for e in acceptance.values() for g in (e.greedy, e.sampling) if g is not None}
+
+
+def add_parser(sub):
+    p = sub.add_parser("accept", help="add acceptance graphs (the device step's acceptance) to an engine",
+                       description="Export the acceptance graphs (greedy and sampling; exact, LANTERN and "
+                                   "LANTERN++ in one graph per tree) for the engine's default tree and its tuned "
+                                   "trees, or the trees given, into ENGINE/accept/ and record them in the "
+                                   "manifest. A tree without them runs acceptance on the host.")
+    p.add_argument("engine", help="engine directory")
+    p.add_argument("--tree", action="append", default=[], help="a tree (preset name or JSON file); repeatable")
+    p.add_argument("--force", action="store_true", help="export again trees that have graphs")
+    p.set_defaults(func=run)
+
+
+def run(args):
+    import time
+
+    start = time.perf_counter()
+    manifest = add_acceptance_graphs(args.engine, args.tree, force=args.force)
+    names = ", ".join(f"{n} ({'+'.join(k for k in ('greedy', 'sampling') if getattr(e, k) is not None)})"
+                      for n, e in manifest.acceptance.items())
+    print(f"acceptance graphs in {args.engine}: {names or 'none'} ({time.perf_counter() - start:.1f}s)")
+    return 0

@@ -521,5 +521,7 @@ def open_torch_backend(directory, threads=None, device="cpu", manifest=None):
     if (scheme := engine_format.quantization_scheme(manifest)) != "none":  # it would serve fp32 numerics
         raise LanternError(f"{directory} has {scheme}-quantized graphs, which the torch backend cannot run (it runs the "
                            f"fp32 modules); use --backend onnxruntime, or the fp32 engine for the torch reference")
+    from lantern.export.accept_graphs import GreedyAcceptance
+
     modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
-    return TorchBackend(modules, manifest, threads=threads, device=device)
+    return TorchBackend(modules, manifest, threads=threads, device=device, acceptance=GreedyAcceptance)

@@ -65,6 +65,10 @@ def add_generation_options(p, tree=True):
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="tensorrt: enqueue every call instead of replaying a CUDA graph per call regime")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
+    p.add_argument("--step", choices=("host", "device"), default=None,
+                   help="where each decoding step runs: host (acceptance in numpy over logits read back) or device "
+                        "(the whole step on the backend's device; torch backend, greedy); default: the backend's "
+                        "(device on torch CUDA, else host)")
 
 
 def generation_settings(args):
@@ -113,7 +117,7 @@ def open_engine(args):
     options = {"cuda_graphs": args.cuda_graphs} if args.backend == "tensorrt" else {}
     loader = args.backend_loaders.get(args.backend)
     backend = loader(args.engine, args.threads, device) if loader else args.backend
-    return Engine(args.engine, backend=backend, threads=args.threads, device=device, **options)
+    return Engine(args.engine, backend=backend, threads=args.threads, device=device, step=args.step, **options)
 
 
 def write_outputs(stage, tokens, stats, images=None):
@@ -150,7 +154,8 @@ def run_generate(args):
     else:
         s_mode = s["mode"]
     print(f"{s['images']} images, mode {s_mode}: {s['steps_per_image']:.1f} steps/image, "
-          f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_second']:.1f} tokens/s -> {args.out}")
+          f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_second']:.1f} tokens/s, "
+          f"{s['step']} step -> {args.out}")
     return 0
 
 

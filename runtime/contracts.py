@@ -118,6 +118,51 @@ GRAPHS["commit"] = {
                 "present_values_{i}": ("float", ["B", "H", "S", "hd"])},
     "aliases": _CACHE_ALIASES,
 }
+
+# Acceptance as graphs (lantern.export.accept_graphs; lantern.runtime.accept is their
+# specification): the verification logits in, the step's outcome out. One pair of graphs per
+# draft tree (the tree is a constant of each), in the engine's token space of W columns: the
+# image codes, then the ids the prompt style forces (Manifest.acceptance records them). Dims:
+# B target rows as the target returned them, N images, M tree nodes, V vocabulary, F body length
+# (forced_columns), Kn neighbor table width, K drafter candidates, depth+1 path length. Tokens,
+# draft ids, neighbors and next_token are columns of the token space, not vocabulary ids. Rule
+# parameters are inputs: exact is lam 1, delta 0; k <= Kn masks the table's columns.
+_ACCEPT_FRONT = {
+    "logits": ("float32", ["B", "M", "V"]),
+    "cond_rows": ("int64", ["N"]),  # each image's conditional / unconditional row (equal: no CFG)
+    "uncond_rows": ("int64", ["N"]),
+    "cfg_scale": ("float32", [1]),
+    "cfg_interval": ("int64", [1]),  # -1: CFG for every token; else only for body indices below it
+    "count": ("int64", ["N"]),  # tokens each image has: node i predicts body index count + depth_i
+    "forced_columns": ("int64", ["F"]),  # per body index the forced token's column, -1 where free
+    "tokens": ("int64", ["N", "M"]),  # node tokens (node 0 the root)
+}
+_ACCEPT_RULE = {"neighbors": ("int64", ["W", "Kn"]), "k": ("int64", [1]), "lam": ("float32", [1]),
+                "delta": ("float32", [1])}
+_ACCEPT_OUTCOME = {
+    "accepted": ("int64", ["N"]),  # draft tokens accepted (the depth of the last accepted node)
+    "next_token": ("int64", ["N"]),  # the token after the accepted path (a column)
+    "path": ("int64", ["N", "depth+1"]),  # node indices from the root, -1 padded
+    "decisions": ("int64", ["N", "M"]),  # 1 on the path, 0 evaluated and not on it, -1 never evaluated
+    "invalid": ("bool", ["N"]),  # some node's logits have no finite maximum: the outcome is void
+}
+GRAPHS["accept_greedy"] = {"inputs": {**_ACCEPT_FRONT, **_ACCEPT_RULE}, "outputs": dict(_ACCEPT_OUTCOME)}
+GRAPHS["accept_sampling"] = {
+    "inputs": {**_ACCEPT_FRONT,
+               "draft_ids": ("int64", ["N", "M", "K"]),  # node i's drafter candidates (columns), best first
+               "draft_probs": ("float32", ["N", "M", "K"]),  # ... and their probabilities (renormalised inside)
+               "uniforms": ("float32", ["N", "M"]),  # the step's acceptance uniforms (lantern.runtime.streams)
+               **_ACCEPT_RULE,
+               "temperature": ("float32", [1]),
+               "top_k": ("int64", [1]),  # 0 = off; values in (ACCEPT_TOP_K_LIMIT, W) are not served
+               "top_p": ("float32", [1])},  # 1 = off
+    "outputs": dict(_ACCEPT_OUTCOME),
+}
+ACCEPT_CONTRACTS = ("accept_greedy", "accept_sampling")
+# TensorRT's TopK takes K <= 3840: the sampling graph finds the top-k threshold with one TopK of
+# min(ACCEPT_TOP_K_LIMIT, W) values, so it serves top_k = 0, 1 .. that, or >= W (no filter).
+ACCEPT_TOP_K_LIMIT = 3840
+
 IN_PLACE_CONTRACTS = {"target": "target_inplace", "target_ids": "target_ids_inplace", "drafter": "drafter_inplace"}
 
 
@@ -147,7 +192,7 @@ def cache_feeds(keys, values):
 
 
 # Dims that stay dynamic in the exported graphs; every other dim is fixed by the model config.
-DYNAMIC_DIMS = ("B", "T", "P", "P+T", "N", "h", "w", "Hpx", "Wpx", "A")
+DYNAMIC_DIMS = ("B", "T", "P", "P+T", "N", "h", "w", "Hpx", "Wpx", "A", "F", "Kn")
 
 
 def resolved_io(contract, dims, float_dtype, layers=1):

@@ -15,6 +15,14 @@ One step (DESIGN.md "One decoding step"); `ar` is the same loop over the root-on
   accept  the rule over all images at once (lantern.runtime.accept) -> paths + next tokens
   commit  the accepted paths' K/V into the target cache; their pairs feed the next draft0
 Every call's shapes and buffers come from a StepPlan made once per (tree, prefix).
+
+Where the step runs (Engine(step=...)): "host" is the loop above, with acceptance in numpy over
+logits read back to the host; "device" hands the step to the backend (backend.device_step): the
+torch backend's runs the whole step, draft -> verify -> accept -> commit, on its device and reads
+back a few integers per image; ONNX Runtime's runs acceptance only, the engine's acceptance graph
+(`lantern-export accept`) fed the verification logits where the target left them, and the host
+does the rest. None takes the backend's default_step (host where a backend has none). The same
+loop drives every path; stats["step"] says which ran.
 """
 import os
 import threading
@@ -70,7 +78,10 @@ class Engine:
     what they would alone. For parallel generations open one Engine per worker."""
 
     def __init__(self, directory, backend="onnxruntime", threads=None, device=None, verify=True,
-                 memory_limit=None, **backend_options):
+                 memory_limit=None, step=None, **backend_options):
+        """step: "host", "device" or None (the backend's default_step); see the module docstring."""
+        if step not in (None, "host", "device"):
+            raise LanternError(f"unknown step path {step!r}; valid: host, device")
         self.directory = os.fspath(directory)
         self.manifest = m = read_manifest(self.directory, verify=verify)
         # A backend name, or an opened backend (e.g. a TorchBackend over in-memory modules).
@@ -78,6 +89,11 @@ class Engine:
             options = dict(backend_options, threads=threads, **({} if device is None else {"device": device}))
             backend = open_backend(backend, self.directory, m, **options)
         self.backend = backend
+        if step == "device" and not hasattr(backend, "device_step"):
+            raise LanternError(f"the {backend.name} backend has no device step; use step='host' (or the torch "
+                               f"backend)")
+        self.step = step or getattr(backend, "default_step", "host")
+        self._step_asked = step is not None
         self.condition = condition_adapter(m, self.backend.float_dtype, self.directory)
         self.tree = build_tree(m.tree) if m.tree else None
         self.neighbors = None
@@ -131,11 +147,25 @@ class Engine:
                      top_k=sampler.top_k, top_p=sampler.top_p)
         plan = self._plan_for(tree, prefix, feeds)
         streams = RandomStreams(seeds, plan.tree.num_nodes, self.manifest.candidates if plan.tree.depth else 0)
-        run = _Decoding(self, plan, rule, sampler, settings.cfg_scale, settings.cfg_interval, streams, observer)
+        run = _Decoding(self, plan, rule, sampler, settings.cfg_scale, settings.cfg_interval, streams, observer,
+                        self._step_path(plan, sampler))
         out = run.generate()
         # what ran, when it is not what the request named: a tuned tree (or AR) in its place
         out.stats.update(requested_mode=settings.mode, tree_source=source)
         return out
+
+    def _step_path(self, plan, sampler):
+        """Where this generation's steps run: the engine's step path, except that a default device
+        step gives way to the host for a generation it cannot run (asked for by name, it is an
+        error that says why)."""
+        if self.step == "host":
+            return "host"
+        why = self.backend.device_step_refusal(plan, sampler)
+        if why is None:
+            return "device"
+        if self._step_asked:
+            raise LanternError(f"the device step cannot run this generation: {why}; use step='host'")
+        return "host"
 
     def _check_positions(self, prefix):
         """Every token fed to the model (the prefix and all generated tokens but the last) needs a
@@ -233,8 +263,9 @@ class _Decoding:
     (what the graphs take); acceptance works on image codes (the logits' image-token columns,
     id = code + image_start), the space of the neighbor table."""
 
-    def __init__(self, engine, plan, rule, sampler, cfg_scale, cfg_interval, streams, observer):
+    def __init__(self, engine, plan, rule, sampler, cfg_scale, cfg_interval, streams, observer, step_path="host"):
         self.engine, self.backend, self.plan, self.tree = engine, engine.backend, plan, plan.tree
+        self.step_path = step_path
         self.rule, self.sampler, self.streams, self.observer = rule or acceptance.Exact(), sampler, streams, observer
         self.cfg, self.cfg_scale, self.cfg_interval = plan.prefix.cfg, cfg_scale, cfg_interval
         self.N, self.B = plan.images, plan.rows
@@ -408,9 +439,7 @@ class _Decoding:
         path = outcome.path  # [len(a), depth + 1]
         emitted = self.node_tokens[a[:, None], np.maximum(np.roll(path, -1, axis=1), 0)]
         emitted[np.arange(len(a)), outcome.accepted] = self.view.ids(outcome.next_token)
-        emit = np.minimum(outcome.accepted + 1, self.length - self.count[a])
-        for i, n in enumerate(a):  # at most depth + 1 tokens per image
-            self.tokens[n, self.count[n]: self.count[n] + emit[i]] = emitted[i, : emit[i]]
+        emit = self.emit(a, outcome.accepted, emitted)
         rows = np.flatnonzero(active[self.image_of_row])
         slot = np.searchsorted(a, self.image_of_row[rows])  # each active row's image among the active ones
         cols = np.maximum(path[slot], 0)
@@ -424,34 +453,72 @@ class _Decoding:
             all_cols[rows] = cols
             self.set_pending(out["hidden"], all_cols, tokens, counts)
         self.count[a] += emit
-        self.accepted.extend(outcome.accepted.tolist())
+
+    def emit(self, a, accepted, emitted):
+        """Images a's tokens emitted [len(a), depth + 1] (accepted + 1 of them each, up to the
+        end) into the generated tokens; returns how many each took. Counts advance in commit."""
+        emit = np.minimum(accepted + 1, self.length - self.count[a])
+        for i, n in enumerate(a):  # at most depth + 1 tokens per image
+            self.tokens[n, self.count[n]: self.count[n] + emit[i]] = emitted[i, : emit[i]]
+        self.accepted.extend(accepted.tolist())
+        return emit
 
     # -- the loop ------------------------------------------------------------------------------
+    def host_step(self, active, acceptor=None):
+        """One step on the host: draft, verify, accept, commit; returns the Outcome of the
+        active images. acceptor: a backend's acceptance where the logits are (a device step
+        that is not whole: ONNX Runtime's acceptance graph), else numpy's."""
+        t0 = time.perf_counter()
+        draws = self.streams.step()
+        self.draft(active, draws.race)
+        t1 = time.perf_counter()
+        out = self.verify()
+        t2 = time.perf_counter()
+        if acceptor is None:
+            outcome = self.accept(active, out, draws.accept)
+        else:
+            outcome = acceptor.accept(self, active)
+        t3 = time.perf_counter()
+        self.commit(active, outcome, out)
+        t4 = time.perf_counter()
+        for key, dt in zip(("draft", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            self.times[key] += dt
+        return outcome
+
+    def device_step(self, device, active):
+        """One step on the backend's device (all four phases, timed as engine time); the host
+        reads back what the active images emitted. Returns their Outcome (paths are not read
+        back: decisions only when an observer asks)."""
+        t0 = time.perf_counter()
+        accepted, emitted, invalid, decisions = device.step(decisions=self.observer is not None)
+        self.times["engine"] += time.perf_counter() - t0
+        self.engine_calls += len(self.plan.calls) - ("prefill" in self.plan.calls) - ("condition" in self.plan.calls)
+        bad = np.flatnonzero(invalid & active)
+        if bad.size:
+            raise LanternError(f"target logits of image {int(bad[0])} contain NaN or +inf, or are all -inf "
+                               f"(device step)")
+        a = np.flatnonzero(active)
+        self.count[a] += self.emit(a, accepted[a], emitted[a])
+        return acceptance.Outcome(path=None, accepted=accepted[a], next_token=None,
+                                  decisions=None if decisions is None else decisions[a])
+
     def generate(self):
         start = time.perf_counter()
         self.prefill()
         steps = np.zeros(self.N, dtype=np.int64)
         step, prefill_calls = 0, self.engine_calls
+        device = self.backend.device_step(self) if self.step_path == "device" else None
+        whole = device is not None and device.whole_step  # else the backend accepts, the host does the rest
         while (active := self.count < self.length).any():
             steps[active] += 1
-            t0 = time.perf_counter()
-            draws = self.streams.step()
-            self.draft(active, draws.race)
-            t1 = time.perf_counter()
-            out = self.verify()
-            t2 = time.perf_counter()
-            outcome = self.accept(active, out, draws.accept)
-            t3 = time.perf_counter()
-            self.commit(active, outcome, out)
-            t4 = time.perf_counter()
-            for key, dt in zip(("draft", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                self.times[key] += dt
+            outcome = self.device_step(device, active) if whole else self.host_step(active, device)
             if self.observer is not None:
                 self.observer(self.record(step, active, outcome))
             step += 1
         seconds = time.perf_counter() - start
         stats = self.stats(steps, seconds)
         stats["engine_calls_per_step"] = (self.engine_calls - prefill_calls) / max(step, 1)
+        stats["steps"] = step  # loop iterations (the batch runs until its last image is done)
         return Generation(tokens=self.view.codes_of(self.tokens), stats=stats, grid=self.plan.prefix.grid,
                           body=self.tokens)
 
@@ -482,4 +549,5 @@ class _Decoding:
             "engine_calls": self.engine_calls,
             "host_overhead_seconds": total - self.times["engine"],
             "backend": self.backend.name,
+            "step": self.step_path,
         }

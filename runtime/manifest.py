@@ -9,6 +9,8 @@ engines/NAME/
   vq_decoder.onnx   code grid -> RGB in [-1, 1] (optional)
   neighbors.npy     latent neighbors [codes, k] of every code, nearest first (optional)
   *.onnx.data       external weights of a graph
+  accept/*.onnx     acceptance graphs per draft tree (`Manifest.acceptance`; optional: a tree
+                    without them runs acceptance on the host)
   plans/KEY/*.plan  TensorRT plans built from the graphs by `lantern-export trt` (optional;
                     KEY = flavor and compute capabilities, e.g. tensorrt-rtx-SM89)
 
@@ -40,7 +42,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lantern.runtime.contracts import GRAPHS, IN_PLACE_CONTRACTS, graph_io
+from lantern.runtime.contracts import ACCEPT_CONTRACTS, GRAPHS, IN_PLACE_CONTRACTS, graph_io
 from lantern.runtime.enginedir import inside, load_json, onnx_external_files, open_file, write_file
 from lantern.runtime.errors import LanternError
 from lantern.runtime.integrity import REBUILD, sha256_file, verify_files
@@ -58,6 +60,7 @@ GRAPH_FILES = {"condition": "condition.onnx", "target": "target.onnx", "drafter"
 REEXPORT = "re-export the engine with `lantern-export onnx`"
 RETUNE = "run `lantern-run tune` again (or delete the entry)"
 REBUILD_PLANS = "rebuild the plans with `lantern-export trt ENGINE --force`"
+READD_ACCEPTANCE = "add them again with `lantern-export accept ENGINE --force`"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,6 +363,20 @@ class TunedSettings:
 
 
 @dataclass(frozen=True)
+class AcceptanceGraphs:
+    """The acceptance graphs of one draft tree (lantern.export.accept_graphs; contracts
+    accept_greedy / accept_sampling). They work in the token space of the image codes followed
+    by `forced_ids` (the ids the prompt style forces, ascending; none for LlamaGen and Anole),
+    which must equal the generation's VocabularyView.extra for the graphs to serve it."""
+
+    tree: dict  # {"name", "paths"}, as Manifest.tree
+    forced_ids: tuple = rule(lambda v: all(_is_int(i) and i >= 0 for i in v) and list(v) == sorted(set(v)),
+                             "ascending distinct vocabulary ids")  # vocabulary ids after the codes in the token space
+    greedy: Graph
+    sampling: Optional[Graph] = None
+
+
+@dataclass(frozen=True)
 class Manifest:
     family: str
     model: dict  # the family's own config and parameter count, for people and for re-export
@@ -387,7 +404,25 @@ class Manifest:
     tuned_trees: dict = rule(of=TunedSettings, fix=RETUNE, optional=True,
                              default_factory=dict)  # settings key -> TunedSettings (lantern-run tune)
     inplace_cache: Optional[CacheBudget] = rule(was="static_cache", default=None)  # in-place engines only
+    acceptance: dict = rule(of=AcceptanceGraphs, fix=READD_ACCEPTANCE, optional=True,
+                            default_factory=dict)  # tree name -> AcceptanceGraphs (`lantern-export accept`)
     schema: int = SCHEMA_VERSION
+
+    def acceptance_for(self, tree):
+        """The AcceptanceGraphs of a runtime Tree (matched by its paths, whatever its name), or None."""
+        for entry in self.acceptance.values():
+            if [list(p) for p in tree.paths[1:]] == entry.tree["paths"]:
+                return entry
+        return None
+
+    def all_graphs(self):
+        """{label: Graph} of the engine graphs and the acceptance graphs ("accept_greedy@TREE")."""
+        out = dict(self.graphs)
+        for name, entry in self.acceptance.items():
+            for kind in ("greedy", "sampling"):
+                if getattr(entry, kind) is not None:
+                    out[f"accept_{kind}@{name}"] = getattr(entry, kind)
+        return out
 
     @property
     def attention(self):
@@ -612,9 +647,46 @@ def _check_cache_budget(s, r):
                    f"drafter = image_tokens + tree_nodes)")
 
 
+def _check_acceptance(a, r):
+    """A draft tree keyed by its name, and graphs of the acceptance contracts without weights."""
+    try:
+        tree = build_tree(a.tree)
+    except LanternError as err:
+        r.fail("tree", f"is not a draft tree ({err})")
+    if tree.name != r.key or tree.depth == 0:
+        r.fail("tree", f"is named {tree.name!r} with depth {tree.depth}; the entry is keyed {r.key!r} and needs drafts")
+    for kind in ("greedy", "sampling"):
+        g = getattr(a, kind)
+        if g is not None and (g.contract != f"accept_{kind}" or g.dtype != "fp32" or g.external_data is not None):
+            r.fail(f"{kind}.contract", f"is {g.contract!r} ({g.dtype}); expected 'accept_{kind}', fp32, no weights file")
+
+
+def _check_acceptance_dims(m, r):
+    """The acceptance graphs' fixed dims fit their tree, the vocabulary and the token space
+    (the codes, then the forced ids, which are no image tokens)."""
+    for name, a in m.acceptance.items():
+        v = m.vocabulary
+        if any(v.image_start <= i < v.image_end or i >= v.size for i in a.forced_ids):
+            r.fail(f"{name}.forced_ids", "holds an image token id or one past the vocabulary")
+        tree = build_tree(a.tree)
+        for kind in ("greedy", "sampling"):
+            g = getattr(a, kind)
+            if g is None:
+                continue
+            want = {"M": tree.num_nodes, "V": m.vocabulary.size, "W": m.vocabulary.codes + len(a.forced_ids),
+                    "depth+1": tree.depth + 1}
+            dims = {"M": g.inputs["tokens"].shape[1], "V": g.inputs["logits"].shape[2],
+                    "W": g.inputs["neighbors"].shape[0], "depth+1": g.outputs["path"].shape[1]}
+            if kind == "sampling":
+                want["K"], dims["K"] = m.candidates, g.inputs["draft_ids"].shape[2]
+            if dims != want:
+                r.fail(f"{name}.{kind}.inputs", f"have dims {dims}; tree {name!r} and the engine make {want}")
+
+
 _RECORD_CHECKS = {Shape: _check_shape, Condition: _check_condition, Vocabulary: _check_vocabulary,
                   Graph: _check_graph, Quantization: _check_quantization, TunedTree: _check_tuned_tree,
-                  TunedSettings: _check_tuned_settings, CacheBudget: _check_cache_budget}
+                  TunedSettings: _check_tuned_settings, CacheBudget: _check_cache_budget,
+                  AcceptanceGraphs: _check_acceptance}
 
 
 def quantization_scheme(manifest):
@@ -658,6 +730,10 @@ def _check_consistency(m, r):
     for path, name, fix in _file_references(m):
         if name not in m.files:
             _Reader({}, r.where, fix=fix).fail(path, f"names {name}, which `files` does not list")
+    for name, g in m.graphs.items():
+        if g.contract in ACCEPT_CONTRACTS:
+            r.fail(f"graphs.{name}.contract", f"is {g.contract!r}; acceptance graphs are recorded per tree in `acceptance`")
+    _check_acceptance_dims(m, _Reader({}, r.where, "acceptance.", READD_ACCEPTANCE))
     if "ar" not in m.modes:
         r.fail("modes", "lacks 'ar' (every engine serves it)")
     speculative = [mode for mode in m.modes if mode != "ar"]
@@ -688,15 +764,16 @@ def _check_consistency(m, r):
 def _check_plans(m, t, r):
     """Plans of graphs the engine has, with profiles that range over the graph's inputs at
     their ranks."""
+    graphs = m.all_graphs()  # the acceptance graphs' plans are keyed accept_<kind>@TREE
     for graph, plan in t.plans.items():
-        if graph not in m.graphs:
+        if graph not in graphs:
             r.fail(f"plans.{graph}", "is a plan for a graph the engine does not have")
-        inputs = m.graphs[graph].inputs
+        inputs = graphs[graph].inputs
         for i, profile in enumerate(plan.profiles):
             for name, rng in profile.shapes.items():
                 at = f"plans.{graph}.profiles[{i}].shapes.{name}"
                 if name not in inputs:
-                    r.fail(at, f"is not an input of the {m.graphs[graph].contract} graph")
+                    r.fail(at, f"is not an input of the {graphs[graph].contract} graph")
                 dims = [rng[k] for k in ("min", "opt", "max")]
                 if not (len(dims[0]) == len(dims[1]) == len(dims[2]) == len(inputs[name].shape)) or not all(
                         a <= b <= c for a, b, c in zip(*dims)):
@@ -757,7 +834,7 @@ def read_manifest(directory, verify=True):
 def _check_external_data(directory, manifest):
     """Every external-data file a graph names must be one the manifest lists (so it was
     confined and hashed): ONNX Runtime and TensorRT open whatever path a graph gives."""
-    for name, g in manifest.graphs.items():
+    for name, g in manifest.all_graphs().items():
         base = os.path.dirname(g.file)
         for location in sorted(onnx_external_files(directory, g.file)):
             listed = os.path.normpath(os.path.join(base, location)).replace(os.sep, "/")

@@ -40,7 +40,8 @@ def test_without_a_gpu_the_runbook_builds_rtx_plans_and_lists_what_it_skipped(c2
     data = json.loads(out.read_text())
     label = "engine-c2i"
     assert data["environment"]["gpu"] is None and data["environment"]["tensorrt_rtx"]
-    for backend in ("torch-cuda-graphs", "torch-cuda-eager", "onnxruntime-cuda"):
+    for backend in ("torch-cuda-graphs", "torch-cuda-eager", "torch-cuda-step-graph", "torch-cuda-step-eager",
+                    "onnxruntime-cuda"):
         assert data[f"{label}/{backend}"]["skipped"], backend
     rtx = data[f"{label}/tensorrt-rtx"]
     assert rtx["plans"] == "tensorrt-rtx-SM89" and set(rtx["plan_bytes"]) == {"condition", "target", "drafter",
@@ -49,3 +50,15 @@ def test_without_a_gpu_the_runbook_builds_rtx_plans_and_lists_what_it_skipped(c2
     assert rtx["run"].startswith("skipped: no NVIDIA GPU")
     assert f"{label}/tensorrt-rtx/run" in data["skipped"] and f"{label}/torch-cuda-graphs" in data["skipped"]
     assert not any("error" in v for v in data.values() if isinstance(v, dict))
+
+
+def test_the_device_step_section_measures_both_paths_on_the_cpu(c2i_engine):
+    """The section's logic where no GPU is: both step paths run, ratios come out per path."""
+    data = gpu_check.device_step_section(c2i_engine, (1,), False, device="cpu", modes=("ar", "lantern++"),
+                                         warmup=False, threads=2)
+    assert data["cuda_graphs"] is False
+    runs = {(r["step"], r["mode"]): r for r in data["runs"]}
+    assert set(runs) == {(p, m) for p in ("host", "device") for m in ("ar", "lantern++")}
+    assert runs["host", "lantern++"]["steps"] == runs["device", "lantern++"]["steps"]  # the same greedy tokens
+    assert all(0 <= r["host_share"] <= 1 and r["ms_per_step"] > 0 for r in data["runs"])
+    assert runs["device", "lantern++"]["step_in_ar_steps"] > 0

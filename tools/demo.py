@@ -112,6 +112,10 @@ def run(args):
     results = {}
     for mode, extra in runs:
         results[mode] = engine.generate(mode=mode.split()[0], **common, **extra)
+    # which step path ran (Engine(step=...)): the demo samples on ONNX Runtime on the CPU, where
+    # the host step is the measured faster one (tools/bench/device_step.py)
+    print(f"      {results['exact'].stats['step']} step on {engine.backend.name} (the device step runs on the torch "
+          f"backend, greedy: lantern-run generate --backend torch --step device --greedy)")
     # One image per call, the setting of the paper's speedups: medians over a few classes.
     single, single_trees = {}, {}
     for mode, extra in runs:

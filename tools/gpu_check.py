@@ -7,6 +7,9 @@ work, as one JSON file.
 Engines: the bundled demo model (--demo), a random-weight LlamaGen of --gpt's shape exported in
 --dtype, and/or engine directories given. For each engine, one section per backend:
   torch-cuda-graphs / torch-cuda-eager   the torch reference on CUDA, with and without CUDA graphs
+  torch-cuda-step-graph / -eager         the whole step on the device (greedy, CFG 4; one CUDA graph
+                                         per step, or eager) against the host step: ms per AR and
+                                         speculative step, host share, batch 1 and the batch
   onnxruntime-cuda                       ONNX Runtime's CUDA execution provider
   tensorrt / tensorrt-rtx                full TensorRT and TensorRT for RTX: plans built here for
                                          this GPU (`lantern-export trt`), run with CUDA graphs on
@@ -48,6 +51,8 @@ from lantern.runtime.manifest import read_manifest
 from lantern.runtime.plan import Call
 from lantern.tools.bench.device_step import device_acceptance
 from lantern.tools.latency import default_condition, verify_latency
+
+from lantern.tools.bench.device_step import export_gpt
 
 
 class Skip(Exception):
@@ -209,26 +214,6 @@ def export_demo(root):
     return out
 
 
-def export_gpt(root, model, dtype):
-    """A random-weight LlamaGen engine of `model`'s shape (weights don't matter for timings)."""
-    import torch
-
-    from lantern.export import checkpoints, llamagen
-    from lantern.export.onnx_export import export_engine
-
-    args = llamagen.make_config(model)
-    src = os.path.join(root, "src")
-    os.makedirs(src, exist_ok=True)
-    checkpoints.save_llamagen_pt(llamagen.init_random(llamagen.Transformer(args)), os.path.join(src, "gpt.pt"))
-    drafter = llamagen.init_random(llamagen.Drafter(llamagen.DrafterArgs.for_target(args)), seed=1)
-    checkpoints.save_drafter(drafter, os.path.join(src, "drafter"), fmt="safetensors")
-    out = os.path.join(root, model)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    export_engine(out, os.path.join(src, "gpt.pt"), target_options={"name": model},
-                  drafter=os.path.join(src, "drafter"), tree="mc_sim_7b_63", dtype=dtype, candidates=64)
-    return out
-
-
 def measure(engine_dir, engine, cpu, tokens, batches, repeats, numerics_too=True):
     """The measurements of one opened GPU engine against ONNX Runtime CPU (`cpu`, or None); a
     measurement that fails is one line and the others still run."""
@@ -355,9 +340,24 @@ def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir):
     cpu = Engine(engine_dir, threads=cpu_threads) if read_manifest(engine_dir).dtype != "bf16" else None
     report.section(f"{label}/torch-cuda-graphs", torch_cuda, engine_dir, cpu, opts, True)
     report.section(f"{label}/torch-cuda-eager", torch_cuda, engine_dir, cpu, opts, False)
+    for graphs in (True, False):
+        report.section(f"{label}/torch-cuda-step-{'graph' if graphs else 'eager'}", device_step_section, engine_dir,
+                       opts[1], graphs)
     report.section(f"{label}/onnxruntime-cuda", onnxruntime_cuda, engine_dir, cpu, opts)
     for flavor in ("tensorrt", "tensorrt-rtx"):
         report.section(f"{label}/{flavor}", tensorrt, engine_dir, cpu, opts, flavor, workdir)
+
+
+def device_step_section(engine_dir, batches, cuda_graphs, device=None, **options):
+    """The whole step on the device vs on the host, torch backend on CUDA (tools/bench/device_step.
+    step_timing): one CUDA graph per step (cuda_graphs) or the same step eagerly; ms per AR and
+    speculative step, host share. device, options (step_timing's): for tests of the section's
+    logic on the CPU."""
+    if device is None and cuda_visible() is None:
+        raise Skip("torch sees no CUDA device")
+    from lantern.tools.bench.device_step import step_timing
+
+    return step_timing(engine_dir, device or "cuda", cuda_graphs, batches=batches, **options)
 
 
 def device_acceptance_section(batches, repeats):

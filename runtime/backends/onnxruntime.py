@@ -64,6 +64,9 @@ class OnnxRuntimeBackend:
         self.outputs = {g: [o.name for o in s.get_outputs()] for g, s in self.sessions.items()}
         self.aliases = {g: graph_io(e.contract, max(e.layers, 1))["aliases"] for g, e in manifest.graphs.items()}
         self._bound = {}  # id(call) -> (call, IOBinding)
+        self._values = {}  # id(call) -> {input or output name: its bound OrtValue}
+        self.directory, self.manifest, self.options, self.providers = directory, manifest, options, providers
+        self._acceptance = {}  # graph file -> InferenceSession of an acceptance graph
 
     def zeros(self, shape):
         return np.zeros(shape, dtype=self.float_dtype)
@@ -79,6 +82,7 @@ class OnnxRuntimeBackend:
                 values[name] = self.ort.OrtValue.ortvalue_from_numpy(buffer)  # shares the buffer
                 binding.bind_ortvalue_input(name, values[name])
             call.outputs = {}
+            self._values[id(call)] = values  # the bound OrtValues: a later graph may read them in place
             aliases = self.aliases[call.graph]
             for out in session.get_outputs():
                 if out.name in aliases:  # updated in place: the input's own buffer
@@ -86,7 +90,8 @@ class OnnxRuntimeBackend:
                     call.outputs[out.name] = call.feeds[aliases[out.name]]
                     continue
                 buffer = np.zeros(call.output_shapes[out.name], dtype=_ORT_TYPES[out.type])
-                binding.bind_ortvalue_output(out.name, self.ort.OrtValue.ortvalue_from_numpy(buffer))
+                values[out.name] = self.ort.OrtValue.ortvalue_from_numpy(buffer)
+                binding.bind_ortvalue_output(out.name, values[out.name])
                 call.outputs[out.name] = buffer
             self._bound[id(call)] = (call, binding)
 
@@ -105,6 +110,42 @@ class OnnxRuntimeBackend:
         """Forget a plan's bindings (the engine keeps one plan at a time)."""
         for call in plan.calls.values():
             self._bound.pop(id(call), None)
+            self._values.pop(id(call), None)
+
+    # -- the device step: acceptance where the verification logits are ----------------------
+    def device_step_refusal(self, plan, sampler):
+        """Why this backend's device step (the engine's acceptance graph fed the verification
+        logits in place, IOBinding) cannot run a generation of this plan, or None."""
+        from lantern.runtime.sampling import Greedy
+
+        if not isinstance(sampler, Greedy):
+            return "on onnxruntime it runs greedy acceptance only"
+        if not plan.tree.depth:
+            return "AR has no acceptance graph (its step is the host's)"
+        if not self.io_binding:
+            return "it needs IOBinding (io_binding=False)"
+        if self.manifest.acceptance_for(plan.tree) is None:
+            return (f"the engine has no acceptance graph for tree {plan.tree.name!r}; add it with "
+                    f"`lantern-export accept {self.directory} --tree ...`")
+        return None
+
+    def device_step(self, decoding):
+        """The acceptance of each step run by the engine's graph on the verification logits as
+        the target left them (its bound OrtValue); the rest of the step stays the host's."""
+        return OrtGraphAcceptance(self, decoding)
+
+    def acceptance_session(self, graph):
+        session = self._acceptance.get(graph.file)
+        if session is None:
+            path = os.path.join(self.directory, graph.file)
+            try:
+                session = self.ort.InferenceSession(path, self.options, providers=self.providers)
+            except Exception as e:
+                raise LanternError(f"{path}: ONNX Runtime cannot load it ({str(e).splitlines()[0]}); run "
+                                   f"`lantern-export accept {self.directory} --force`") from None
+            self._acceptance[graph.file] = session
+        return session
+
 
     def call_shapes(self, graph):
         return None  # any shape runs
@@ -125,3 +166,69 @@ class OnnxRuntimeBackend:
 
     def synchronize(self):
         """run() returns host arrays, so nothing is ever left in flight."""
+
+
+class OrtGraphAcceptance:
+    """One generation's acceptance on the engine's greedy acceptance graph, bound once: its
+    logits input is the verify call's bound logits output (no copy), the small inputs are host
+    buffers the loop refills (count and node tokens per step: ONNX Runtime has no device ops for
+    the step's bookkeeping without more graphs, so drafting, masks and commits stay on the host
+    here), the outcome comes back into preallocated buffers. whole_step False: the generator's
+    host step runs with this acceptance in place of numpy's."""
+
+    whole_step = False
+
+    def __init__(self, backend, decoding):
+        d, plan = decoding, decoding.plan
+        view = d.view
+        entry = backend.manifest.acceptance_for(plan.tree)
+        if tuple(entry.forced_ids) != tuple(int(i) for i in view.extra):
+            raise LanternError(f"the acceptance graph of tree {plan.tree.name!r} serves forced ids "
+                               f"{list(entry.forced_ids)}, this generation forces {view.extra.tolist()}; use "
+                               f"step='host'")
+        self.session = session = backend.acceptance_session(entry.greedy)
+        self.view, self.N = view, d.N
+        rule = d.rule
+        neighbors = d.neighbors if d.neighbors is not None else np.zeros((view.size, 1), dtype=np.int64)
+        cond_rows = np.arange(d.N)
+        self.feeds = dict(
+            cond_rows=cond_rows, uncond_rows=cond_rows + d.N if d.cfg else cond_rows.copy(),
+            cfg_scale=np.array([d.cfg_scale if d.cfg else 1.0], np.float32),
+            cfg_interval=np.array([d.cfg_interval if d.cfg else -1], np.int64),
+            count=np.zeros(d.N, np.int64), forced_columns=view.forced_column.astype(np.int64),
+            tokens=np.zeros((d.N, plan.tree.num_nodes), np.int64), neighbors=np.ascontiguousarray(neighbors, np.int64),
+            k=np.array([rule.k], np.int64), lam=np.array([getattr(rule, "lam", 1.0)], np.float32),
+            delta=np.array([getattr(rule, "delta", 0.0)], np.float32))
+        verify = plan.calls["verify"]
+        logits = backend._values[id(verify)]["logits"]  # the verify call's output, bound in place
+        self.binding = binding = session.io_binding()
+        binding.bind_ortvalue_input("logits", logits)
+        self._values = [logits]
+        for name, value in self.feeds.items():
+            ort_value = backend.ort.OrtValue.ortvalue_from_numpy(value)
+            self._values.append(ort_value)
+            binding.bind_ortvalue_input(name, ort_value)
+        D, M = plan.tree.depth, plan.tree.num_nodes
+        self.outputs = dict(accepted=np.zeros(d.N, np.int64), next_token=np.zeros(d.N, np.int64),
+                            path=np.zeros((d.N, D + 1), np.int64), decisions=np.zeros((d.N, M), np.int64),
+                            invalid=np.zeros(d.N, np.bool_))
+        for name, value in self.outputs.items():
+            ort_value = backend.ort.OrtValue.ortvalue_from_numpy(value)
+            self._values.append(ort_value)
+            binding.bind_ortvalue_output(name, ort_value)
+
+    def accept(self, decoding, active):
+        """The Outcome of the active images (as lantern.runtime.accept's)."""
+        from lantern.runtime.accept import Outcome
+
+        self.feeds["count"][:] = decoding.count
+        self.feeds["tokens"][:] = self.view.columns(decoding.node_tokens)
+        self.session.run_with_iobinding(self.binding)
+        out = self.outputs
+        bad = np.flatnonzero(out["invalid"] & active)
+        if bad.size:
+            raise LanternError(f"target logits of image {int(bad[0])} contain NaN or +inf, or are all -inf "
+                               f"(acceptance graph)")
+        a = np.flatnonzero(active)
+        return Outcome(path=out["path"][a].copy(), accepted=out["accepted"][a].copy(),
+                       next_token=out["next_token"][a].copy(), decisions=out["decisions"][a].astype(np.int8))

@@ -11,7 +11,13 @@ eagerly on the same static buffers, for comparison.
 
 In-place graphs (contracts with `aliases`): the modules return the updated caches as new tensors
 (eager TensorScatter is out of place), which run() copies into the cache buffers, a whole-cache
-copy per call: this backend is the reference for in-place engines, not their fast path."""
+copy per call: this backend is the reference for in-place engines, not their fast path.
+
+Device step (lantern.runtime.backends.torch_step): with an acceptance module factory (open_torch_backend
+hands in lantern.export's GreedyAcceptance), `device_step(decoding)` runs a generation's whole
+step on the device, captured as one CUDA graph per plan on CUDA. default_step is the step path
+generate() takes when none is asked for: host on the CPU (measured faster there:
+tools/bench/device_step.py), device on CUDA."""
 import numpy as np
 
 from lantern.runtime.errors import LanternError
@@ -24,8 +30,9 @@ class TorchBackend:
     name = "torch"
     key = None  # runs the ONNX graphs (or their modules), no compiled plans
 
-    def __init__(self, modules, manifest, threads=None, device="cpu", cuda_graphs=True):
-        """modules: {graph name: torch module}, inputs and outputs in the order of the graph's contract."""
+    def __init__(self, modules, manifest, threads=None, device="cpu", cuda_graphs=True, acceptance=None):
+        """modules: {graph name: torch module}, inputs and outputs in the order of the graph's contract.
+        acceptance: (tree, columns, codes) -> the greedy acceptance module (for the device step)."""
         try:
             import torch
         except ImportError:
@@ -55,6 +62,10 @@ class TorchBackend:
             self.floats[name] = {k for k, (kind, _) in io["inputs"].items() if kind == "float"}
             self.aliases[name] = io["aliases"]
         self._bound = {}  # id(call) -> (call, static inputs, CUDA graph or None, graph outputs)
+        self.acceptance = acceptance
+        self.default_step = "device" if self.device.type == "cuda" and acceptance is not None else "host"
+        self._pinned = {}  # (shape, dtype) -> pinned host buffer for to_host on CUDA
+        self._steps = {}  # id(plan) -> its TorchDeviceStep (tensors and CUDA graph), reused by its generations
 
     def _tensor(self, x, is_float):
         if not isinstance(x, self.torch.Tensor):
@@ -111,6 +122,7 @@ class TorchBackend:
     def release(self, plan):
         for call in plan.calls.values():
             self._bound.pop(id(call), None)
+        self._steps.pop(id(plan), None)
 
     def run(self, call):
         bound = self._bound.get(id(call))
@@ -163,6 +175,45 @@ class TorchBackend:
     def commit(self, cache, new, rows, src, dst):
         r, s, d = self._indices(rows, src, dst)
         cache[:, r, :, d] = new[:, r, :, s]
+
+    # -- the device step ---------------------------------------------------------------------
+    def device_step_refusal(self, plan, sampler):
+        """Why the device step cannot run a generation of this plan and sampler, or None."""
+        from lantern.runtime.backends.torch_step import refusal
+
+        if self.acceptance is None:
+            return ("this torch backend was opened without the acceptance module (open it with "
+                    "lantern.export.onnx_export.open_torch_backend)")
+        return refusal(plan, sampler)
+
+    def device_step(self, decoding):
+        """The device step for one generation (after its prefill). Its host crossings go through
+        decoding.backend (this backend, or a wrapper that records them)."""
+        from lantern.runtime.backends.torch_step import TorchDeviceStep
+
+        step = self._steps.get(id(decoding.plan))
+        if step is not None and step.plan is decoding.plan and step.key == TorchDeviceStep.key_of(decoding) \
+                and step.backend is decoding.backend:
+            step.load(decoding)  # the same tensors (and CUDA graph), refilled
+            return step
+        step = self._steps[id(decoding.plan)] = TorchDeviceStep(decoding.backend, decoding, self.acceptance)
+        return step
+
+    def to_device(self, array):
+        """A device tensor holding a copy of a host array."""
+        return self.torch.tensor(np.asarray(array), device=self.device)
+
+    def to_host(self, tensor):
+        """A host copy of a device tensor; on CUDA through a pinned buffer, one synchronisation."""
+        if self.device.type != "cuda":
+            return tensor.numpy().copy()
+        key = (tuple(tensor.shape), tensor.dtype)
+        buffer = self._pinned.get(key)
+        if buffer is None:
+            buffer = self._pinned[key] = self.torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        buffer.copy_(tensor, non_blocking=True)
+        self.torch.cuda.current_stream(self.device).synchronize()
+        return buffer.numpy().copy()
 
     def synchronize(self):
         if self.device.type == "cuda":

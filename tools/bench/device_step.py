@@ -1,16 +1,26 @@
-"""Acceptance per step, host path vs device path, on GPT-B shapes (vocabulary 16384, a 1000-wide
-neighbor table), as JSON. Host path: the verification logits cross to the host
-([rows, nodes, V] float32) and the numpy rules run there (CFG combination included, as the loop
-does it). Device path: the greedy acceptance graph (lantern.export.accept_graphs) runs where the
-logits are; only the outcome crosses back. Both are timed on ONNX Runtime CPU / numpy here, side
-by side in one run; on a CPU "device" and host are the same memory, so the bytes are what a GPU
-would move, and the times say what acceptance costs on each path on this machine.
+"""Per step, host path vs device path, as JSON.
 
-    python -m lantern.tools.bench.device_step [--tree mc_sim_7b_63] [--cfg-scale 4] [--batch 1 8]
-        [--threads 2] [--repeats 30]
+Whole step (--engine DIR or --gpt GPT-B; the default section): real generations on one engine,
+each mode (ar, exact, lantern++; greedy, CFG) on ONNX Runtime CPU and on the torch backend on
+the CPU, each with the host step and the device step (torch: the whole step on the device,
+lantern.runtime.backends.torch_step; ONNX Runtime: the engine's acceptance graph fed the logits
+in place, the rest on the host; it has none for AR), side by side in one run. Per step: ms, host time (the
+loop's time outside engine work; the device step counts all of its work as engine time),
+engine launches, and, through RecordingBackend, the bytes that cross the host boundary each way
+and the synchronisations. On a CPU "device" and host are the same memory, so the bytes are what
+a GPU would move.
 
-What it does not measure yet: the whole step on the device (drafting and bookkeeping as graphs,
-one CUDA graph per step), and any GPU.
+Acceptance only (--acceptance): on GPT-B shapes (vocabulary 16384, a 1000-wide neighbor table):
+the host path copies the verification logits ([rows, nodes, V] float32) to the host and runs the
+numpy rules there (CFG combination included, as the loop does it); the device path runs the
+greedy acceptance graph (lantern.export.accept_graphs) where the logits are, and only the
+outcome crosses back (ONNX Runtime CPU here).
+
+    python -m lantern.tools.bench.device_step [--gpt GPT-B | --engine DIR] [--cfg-scale 4]
+        [--batch 1 8] [--threads 2] [--modes ar exact lantern++]
+    python -m lantern.tools.bench.device_step --acceptance [--tree mc_sim_7b_63] [--repeats 30]
+
+What it does not measure: any GPU (tools/gpu_check.py has the device step's CUDA section).
 """
 import argparse
 import json
@@ -21,6 +31,8 @@ import time
 import numpy as np
 
 from lantern.runtime import accept as acceptance
+from lantern.runtime.errors import LanternError
+from lantern.runtime.generator import Engine
 from lantern.runtime.tree import build_tree, root_only
 
 VOCAB, TABLE = 16384, 1000
@@ -139,14 +151,226 @@ def device_acceptance(device, batches=(1, 8), repeats=10, cfg=4.0, tree_name="mc
     return results
 
 
+def export_gpt(root, model, dtype):
+    """A random-weight LlamaGen engine of `model`'s shape (weights don't matter for timings)."""
+    import torch
+
+    from lantern.export import checkpoints, llamagen
+    from lantern.export.onnx_export import export_engine
+
+    args = llamagen.make_config(model)
+    src = os.path.join(root, "src")
+    os.makedirs(src, exist_ok=True)
+    checkpoints.save_llamagen_pt(llamagen.init_random(llamagen.Transformer(args)), os.path.join(src, "gpt.pt"))
+    drafter = llamagen.init_random(llamagen.Drafter(llamagen.DrafterArgs.for_target(args)), seed=1)
+    checkpoints.save_drafter(drafter, os.path.join(src, "drafter"), fmt="safetensors")
+    out = os.path.join(root, model)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    export_engine(out, os.path.join(src, "gpt.pt"), target_options={"name": model},
+                  drafter=os.path.join(src, "drafter"), tree="mc_sim_7b_63", dtype=dtype, candidates=64)
+    return out
+
+
+OWN_BUFFERS = ("target_hidden", "cond_embeds")
+
+
+class RecordingBackend:
+    """A real backend with every host crossing counted as events (kind, bytes): arrays the loop
+    hands to run() (feeds that a GPU backend copies up), index arrays of gather/commit/copy,
+    numpy() and to_host() reads, to_device() writes, synchronisations, launches from the host.
+    `start`: where the last device step's steps begin in `events` (its setup is not counted)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.events = []
+        self.start = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _up(self, *arrays):
+        self.events.append(("to_device", sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))))
+
+    def run(self, call):
+        # the backend's own buffers (caches, hidden states, condition embeddings: made by
+        # backend.zeros, on its device) do not cross; what the loop wrote on the host does
+        self._up(*(v for k, v in call.feeds.items() if not k.startswith("past_") and k not in OWN_BUFFERS))
+        self.events.append(("launch", 0))
+        return self.inner.run(call)
+
+    def numpy(self, array):
+        out = self.inner.numpy(array)
+        self.events += [("to_host", out.nbytes), ("sync", 0)]
+        return out
+
+    def gather(self, src, rows, cols, out):
+        self._up(np.asarray(rows), np.asarray(cols))
+        return self.inner.gather(src, rows, cols, out)
+
+    def commit(self, cache, new, rows, src, dst):
+        self._up(*(np.asarray(a) for a in (rows, src, dst)))
+        return self.inner.commit(cache, new, rows, src, dst)
+
+    def copy(self, src, out):
+        self._up(src)
+        return self.inner.copy(src, out)
+
+    def to_device(self, array):
+        self._up(np.asarray(array))
+        return self.inner.to_device(array)
+
+    def to_host(self, tensor):
+        out = self.inner.to_host(tensor)
+        self.events += [("to_host", out.nbytes), ("sync", 0)]
+        return out
+
+    def synchronize(self):
+        self.events.append(("sync", 0))
+        return self.inner.synchronize()
+
+    def device_step(self, decoding):
+        step = self.inner.device_step(decoding)
+        self.start = len(self.events)
+        return step
+
+    def totals(self, start):
+        """{to_device, to_host: bytes; sync, launch: count} since event `start`."""
+        out = dict(to_device=0, to_host=0, sync=0, launch=0)
+        for kind, size in self.events[start:]:
+            out[kind] += size if kind.startswith("to_") else 1
+        return out
+
+
+def step_record(engine, recorder, path, mode, images, cfg, classes):
+    """One greedy generation's per-step figures on `path` (host or device; the plan is made
+    before the generation's clock starts). Crossings: the device path's from its first step on; the
+    host path's from the end of its first step (an observer marks it; the host path reads
+    decisions anyway, the device path would read more), per later step."""
+    run = Engine(engine.directory, backend=recorder, step=path)
+    k = min(100, run.manifest.neighbors.k) if mode == "lantern++" and run.manifest.neighbors else None
+    kw = dict(mode=mode, greedy=True, cfg_scale=cfg, classes=classes, k=k)
+    marks = []
+    observer = (lambda record: marks.append(len(recorder.events))) if path == "host" else None
+    out = run.generate(observer=observer, **kw)
+    s = out.stats
+    if path == "host":
+        counted, counted_steps = recorder.totals(marks[0]), max(s["steps"] - 1, 1)
+    else:
+        counted, counted_steps = recorder.totals(recorder.start), max(s["steps"], 1)
+    steps = max(s["steps"], 1)
+    step_seconds = s["seconds"] - s["phase_seconds"]["prefill"]
+    engine_seconds = s["engine_seconds"] - min(s["phase_seconds"]["prefill"], s["engine_seconds"])
+    return {"mode": mode, "step": s["step"], "images": len(classes), "steps": s["steps"],
+            "ms_per_step": round(1000 * step_seconds / steps, 3),
+            "host_ms_per_step": round(1000 * max(step_seconds - engine_seconds, 0) / steps, 3),
+            "bytes_device_to_host_per_step": round(counted["to_host"] / counted_steps),
+            "bytes_host_to_device_per_step": round(counted["to_device"] / counted_steps),
+            "syncs_per_step": round(counted["sync"] / counted_steps, 2),
+            "host_launches_per_step": round(counted["launch"] / counted_steps, 2),
+            "engine_calls_per_step": s["engine_calls_per_step"],
+            "mean_accepted_length": round(s["mean_accepted_length"], 3)}
+
+
+def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), cfg=4.0, threads=2):
+    """Per step, host vs device, for each backend the CPU has: a list of records."""
+    from lantern.export.onnx_export import open_torch_backend
+    from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from lantern.runtime.manifest import read_manifest
+
+    manifest = read_manifest(engine_dir)
+    backends = {"onnxruntime-cpu": OnnxRuntimeBackend(engine_dir, manifest, threads=threads),
+                "torch-cpu": open_torch_backend(engine_dir, threads=threads, manifest=manifest)}
+    num_classes = manifest.condition.num_classes or 1
+    results = []
+    for name, backend in backends.items():
+        recorder = RecordingBackend(backend)
+        engine = Engine(engine_dir, backend=recorder)
+        for mode in modes:
+            if mode not in manifest.modes:
+                continue
+            for images in batches:
+                classes = [int(c) % num_classes for c in range(1, images + 1)]
+                for path in ("host", "device"):
+                    try:
+                        record = step_record(engine, recorder, path, mode, images, cfg, classes)
+                    except LanternError as e:  # e.g. ONNX Runtime's AR, or no acceptance graph
+                        record = {"mode": mode, "step": path, "images": images, "skipped": str(e)}
+                    results.append(dict(record, backend=name))
+    return results
+
+
+def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact", "lantern++"), batches=(1, 8),
+                cfg=4.0, threads=None, warmup=True):
+    """gpu_check's device-step section for one engine: on the torch backend on `device` (CUDA
+    graphs per call for the host step, one per step for the device step, or none), per step
+    path, mode and batch: ms per step, host share of the step time, and the speculative step in
+    AR steps; greedy, CFG. Each generation runs once, after one warm-up of its plan (warmup)."""
+    from lantern.export.accept_graphs import GreedyAcceptance
+    from lantern.export.onnx_export import load_graph_modules
+    from lantern.runtime.backends.torch import TorchBackend
+    from lantern.runtime.manifest import read_manifest
+
+    manifest = read_manifest(engine_dir)
+    modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
+    backend = TorchBackend(modules, manifest, device=device, threads=threads, cuda_graphs=cuda_graphs,
+                           acceptance=GreedyAcceptance)
+    num_classes = manifest.condition.num_classes or 1
+    runs = []
+    for path in ("host", "device"):
+        engine = Engine(engine_dir, backend=backend, step=path)
+        for images in batches:
+            classes = [c % num_classes for c in range(1, images + 1)]
+            for mode in modes:
+                if mode not in manifest.modes:
+                    continue
+                k = min(100, manifest.neighbors.k) if mode == "lantern++" and manifest.neighbors else None
+                kw = dict(mode=mode, greedy=True, cfg_scale=cfg, classes=classes, k=k)
+                if warmup:  # the plan, its CUDA graphs, first-call costs
+                    engine.generate(**kw)
+                s = engine.generate(**kw).stats
+                steps = max(s["steps"], 1)
+                step_seconds = s["seconds"] - s["phase_seconds"]["prefill"]
+                engine_seconds = s["engine_seconds"] - min(s["phase_seconds"]["prefill"], s["engine_seconds"])
+                runs.append({"step": s["step"], "mode": mode, "images": images, "steps": s["steps"],
+                             "ms_per_step": round(1000 * step_seconds / steps, 3),
+                             "host_share": round(max(step_seconds - engine_seconds, 0) / max(step_seconds, 1e-9), 3),
+                             "mean_accepted_length": round(s["mean_accepted_length"], 3)})
+    for run in runs:  # the step in AR steps, per path and batch
+        ar = next((r for r in runs if r["mode"] == "ar" and r["step"] == run["step"] and r["images"] == run["images"]),
+                  None)
+        if ar is not None and run["mode"] != "ar":
+            run["step_in_ar_steps"] = round(run["ms_per_step"] / ar["ms_per_step"], 2)
+    return {"device": str(device), "cuda_graphs": bool(cuda_graphs and str(device).startswith("cuda")), "runs": runs}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--acceptance", action="store_true", help="acceptance only, on GPT-B's vocabulary")
+    p.add_argument("--engine", help="whole step on this c2i engine directory")
+    p.add_argument("--gpt", default="GPT-B", help="whole step on a random-weight LlamaGen of this shape (fp32)")
+    p.add_argument("--modes", nargs="+", default=["ar", "exact", "lantern++"])
     p.add_argument("--tree", default="mc_sim_7b_63")
     p.add_argument("--cfg-scale", type=float, default=4.0)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=30)
     args = p.parse_args(argv)
+    if args.acceptance:
+        return acceptance_main(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine_dir = args.engine
+        if engine_dir is None:
+            from lantern.export.accept_graphs import add_acceptance_graphs
+
+            engine_dir = export_gpt(tmp, args.gpt, "fp32")
+            add_acceptance_graphs(engine_dir, kinds=("greedy",))  # ONNX Runtime's device step
+        results = whole_step(engine_dir, args.modes, args.batch, args.cfg_scale, args.threads)
+    print(json.dumps({"benchmark": "device_step_whole", "engine": args.engine or f"{args.gpt} random fp32",
+                      "cfg": args.cfg_scale, "threads": args.threads, "results": results}, indent=1))
+    return 0
+
+
+def acceptance_main(args):
     import onnxruntime as ort
 
     from lantern.export.accept_graphs import export_acceptance

@@ -1,0 +1,354 @@
+"""The torch backend's device step: draft -> verify -> accept -> commit with every piece of the
+loop's state as tensors on the backend's device, so a step's only traffic with the host is its
+report, a few integers per image (what it emitted, how many drafts it accepted, whether its
+logits were void).
+
+What the host loop (generator._Decoding) builds on the host per step is built here by tensor ops
+of fixed shapes: node tokens from the drafter's top-K, draft0's pairs from the outcome, position
+ids and attention masks from the caches' visible slots and lengths, and the commits into the
+caches. Acceptance is the exported module itself (lantern.export.accept_graphs.GreedyAcceptance,
+handed in by whoever opened the backend: the runtime never imports lantern.export).
+
+Every shape is a function of the plan, and nothing in a step reads a device value on the host,
+so on CUDA the whole step is captured as one CUDA graph per plan and replayed (after one eager
+step that warms the kernels up); the backend keeps a plan's step for its next generations, which
+refill the same tensors (load), so the graph is captured once per plan, not per generation.
+Python values the graph bakes in are constants of the plan (or of `key_of`). On the CPU, and where capture fails (one warning line), the
+same function runs eagerly. Finished images keep running in their batch rows (static shapes);
+their commits are made harmless instead of skipped: entries they would keep land on slots that
+no one sees, and their token counts stop.
+
+Where the host loop writes only the entries it keeps, the step writes fixed-width blocks and
+points the unneeded ones at a kept entry (the same value written twice) or at an invisible slot,
+so no scatter ever has two different values for one place.
+
+Greedy, plain (not in-place) caches only. Sampling needs more than SamplingAcceptance (which
+lantern.export.accept_graphs has): the children's draw without replacement and the images'
+uniforms (lantern.runtime.streams.table) on the device."""
+import numpy as np
+
+from lantern.runtime.errors import LanternError
+
+
+def refusal(plan, sampler):
+    """Why the device step cannot run a generation of this plan and sampler, or None."""
+    from lantern.runtime.kvcache import InPlaceKVCache
+    from lantern.runtime.sampling import Greedy
+
+    if not isinstance(sampler, Greedy):
+        return ("it runs greedy decoding only (sampling there needs the children's draw and the images' random "
+                "streams on the device too: not yet)")
+    if isinstance(plan.target_cache, InPlaceKVCache):
+        return "it runs plain-cache engines only (this one updates its caches in place)"
+    return None
+
+
+class TorchDeviceStep:
+    """The device step of one plan: its tensors and, on CUDA, its captured graph, kept by the
+    backend for the plan's next generations (load() refills the same tensors, so the graph
+    stays valid). decoding: the generator's _Decoding after prefill (its plan's feeds and caches
+    hold the state the first step starts from); backend: the one it runs on (decoding.backend:
+    every host crossing goes through its to_device / to_host)."""
+
+    whole_step = True  # draft, verify, accept and commit: the generator only reads the report
+
+    def __init__(self, backend, decoding, acceptance_module):
+        torch = self.torch = backend.torch
+        self.backend = b = backend
+        d, plan = decoding, decoding.plan
+        tree = self.tree = plan.tree
+        self.plan = plan
+        self.N, self.B, self.length = d.N, d.B, d.length
+        self.depth = tree.depth
+        self.key = self.key_of(decoding)
+        dev = b.device
+        up = self._up
+        # constants of the plan
+        self.batch_rows = torch.arange(d.B, device=dev)
+        self.max_position = d.max_position
+        self.depths = up(tree.depths, np.int64)
+        view = d.view
+        self.codes, self.start, self.plain_view = view.codes, view.start, view.plain
+        self.vocab = int(plan.calls["verify"].output_shapes["logits"][-1])
+        self.node_tokens = torch.zeros((d.N, tree.num_nodes), dtype=torch.int64, device=dev)
+        if tree.depth:
+            W = tree.depth + 1
+            self.pair_index = torch.arange(W, device=dev)
+            self.pair_block = torch.tril(torch.ones((W, W), dtype=torch.bool, device=dev))
+            self.pair_self = torch.eye(W, dtype=torch.bool, device=dev)
+            self.ancestors = {depth: up(extra) for depth, extra in plan.scratch_ancestors.items()}
+            self.scratch_slots = {lv.depth: up(plan.scratch + lv.nodes - 1, np.int64) for lv in tree.levels[:-1]}
+            self.levels = [dict(depth=lv.depth, nodes=up(lv.nodes, np.int64), slots=up(lv.slots, np.int64),
+                                ranks=up(lv.ranks, np.int64)) for lv in tree.levels]
+            self.widths = [lv.width for lv in tree.levels]
+            self.candidates = torch.zeros((d.N, tree.num_nodes, d.engine.manifest.candidates), dtype=torch.int64,
+                                          device=dev)
+        self.cfg_interval_on = d.cfg and d.cfg_interval >= 0
+        # acceptance: the exported module over this token space
+        self.accept_module = acceptance_module(tree, np.concatenate([view.start + np.arange(view.codes),
+                                                                     view.extra]), view.codes).to(dev).eval()
+        # the report: per image accepted, emitted tokens [depth + 1], invalid; decisions after it
+        self.report = torch.zeros((d.N, tree.depth + 3 + tree.num_nodes), dtype=torch.int64, device=dev)
+        self.graph = None
+        self.eager_steps = 0
+        self.capture = b.device.type == "cuda" and getattr(b, "cuda_graphs", False)
+        self.state = {}  # name -> the device tensor the step reads (refilled in place by load)
+        self.load(decoding)
+
+    @staticmethod
+    def key_of(decoding):
+        """What fixes the step's structure beyond its plan: a generation with another key needs
+        a step of its own (and its own graph)."""
+        view = decoding.view
+        return (decoding.cfg and decoding.cfg_interval >= 0, tuple(view.extra.tolist()),
+                None if decoding.neighbors is None else decoding.neighbors.shape)
+
+    def _up(self, x, dtype=None):
+        return self.backend.to_device(np.ascontiguousarray(x) if dtype is None else np.asarray(x, dtype=dtype))
+
+    def _keep(self, name, value, dtype=None):
+        """The state tensor `name` holding `value` (host): the tensor already there, refilled, so
+        a captured graph reads the new values; else a new one."""
+        new = self._up(value, dtype)
+        old = self.state.get(name)
+        if old is None:
+            self.state[name] = new
+            return new
+        old.copy_(new)
+        return old
+
+    def load(self, decoding):
+        """A generation's starting state (after its prefill) into the step's tensors."""
+        torch, d, plan = self.torch, decoding, decoding.plan
+        keep = self._keep
+        # the loop's state (mirrors of what _Decoding keeps on the host)
+        self.count = keep("count", d.count, np.int64)
+        self.root = keep("root", d.tokens[np.arange(d.N), d.count - 1], np.int64)
+        self.pending = keep("pending", d.pending, np.int64)
+        self.image_of_row = keep("image_of_row", d.image_of_row, np.int64)
+        self.offset = keep("offset", d.offset, np.int64)
+        view = d.view
+        self.column_of_id = keep("column_of_id", view.columns(np.arange(self.vocab)), np.int64)
+        self.extra = keep("extra", view.extra if len(view.extra) else np.zeros(1), np.int64)
+        self.forced_column = keep("forced_column", view.forced_column, np.int64)
+        # caches: K/V live on the device already; what each row sees and how much it holds
+        self.target = self._cache("target", plan.target_cache)
+        self.drafter = self._cache("drafter", plan.drafter_cache) if self.depth else None
+        # each call's feeds as device tensors (float ones are the plan's device buffers already)
+        self.feeds = {}
+        cfg_pair = keep("cfg_pair", plan.settings["cfg_pair"]) if self.depth else None
+        for regime in ["verify"] + [f"draft{i}" for i in range(self.depth)]:
+            feeds = {}
+            for name, buf in plan.calls[regime].feeds.items():
+                if isinstance(buf, torch.Tensor):
+                    feeds[name] = buf
+                elif name == "cfg_pair":
+                    feeds[name] = cfg_pair
+                else:
+                    feeds[name] = keep(f"{regime}/{name}", buf)
+            self.feeds[regime] = feeds
+        if self.depth:
+            self.cfg_pair, self.cfg_partners = cfg_pair, keep("cfg_partners", plan.cfg_partners)
+        rule = d.rule
+        neighbors = d.neighbors if d.neighbors is not None else np.zeros((view.size, 1), dtype=np.int64)
+        cond_rows = np.arange(d.N)
+        self.accept_feeds = dict(
+            cond_rows=keep("cond_rows", cond_rows, np.int64),
+            uncond_rows=keep("uncond_rows", cond_rows + d.N if d.cfg else cond_rows, np.int64),
+            cfg_scale=keep("cfg_scale", [d.cfg_scale if d.cfg else 1.0], np.float32),
+            cfg_interval=keep("cfg_interval", [d.cfg_interval if d.cfg else -1], np.int64), forced_columns=self.forced_column,
+            neighbors=keep("neighbors", neighbors, np.int64), k=keep("k", [rule.k], np.int64),
+            lam=keep("lam", [getattr(rule, "lam", 1.0)], np.float32),
+            delta=keep("delta", [getattr(rule, "delta", 0.0)], np.float32))
+
+    def _cache(self, name, cache):
+        return dict(keys=cache.keys, values=cache.values, visible=self._keep(f"{name}/visible", cache.visible),
+                    length=self._keep(f"{name}/length", cache.length, np.int64), capacity=cache.capacity)
+
+    @property
+    def report_width(self):
+        """Integers per image a step reads back (decisions only when an observer wants them)."""
+        return self.depth + 3
+
+    # -- the host side: one call per step ------------------------------------------------------
+    def step(self, decisions=False):
+        """Run one step; returns (accepted [N], emitted [N, depth + 1] vocabulary ids,
+        invalid [N] bool, decisions [N, M] or None) read back in one transfer."""
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            with self.torch.inference_mode():
+                self._step()
+            self.eager_steps += 1
+            if self.capture and self.eager_steps == 1:
+                self.graph = self._capture()
+        width = self.report.shape[1] if decisions else self.report_width
+        report = self.backend.to_host(self.report[:, :width])
+        D = self.depth
+        return (report[:, 0], report[:, 1: D + 2], report[:, D + 2].astype(bool),
+                report[:, D + 3:].astype(np.int8) if decisions else None)
+
+    def _capture(self):
+        """The whole step as one CUDA graph over the step's static tensors; None (eager from
+        here on, one warning line) where capture fails. Unmeasured: no GPU in the tests."""
+        torch = self.torch
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize()
+            with torch.inference_mode(), torch.cuda.graph(graph):
+                self._step()
+        except Exception as e:  # capture of some op failed: the eager step stays correct
+            import sys
+
+            print(f"lantern: device step not captured as a CUDA graph ({str(e).splitlines()[0]}); running it "
+                  f"eagerly", file=sys.stderr)
+            self.capture = False
+            return None
+        return graph
+
+    # -- the step itself: device ops only, shapes fixed by the plan ----------------------------
+    def _run(self, regime, graph):
+        b = self.backend
+        feeds = self.feeds[regime]
+        out = b.modules[graph](*(feeds[name] for name in b.inputs[graph]))
+        out = out if isinstance(out, tuple) else (out,)
+        return dict(zip(b.outputs[graph], out))
+
+    def _positions(self, slots):
+        return (slots - self.offset[:, None]).clamp(0, self.max_position)
+
+    def _ids(self, columns):
+        if self.plain_view:
+            return columns + self.start
+        extra = self.extra[(columns - self.codes).clamp(min=0) % self.extra.shape[0]]
+        return self.torch.where(columns < self.codes, columns + self.start, extra)
+
+    def _append(self, cache, out, src, counts):
+        """Row b keeps the call's entries src[b, :counts[b]] after its committed ones; the block's
+        other columns repeat the last kept entry (or, with none kept, write an invisible slot)."""
+        torch = self.torch
+        W = src.shape[1]
+        last = (counts - 1).clamp(min=0)[:, None]
+        j = torch.minimum(torch.arange(W, device=src.device)[None, :], last)
+        s = src.gather(1, j)
+        dst = (cache["length"][:, None] + j).clamp(max=cache["capacity"] - 1)
+        r = self.batch_rows[:, None].expand(-1, W)
+        cache["keys"][:, r, :, dst] = out["new_keys"][:, r, :, s]
+        cache["values"][:, r, :, dst] = out["new_values"][:, r, :, s]
+        cache["visible"][r, dst] = cache["visible"][r, dst] | (counts > 0)[:, None]
+        cache["length"] += counts
+
+    def _mask_cache(self, regime, cache, extra=None):
+        visible = cache["visible"][:, None, :]
+        if extra is not None:
+            visible = visible | extra[None]
+        self.feeds[regime]["attention_mask"][:, 0, :, : cache["capacity"]] = visible
+
+    def _take_candidates(self, out, nodes, cols):
+        """The drafter's top-K (as columns) of the conditional rows at columns cols [N, n]."""
+        ids = out["topk_ids"][: self.N].gather(1, cols[..., None].expand(-1, -1, self.candidates.shape[2]))
+        self.candidates[:, nodes] = self.column_of_id[ids]
+
+    def _force_drafts(self, nodes, depth):
+        body = self.count - 1 + depth
+        inside = (body >= 0) & (body < self.forced_column.shape[0])
+        column = self.torch.where(inside, self.forced_column[body.clamp(0, self.forced_column.shape[0] - 1)], -1)
+        forced = self._ids(column.clamp(min=0))[:, None]
+        self.node_tokens[:, nodes] = self.torch.where((column >= 0)[:, None], forced, self.node_tokens[:, nodes])
+
+    def _draft(self, active):
+        torch = self.torch
+        N, B, iob = self.N, self.B, self.image_of_row
+        cache = self.drafter
+        if self.cfg_interval_on:  # past the interval an image's rows are their own CFG partners
+            late = (self.count >= self.accept_feeds["cfg_interval"])[iob]  # a tensor: the graph reads its value
+            self.cfg_pair.copy_(torch.where(late, self.batch_rows, self.cfg_partners))
+        self._mask_cache("draft0", cache)
+        out = self._run("draft0", "drafter")
+        kept = torch.where(active[iob], self.pending[iob], torch.zeros_like(self.pending[iob]))
+        self._append(cache, out, self.pair_index[None, :].expand(B, -1), kept)
+        last = self.pending - 1
+        self._take_candidates(out, slice(0, 1), last[:, None])
+        parents = self.candidates[:, :1, : self.widths[0]]
+        hidden, parent_cols = out["hidden_out"], last[iob][:, None]
+        root_slot = self.target["length"]
+        for index, level in enumerate(self.levels):
+            depth, nodes = level["depth"], level["nodes"]
+            self.node_tokens[:, nodes] = self._ids(parents[:, level["slots"], level["ranks"]])
+            self._force_drafts(nodes, depth)
+            if depth == self.depth:
+                break
+            regime = f"draft{depth}"
+            feeds = self.feeds[regime]
+            T = nodes.shape[0]
+            cols = parent_cols.expand(B, T) if depth == 1 else level["slots"][None, :].expand(B, T)
+            feeds["target_hidden"].copy_(hidden[self.batch_rows[:, None], cols])
+            feeds["input_ids"].copy_(self.node_tokens[:, nodes][iob])
+            feeds["position_ids"].copy_(self._positions((root_slot + depth)[:, None].expand(B, T)))
+            self._mask_cache(regime, cache, self.ancestors[depth])
+            out = self._run(regime, "drafter")
+            slots = self.scratch_slots[depth]
+            cache["keys"][:, :, :, slots] = out["new_keys"]
+            cache["values"][:, :, :, slots] = out["new_values"]
+            self._take_candidates(out, nodes, torch.arange(T, device=nodes.device)[None, :].expand(N, T))
+            parents = self.candidates[:, nodes, : self.widths[index + 1]]
+            hidden = out["hidden_out"]
+
+    def _step(self):
+        torch = self.torch
+        N, iob, tree = self.N, self.image_of_row, self.tree
+        active = self.count < self.length
+        self.node_tokens[:, 0] = self.root
+        if self.depth:
+            self._draft(active)
+        # verify
+        feeds = self.feeds["verify"]
+        feeds["input_ids"].copy_(self.node_tokens[iob])
+        feeds["position_ids"].copy_(self._positions(self.target["length"][:, None] + self.depths[None, :]))
+        self._mask_cache("verify", self.target)
+        out = self._run("verify", "target")
+        # accept
+        a = self.accept_feeds
+        accepted, next_column, path, decisions, invalid = self.accept_module(
+            out["logits"], a["cond_rows"], a["uncond_rows"], a["cfg_scale"], a["cfg_interval"], self.count,
+            a["forced_columns"], self.column_of_id[self.node_tokens], a["neighbors"], a["k"], a["lam"], a["delta"])
+        # commit
+        emitted = self.node_tokens.gather(1, torch.roll(path, -1, 1).clamp(min=0))
+        emitted.scatter_(1, accepted[:, None], self._ids(next_column)[:, None])
+        emit = torch.where(active, torch.minimum(accepted + 1, self.length - self.count), torch.zeros_like(accepted))
+        cols = path.clamp(min=0)[iob]
+        self._append(self.target, out, cols, emit[iob])
+        if self.depth:
+            counts = torch.where(active, emit.clamp(min=1), torch.ones_like(emit))
+            tokens = torch.where(active[:, None], emitted, torch.zeros_like(emitted))
+            self._set_pending(out["hidden"], torch.where(active[iob][:, None], cols, torch.zeros_like(cols)), tokens,
+                              counts)
+        self.root.copy_(torch.where(active, emitted.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0], self.root))
+        self.count += emit
+        D = self.depth
+        self.report[:, 0] = torch.where(active, accepted, torch.zeros_like(accepted))
+        self.report[:, 1: D + 2] = emitted
+        self.report[:, D + 2] = (invalid & active).to(torch.int64)
+        self.report[:, D + 3:] = decisions
+
+    def _set_pending(self, hidden, cols, tokens, counts):
+        """draft0's feeds for the next step, as _Decoding.set_pending builds them on the host."""
+        torch = self.torch
+        iob, W = self.image_of_row, self.depth + 1
+        feeds = self.feeds["draft0"]
+        real = self.pair_index[None, :] < counts[:, None]  # [N, W]
+        feeds["target_hidden"].copy_(hidden[self.batch_rows[:, None], cols])
+        feeds["input_ids"].copy_(torch.where(real, tokens, torch.zeros_like(tokens))[iob])
+        first = self.target["length"] - counts[iob] + 1
+        feeds["position_ids"].copy_(self._positions(first[:, None] + self.pair_index[None, :]))
+        block = (self.pair_block[None] & real[iob][:, None, :]) | self.pair_self[None]
+        feeds["attention_mask"][:, 0, :, self.drafter["capacity"]:] = block
+        self.pending.copy_(counts)
+
+
+def check_report(invalid, active):
+    """One LanternError line when an active image's verification logits had no finite maximum."""
+    bad = np.flatnonzero(invalid & active)
+    if bad.size:
+        raise LanternError(f"target logits of image {int(bad[0])} contain NaN or +inf, or are all -inf "
+                           f"(device step)")

@@ -1,0 +1,100 @@
+"""Acceptance graphs in an engine directory: `lantern-export accept` exports them for the engine's
+trees and records them (Manifest.acceptance); the runtime finds a tree's graphs by its paths,
+runs them from the directory, and refuses damaged or mismatched records in one line."""
+import json
+import os
+import shutil
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from engines import manifest as manifest_json
+from lantern.export import cli
+from lantern.runtime import accept as acceptance
+from lantern.runtime.errors import LanternError
+from lantern.runtime.manifest import read_manifest
+from lantern.runtime.tree import build_tree
+
+
+@pytest.fixture(scope="module")
+def accept_engine(c2i_engine, tmp_path_factory):
+    """A private copy of the session's c2i engine with its default tree's acceptance graphs."""
+    out = shutil.copytree(c2i_engine, tmp_path_factory.mktemp("accept") / "engine")
+    assert cli.main(["accept", str(out)]) == 0
+    return str(out)
+
+
+def test_accept_records_the_default_trees_graphs(accept_engine, c2i_engine):
+    m = read_manifest(accept_engine)
+    tree = build_tree(m.tree)
+    entry = m.acceptance_for(tree)
+    assert entry is not None and entry.forced_ids == () and list(m.acceptance) == [tree.name]
+    assert entry.greedy.contract == "accept_greedy" and entry.greedy.file.startswith("accept/")
+    assert entry.greedy.file in m.files and entry.greedy.inputs["tokens"].shape == ("N", tree.num_nodes)
+    assert m.acceptance_for(build_tree("chain-4")) is None  # no graph: that tree's step accepts on the host
+    # the engine's other graphs and files are untouched
+    before = read_manifest(c2i_engine)
+    assert m.graphs == before.graphs and {k: v for k, v in m.files.items() if not k.startswith("accept/")} == before.files
+
+
+def test_the_engines_graph_runs_and_equals_the_numpy_rules(accept_engine):
+    m = read_manifest(accept_engine)
+    tree = build_tree(m.tree)
+    entry = m.acceptance_for(tree)
+    session = ort.InferenceSession(os.path.join(accept_engine, entry.greedy.file), providers=["CPUExecutionProvider"])
+    neighbors = np.load(os.path.join(accept_engine, m.neighbors.file)).astype(np.int64)
+    rng = np.random.default_rng(0)
+    V, M, N = m.vocabulary.size, tree.num_nodes, 3
+    logits = (rng.integers(-4, 4, size=(N, M, V)) / 2).astype(np.float32)
+    top = logits.argmax(axis=2)
+    tokens = np.where(rng.random((N, M)) < 0.6, top[:, np.maximum(tree.parents, 0)], rng.integers(0, V, (N, M)))
+    rule = acceptance.LanternPP(k=4, lam=3.0)
+    feeds = dict(logits=logits, cond_rows=np.arange(N), uncond_rows=np.arange(N), cfg_scale=np.ones(1, np.float32),
+                 cfg_interval=np.array([-1]), count=np.ones(N, np.int64), forced_columns=np.full(10, -1),
+                 tokens=tokens, neighbors=neighbors, k=np.array([rule.k]), lam=np.array([rule.lam], np.float32),
+                 delta=np.zeros(1, np.float32))
+    got = dict(zip(entry.greedy.outputs, session.run(list(entry.greedy.outputs), feeds)))
+    want = acceptance.accept_greedy_batch(tree, tokens, logits, rule, neighbors)
+    np.testing.assert_array_equal(got["path"], want.path)
+    np.testing.assert_array_equal(got["next_token"], want.next_token)
+    assert (want.accepted > 0).any()
+
+
+def test_a_changed_acceptance_graph_is_refused(accept_engine, tmp_path):
+    copy = shutil.copytree(accept_engine, tmp_path / "engine")
+    m = read_manifest(copy)
+    path = os.path.join(copy, next(iter(m.acceptance.values())).greedy.file)
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(LanternError, match="accept/"):
+        read_manifest(copy, verify=True)
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda e: e["greedy"]["inputs"]["tokens"].update(shape=["N", 7]), "dims"),
+    (lambda e: e.update(forced_ids=[3]), "image token"),
+    (lambda e: e["greedy"].update(contract="accept_sampling"), "contract"),
+    (lambda e: e.update(extra=1), "unknown field"),
+])
+def test_a_mismatched_acceptance_record_is_one_line(accept_engine, tmp_path, damage, match):
+    copy = shutil.copytree(accept_engine, tmp_path / "engine")
+    data = manifest_json(copy)
+    damage(next(iter(data["acceptance"].values())))
+    with open(os.path.join(copy, "manifest.json"), "w") as f:
+        json.dump(data, f)
+    with pytest.raises(LanternError, match=match) as e:
+        read_manifest(copy, verify=False)
+    assert "\n" not in str(e.value) and "lantern-export accept" in str(e.value)
+
+
+def test_accept_refuses_an_engine_without_a_drafter_in_one_line(tmp_path, capsys, c2i_engine):
+    copy = shutil.copytree(c2i_engine, tmp_path / "engine")
+    data = manifest_json(copy)
+    assert cli.main(["accept", str(copy), "--tree", "kary-20-1"]) == 2  # wider than the drafter's candidates
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "candidates" in err[0]
+    assert manifest_json(copy) == data

@@ -1,0 +1,138 @@
+"""The device step against the host step: the torch backend's whole step on the device
+(runtime/backends/torch_step.py) on the CPU, and ONNX Runtime's acceptance graph fed the
+verification logits in place. The same tokens, token for token, over modes, CFG, batch sizes and
+a forced-token (Lumina-mGPT) engine; batch invariance; and, through a backend that records every
+host crossing, a torch step that moves only a few integers per image and nothing that grows with
+the vocabulary, the cache or the tree, and an ONNX Runtime step whose logits never cross."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lantern.export.onnx_export import open_torch_backend
+from lantern.runtime.errors import LanternError
+from lantern.runtime.generator import Engine
+from lantern.tools.bench.device_step import RecordingBackend
+from lantern.tools.run_cli import main as run_main
+
+torch.set_grad_enabled(False)
+
+
+@pytest.fixture(scope="module")
+def torch_c2i(c2i_engine):
+    return c2i_engine, open_torch_backend(c2i_engine, threads=2)
+
+
+def both(directory, backend, **kw):
+    host = Engine(directory, backend=backend, step="host").generate(greedy=True, **kw)
+    device = Engine(directory, backend=backend, step="device").generate(greedy=True, **kw)
+    assert (host.stats["step"], device.stats["step"]) == ("host", "device")
+    return host, device
+
+
+@pytest.fixture(scope="module")
+def engines(torch_c2i):
+    """One host and one device engine for all cases: consecutive cases with the same tree and
+    batch reuse the plan, and the device engine its step (refilled by load)."""
+    directory, backend = torch_c2i
+    return Engine(directory, backend=backend, step="host"), Engine(directory, backend=backend, step="device")
+
+
+# each mode with CFG off and on, batch 1 and 3 among them (every case costs two generations);
+# the lantern case follows the exact one on the same plan and key: its device step is reused
+CASES = [("ar", 4.0, 3, {}), ("exact", 1.0, 1, {}), ("exact", 4.0, 3, {"cfg_interval": 5}),
+         ("lantern", 4.0, 3, {"delta": 0.2, "k": 8, "cfg_interval": 7}), ("lantern++", 1.0, 3, {"lam": 3.0, "k": 8}),
+         ("lantern++", 4.0, 3, {"lam": 3.0, "k": 8})]
+
+
+@pytest.mark.parametrize("mode, cfg, images, extra", CASES)
+def test_device_step_equals_host_step(engines, mode, cfg, images, extra):
+    host_engine, device_engine = engines
+    kw = dict(mode=mode, greedy=True, cfg_scale=cfg, classes=list(range(1, images + 1)), **extra)
+    reused = device_engine.backend._steps.get(id(device_engine._plan))
+    host, device = host_engine.generate(**kw), device_engine.generate(**kw)
+    assert (host.stats["step"], device.stats["step"]) == ("host", "device")
+    np.testing.assert_array_equal(device.tokens, host.tokens)
+    for key in ("steps_per_image", "mean_accepted_length", "accepted_histogram"):
+        assert device.stats[key] == host.stats[key], key
+    if mode == "lantern":  # the exact case's step, refilled for this generation
+        assert reused is not None and device_engine.backend._steps[id(device_engine._plan)] is reused
+    if mode == "lantern++":  # relaxed acceptance really ran: drafts were accepted
+        assert device.stats["mean_accepted_drafts"] > 0
+    if images == 3 and cfg > 1 and mode == "lantern++":  # batch invariance: image 2 alone = in the batch
+        alone = device_engine.generate(**{**kw, "classes": [2]})
+        np.testing.assert_array_equal(alone.tokens[0], device.tokens[1])
+
+
+def test_forced_tokens_on_the_device(chameleon_engines):
+    directory = chameleon_engines["lumina_mgpt"]
+    backend = open_torch_backend(directory, threads=2)
+    host, device = both(directory, backend, mode="lantern++", lam=4.0, k=8, prompt=["a red cat", "a dog on a mat"],
+                        grid=(4, 4), cfg_scale=3.0)
+    np.testing.assert_array_equal(device.body, host.body)  # forced line breaks and end of image included
+    assert device.stats["mean_accepted_drafts"] > 0
+
+
+def test_device_step_moves_a_few_integers_per_image(torch_c2i):
+    directory, inner = torch_c2i
+    backend = RecordingBackend(inner)
+    kw = dict(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, classes=[1, 2, 3])
+    engine = Engine(directory, backend=backend, step="device")
+    device = engine.generate(**kw)
+    events = backend.events[backend.start:]
+    depth, vocab = engine.tree.depth, engine.manifest.vocabulary.size
+    report = 3 * (depth + 3) * 8  # per image: accepted, depth + 1 tokens, invalid (int64)
+    # per step one read of the report and its one synchronisation; no launches from the host,
+    # nothing written up, nothing that grows with the vocabulary, the cache or the tree
+    assert {kind for kind, _ in events} == {"to_host", "sync"}
+    reads = [size for kind, size in events if kind == "to_host"]
+    assert reads == [report] * len(reads) and len(reads) == len(events) // 2 >= device.stats["steps_per_image"]
+
+    start = len(backend.events)
+    host = Engine(directory, backend=backend, step="host").generate(**kw)
+    events = backend.events[start:]
+    logits = 6 * engine.tree.num_nodes * vocab * 4  # [rows, nodes, vocabulary] float32, read back every step
+    assert max(size for kind, size in events if kind == "to_host") >= logits
+    assert sum(kind == "sync" for kind, _ in events) >= (depth + 2) * host.stats["steps_per_image"]
+    np.testing.assert_array_equal(device.tokens, host.tokens)
+
+
+def test_step_choice_and_refusals(torch_c2i, c2i_engine, tmp_path, capsys):
+    directory, backend = torch_c2i
+    assert Engine(directory, backend=backend).step == "host"  # torch on the CPU: the measured default
+    with pytest.raises(LanternError, match="unknown step path 'gpu'"):
+        Engine(directory, backend=backend, step="gpu")
+    with pytest.raises(LanternError, match="no acceptance graph for tree 'mc_sim_7b_63'.*lantern-export accept"):
+        Engine(c2i_engine, step="device").generate(mode="exact", greedy=True, classes=[1])
+    with pytest.raises(LanternError, match="greedy decoding only"):
+        Engine(directory, backend=backend, step="device").generate(mode="exact", classes=[1])
+    out = tmp_path / "run"
+    assert run_main(["generate", str(directory), "--backend", "torch", "--step", "device", "--mode", "exact",
+                     "--greedy", "--classes", "1,2", "--cfg-scale", "4", "--threads", "2", "--out", str(out)]) == 0
+    assert "device step" in capsys.readouterr().out
+    assert json.loads((out / "stats.json").read_text())["step"] == "device"
+    host = Engine(directory, backend=backend, step="host").generate(mode="exact", greedy=True, cfg_scale=4.0,
+                                                                     classes=[1, 2])
+    np.testing.assert_array_equal(np.load(out / "tokens.npy"), host.tokens)
+
+
+@pytest.mark.parametrize("mode, cfg, images, extra", [("exact", 4.0, 3, {"cfg_interval": 5}),
+                                                      ("lantern++", 1.0, 1, {"lam": 3.0, "k": 8})])
+def test_onnxruntime_acceptance_graph_equals_host_and_keeps_the_logits(c2i_accept_engine, mode, cfg, images, extra):
+    from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from lantern.runtime.manifest import read_manifest
+
+    manifest = read_manifest(c2i_accept_engine)
+    backend = RecordingBackend(OnnxRuntimeBackend(c2i_accept_engine, manifest, threads=2))
+    kw = dict(mode=mode, greedy=True, cfg_scale=cfg, classes=list(range(1, images + 1)), **extra)
+    host = Engine(c2i_accept_engine, backend=backend, step="host").generate(**kw)
+    host_reads = max(size for kind, size in backend.events if kind == "to_host")
+    device_engine = Engine(c2i_accept_engine, backend=backend, step="device")
+    device = device_engine.generate(**kw)
+    assert (host.stats["step"], device.stats["step"]) == ("host", "device")
+    np.testing.assert_array_equal(device.tokens, host.tokens)
+    logits = (2 if cfg > 1 else 1) * images * 26 * manifest.vocabulary.size * 4
+    assert host_reads >= logits  # the host path reads the verification logits every step ...
+    reads = [size for kind, size in backend.events[backend.start:] if kind == "to_host"]
+    assert reads and max(reads) < logits  # ... the device path never (the drafts' top-K ids and probs only)
