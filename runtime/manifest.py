@@ -562,14 +562,15 @@ def _plans(r, key, m):
     ccs = r.get("compute_capabilities", list, check=lambda v: v and all(isinstance(c, str) and _SM.match(c) for c in v),
                 why="a non-empty list like ['SM89']")
     plans = {}
+    graphs = m.all_graphs()  # the acceptance graphs' plans are keyed accept_<kind>@TREE
     for graph, entry in r.get("plans", dict, check=lambda v: len(v) > 0, why="a non-empty object").items():
         pr = _Reader(entry, f"{r.where}.plans.{graph}", r.fix)
-        if graph not in m.graphs:
+        if graph not in graphs:
             pr.fail("", "is a plan for a graph the engine does not have")
         file = pr.get("file", str, check=lambda v: v in m.files, why="a file that `files` lists")
         profiles = []
         for i, p in enumerate(pr.get("profiles", list, check=lambda v: len(v) > 0, why="a non-empty list")):
-            profiles.append(_profile(_Reader(p, f"{pr.where}.profiles[{i}]", r.fix), m.graphs[graph]))
+            profiles.append(_profile(_Reader(p, f"{pr.where}.profiles[{i}]", r.fix), graphs[graph]))
         pr.done(_fields(PlanFile))
         plans[graph] = PlanFile(file=file, profiles=tuple(profiles))
     t = TensorRTPlans(
