@@ -138,3 +138,32 @@ def test_trt_lays_out_the_acceptance_plans_from_the_step_plans(accept_engine):
             assert profile["tokens"][0] == (images, tree.num_nodes)
             if label.startswith("accept_sampling"):
                 assert profile["draft_probs"][0] == (images, tree.num_nodes, m.candidates)
+
+
+def test_the_manifest_takes_plans_of_acceptance_graphs(accept_engine, tmp_path):
+    """A `lantern-export trt` record with acceptance plans (keyed accept_<kind>@TREE) reads back;
+    one for a graph the engine does not have is refused."""
+    from lantern.export import trt_export
+    from lantern.runtime.manifest import PlanFile, PlanProfile, TensorRTPlans, describe_files
+
+    copy = shutil.copytree(accept_engine, tmp_path / "engine")
+    m = read_manifest(copy)
+    tree = build_tree(m.tree)
+    (label, profiles), _ = trt_export.acceptance_jobs(m, (1,), (True,), [tree])
+    os.makedirs(os.path.join(copy, "plans", "tensorrt-rtx-SM89"))
+    plan = "plans/tensorrt-rtx-SM89/" + os.path.basename(m.all_graphs()[label].file)[:-len(".onnx")] + ".plan"
+    with open(os.path.join(copy, plan), "wb") as f:
+        f.write(b"not a real plan")
+    shapes = {n: {"min": list(a), "opt": list(b), "max": list(c)} for n, (a, b, c) in profiles[0][1].items()}
+    entry = TensorRTPlans(flavor="tensorrt-rtx", version="1.7", compute_capabilities=("SM89",),
+                          plans={label: PlanFile(file=plan, profiles=(PlanProfile(serves=profiles[0][0], shapes=shapes),))},
+                          batches=(1,), cfg=(True,), trees=(tree.name,))
+    m.replace(tensorrt={"tensorrt-rtx-SM89": entry}, files={**m.files, **describe_files(copy, [plan])}).write(copy)
+    assert read_manifest(copy).tensorrt["tensorrt-rtx-SM89"].plans[label].profiles[0].covers(
+        {n: s["min"] for n, s in shapes.items()})
+    data = manifest_json(copy)
+    data["tensorrt"]["tensorrt-rtx-SM89"]["plans"]["accept_greedy@chain-4"] = data["tensorrt"]["tensorrt-rtx-SM89"]["plans"][label]
+    with open(os.path.join(copy, "manifest.json"), "w") as f:
+        json.dump(data, f)
+    with pytest.raises(LanternError, match="accept_greedy@chain-4 is a plan for a graph the engine does not have"):
+        read_manifest(copy)

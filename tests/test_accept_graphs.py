@@ -209,6 +209,20 @@ def test_tensorrt_rtx_builds_the_acceptance_graph(onnx_graph, tmp_path, cc):
     assert set(record["io"]["outputs"]) == set(OUTPUTS)
 
 
+def test_tensorrt_rtx_parses_the_sampling_graph(sampling_graph):
+    """The sampling graph's ops (TopK of 3840 at most, ScatterElements with unique indices, CumSum,
+    no float64, no int8 constants) parse, with the contract's I/O. Building its plan is left to
+    `lantern-export trt`: on this project's loaded 2-core machines a plan of even a 7-node tree's
+    sampling graph took over 20 minutes, past what the suite can spend."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'lantern[tensorrt-rtx]')")
+    from lantern.export import tensorrt_build as tb
+
+    _, session, path = sampling_graph
+    io = tb.network_io(path, flavor="tensorrt-rtx")
+    assert list(io["inputs"]) == list(SAMPLING) and list(io["outputs"]) == list(OUTPUTS)
+    assert {v["dtype"] for v in io["inputs"].values()} == {"float32", "int64"}
+
+
 def test_the_device_acceptance_section_runs_and_agrees_on_the_cpu():
     """gpu_check's device-path section (tools/bench/device_step.device_acceptance) on the CPU at
     a small vocabulary: the module and the numpy host path decide the same."""
@@ -286,8 +300,8 @@ def test_the_sampling_module_in_float64_equals_the_numpy_rules(tree_name, rule):
     tree = build_tree(tree_name)
     rng = np.random.default_rng(hash((tree_name, rule.name, rule.k, "sampling")) % 2**32)
     checked = long_paths = 0
-    for case in range(16):
-        feeds, want, view = sampling_case(rng, tree, rule, FILTERS[case % 4], cfg=case % 2 == 1, forced=case % 8 >= 4)
+    for case in range(10):
+        feeds, want, view = sampling_case(rng, tree, rule, FILTERS[case % 4], cfg=case % 2 == 1, forced=case % 3 == 2)
         if len(view.extra) not in (0, len(FORCED_IDS)):
             continue
         module = SamplingAcceptance(tree, np.concatenate([np.arange(START, START + CODES), view.extra]), CODES)
@@ -296,7 +310,28 @@ def test_the_sampling_module_in_float64_equals_the_numpy_rules(tree_name, rule):
         assert_outcome(got, want, f"case {case}")
         checked += 1
         long_paths += int((want.accepted >= 2).sum())
-    assert checked >= 10 and long_paths > 0
+    assert checked >= 6 and long_paths > 0
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_modules_filters_equal_filtered_probs(ties):
+    """Temperature, top-k (ties with the k-th kept) and top-p (the smallest kept probability by
+    bisection, ties at it in column order) against lantern.runtime.accept.filtered_probs, in
+    float64, on rows of many distinct values or many ties."""
+    rng = np.random.default_rng(int(ties))
+    tree = build_tree("chain-1")
+    module = SamplingAcceptance(tree, np.arange(300), 300)
+    logits = rng.normal(size=(4, 2, 300)) * 2
+    if ties:
+        logits = np.round(logits * 2) / 2
+    logits[rng.random(logits.shape) < 0.1] = -np.inf
+    for temperature, top_k, top_p in [(1.0, 0, 0.9), (0.7, 40, 1.0), (1.3, 250, 0.5), (1.0, 0, 0.05), (0.9, 7, 0.97),
+                                      (1.0, 300, 0.999)]:
+        got = module.filtered(torch.as_tensor(logits), torch.tensor([temperature], dtype=torch.float64),
+                              torch.tensor([top_k]), torch.tensor([top_p], dtype=torch.float64)).numpy()
+        want = acceptance.filtered_probs(logits, temperature, top_k, top_p)
+        np.testing.assert_array_equal(got > 0, want > 0, err_msg=f"{temperature} {top_k} {top_p}")
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
 
 
 @pytest.fixture(scope="module")
