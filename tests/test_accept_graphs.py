@@ -437,3 +437,30 @@ def test_the_sampling_graph_emits_the_host_paths_distribution(sampling_graph, ru
         keep = target > 0
         p_fit = stats.chisquare(got[keep], target[keep] * n).pvalue
         assert p_fit > 1e-3, (got[keep], np.round(target[keep] * n))
+
+
+def test_sampling_flags_rows_without_a_finite_max_and_takes_forced_drafts_at_any_uniform():
+    """Forced drafts (q = 1, target one-hot) are accepted whatever the uniform, also one that
+    rounded up to 1.0 in float32; rows with NaN or only -inf void the image's outcome."""
+    tree = build_tree("chain-2")
+    rng = np.random.default_rng(2)
+    feeds, _, view = sampling_case(rng, tree, acceptance.Exact(), FILTERS[0], images=3, forced=True)
+    while len(view.extra) != len(FORCED_IDS):
+        feeds, _, view = sampling_case(rng, tree, acceptance.Exact(), FILTERS[0], images=3, forced=True)
+    module = SamplingAcceptance(tree, np.concatenate([np.arange(START, START + CODES), view.extra]), CODES)
+    forced = view.forced_column.copy()
+    forced[:] = -1
+    column = CODES  # the first forced id's column, forced at body index count (node 1's token)
+    count = feeds["count"]
+    forced[count] = column
+    tokens, ids, probs = feeds["tokens"].copy(), feeds["draft_ids"].copy(), feeds["draft_probs"].copy()
+    tokens[:, 1], ids[:, 0], probs[:, 0] = column, column, np.eye(CANDIDATES, dtype=np.float32)[0]
+    run = {**float32_feeds(feeds), "forced_columns": forced, "tokens": tokens, "draft_ids": ids, "draft_probs": probs,
+           "uniforms": np.ones_like(feeds["uniforms"], dtype=np.float32)}  # 1.0: a float64 uniform rounded up
+    out = as_outcome(o.numpy() for o in module(*(torch.as_tensor(run[n]) for n in SAMPLING)))
+    assert (out["accepted"] >= 1).all() and (out["path"][:, 1] == 1).all() and not out["invalid"].any()
+    logits = run["logits"].copy()
+    logits[1, 0] = np.nan
+    logits[2, 1, :] = -np.inf
+    out = as_outcome(o.numpy() for o in module(*(torch.as_tensor({**run, "logits": logits}[n]) for n in SAMPLING)))
+    assert out["invalid"].tolist() == [False, True, True]
