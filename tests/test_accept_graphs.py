@@ -408,7 +408,7 @@ def test_the_sampling_graph_emits_the_host_paths_distribution(sampling_graph, ru
         body = feeds["count"][:, None] + tree.depths[None, :]
         if len(view.extra) == len(FORCED_IDS) and (view.forced_at(body - 1) < 0).all():
             break
-    n = 3000
+    n = 2000
     one = {k: v for k, v in feeds.items()}
     batch = {name: np.repeat(np.asarray(one[name]), n, axis=0) if name in ("logits", "tokens", "count", "draft_ids",
                                                                            "draft_probs") else one[name]
