@@ -1,10 +1,14 @@
-"""Acceptance as a graph: greedy static-tree acceptance (exact, LANTERN delta, LANTERN++ lam) with
-the CFG combination and forced tokens in front, written as a torch module so every backend can
-run it where the target left the verification logits (ONNX Runtime, TensorRT, the torch backend),
+"""Acceptance as graphs: static-tree acceptance (exact, LANTERN delta, LANTERN++ lam), greedy
+(GreedyAcceptance) and sampling with temperature / top-k / top-p (SamplingAcceptance), with the
+CFG combination and forced tokens in front, written as torch modules so every backend can run
+them where the target left the verification logits (ONNX Runtime, TensorRT, the torch backend),
 and only a few integers per image cross to the host. lantern.runtime.accept (numpy) is the
-specification; tests/test_accept_graphs.py holds the graph to it.
+specification; tests/test_accept_graphs.py holds the graphs to it, `lantern-export check` too
+(check_acceptance). Contracts accept_greedy / accept_sampling (lantern.runtime.contracts);
+`lantern-export accept ENGINE` writes them into accept/ per draft tree (Manifest.acceptance),
+`lantern-export trt` builds their plans.
 
-One graph serves every rule and setting: the rule parameters are inputs and the bound on the
+Greedy. One graph serves every rule and setting: the rule parameters are inputs and the bound on the
 neighbor mass is delta * Z + (lam - 1) * w(x) (exact: delta 0, lam 1; LANTERN: lam 1; LANTERN++:
 delta 0), k masks the neighbor table's columns. The tree is a constant of the graph.
 
