@@ -1,10 +1,14 @@
-"""Acceptance as a graph: greedy static-tree acceptance (exact, LANTERN delta, LANTERN++ lam) with
-the CFG combination and forced tokens in front, written as a torch module so every backend can
-run it where the target left the verification logits (ONNX Runtime, TensorRT, the torch backend),
+"""Acceptance as graphs: static-tree acceptance (exact, LANTERN delta, LANTERN++ lam), greedy
+(GreedyAcceptance) and sampling with temperature / top-k / top-p (SamplingAcceptance), with the
+CFG combination and forced tokens in front, written as torch modules so every backend can run
+them where the target left the verification logits (ONNX Runtime, TensorRT, the torch backend),
 and only a few integers per image cross to the host. lantern.runtime.accept (numpy) is the
-specification; tests/test_accept_graphs.py holds the graph to it.
+specification; tests/test_accept_graphs.py holds the graphs to it, `lantern-export check` too
+(check_acceptance). Contracts accept_greedy / accept_sampling (lantern.runtime.contracts);
+`lantern-export accept ENGINE` writes them into accept/ per draft tree (Manifest.acceptance),
+`lantern-export trt` builds their plans.
 
-One graph serves every rule and setting: the rule parameters are inputs and the bound on the
+Greedy. One graph serves every rule and setting: the rule parameters are inputs and the bound on the
 neighbor mass is delta * Z + (lam - 1) * w(x) (exact: delta 0, lam 1; LANTERN: lam 1; LANTERN++:
 delta 0), k masks the neighbor table's columns. The tree is a constant of the graph.
 
@@ -546,3 +550,164 @@ def run(args):
                       for n, e in manifest.acceptance.items())
     print(f"acceptance graphs in {args.engine}: {names or 'none'} ({time.perf_counter() - start:.1f}s)")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# `lantern-export check`: each acceptance graph on ONNX Runtime against its torch module and the
+# numpy specification, on seeded random cases (ties, -inf, CFG, forced tokens, every rule)
+
+
+def check_acceptance(directory, manifest, rng, cases=4, images=3, sampled_images=10):
+    """Result rows in `check`'s format ({"graph", "case", "output", "ok", "note"}), one per graph,
+    case and comparison. Greedy: ONNX Runtime == the module (float32) == the spec, exactly.
+    Sampling: the module in float64 == the spec exactly (the module is right), and ONNX Runtime
+    and the module in float32 take the spec's path in at least SAMPLING_AGREEMENT of the images
+    (float32 rounding flips decisions at their edge; the emitted distribution is tested in
+    tests/test_accept_graphs.py)."""
+    import onnxruntime as ort
+
+    from lantern.runtime import accept as acceptance
+    from lantern.runtime.enginedir import inside
+    from lantern.runtime.tree import build_tree
+
+    table = None
+    if manifest.neighbors is not None:
+        table = np.load(inside(directory, manifest.neighbors.file, kind="file"), allow_pickle=False).astype(np.int64)
+    rows = []
+    for name, entry in manifest.acceptance.items():
+        tree = build_tree(entry.tree)
+        for kind in ("greedy", "sampling"):
+            graph = getattr(entry, kind)
+            if graph is None:
+                continue
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = 2
+            session = ort.InferenceSession(inside(directory, graph.file, kind="file"), options,
+                                           providers=["CPUExecutionProvider"])
+            label = f"accept_{kind}@{name}"
+            for case in range(cases):
+                feeds, logits, view, rule, filters = _check_case(rng, manifest, entry, tree, table, case,
+                                                                 images if kind == "greedy" else sampled_images, kind)
+                got = dict(zip(graph.outputs, session.run(list(graph.outputs), feeds)))
+                module = KINDS[kind](tree, np.concatenate([np.arange(manifest.vocabulary.image_start,
+                                                                     manifest.vocabulary.image_end),
+                                                           np.array(entry.forced_ids, dtype=np.int64)]),
+                                     manifest.vocabulary.codes).eval()
+                names = contract_inputs(kind)
+                with torch.no_grad():
+                    mine = dict(zip(OUTPUTS, (o.numpy() for o in module(*(torch.as_tensor(feeds[n]) for n in names)))))
+                what = f"{rule.name}{' cfg' if (feeds['cond_rows'] != feeds['uncond_rows']).any() else ''}"
+                if kind == "greedy":
+                    want = acceptance.accept_greedy_batch(tree, feeds["tokens"], logits, rule, feeds["neighbors"])
+                    rows += [_same_rows(label, what, "onnxruntime", got, want), _same_rows(label, what, "torch", mine, want)]
+                    continue
+                temperature, top_k, top_p = filters
+                want = acceptance.accept_sampling_batch(tree, feeds["tokens"], logits, feeds["draft_ids"],
+                                                        feeds["draft_probs"], rule, feeds["uniforms"], feeds["neighbors"],
+                                                        temperature=temperature, top_k=top_k, top_p=top_p)
+                wide = {n: torch.as_tensor(feeds[n]).to(torch.float64) if feeds[n].dtype == np.float32
+                        else torch.as_tensor(feeds[n]) for n in names}
+                with torch.no_grad():
+                    exact = dict(zip(OUTPUTS, (o.numpy() for o in module(*(wide[n] for n in names)))))
+                what += f" T{temperature:g} top-k {top_k} top-p {top_p:g}"
+                rows.append(_same_rows(label, what, "torch float64", exact, want))
+                rows += [_agreement_row(label, what, who, out, want) for who, out in (("onnxruntime", got),
+                                                                                      ("torch float32", mine))]
+    return rows
+
+
+SAMPLING_AGREEMENT = 0.8
+
+
+def _same_rows(label, what, who, got, want):
+    fields = ("accepted", "next_token", "path", "decisions")
+    bad = [f for f in fields if not np.array_equal(got[f], getattr(want, f))] + (["invalid"] if got["invalid"].any() else [])
+    return {"graph": label, "case": what, "output": f"{who} == spec", "ok": not bad,
+            "note": f"{', '.join(bad)} differ from lantern.runtime.accept" if bad else "equal"}
+
+
+def _agreement_row(label, what, who, got, want):
+    same = (got["path"] == want.path).all(axis=1) & ~got["invalid"]
+    share = float(same.mean())
+    return {"graph": label, "case": what, "output": f"{who} paths", "ok": share >= SAMPLING_AGREEMENT,
+            "note": f"{int(same.sum())}/{len(same)} images take the spec's path (needs {SAMPLING_AGREEMENT:.0%})"}
+
+
+def _check_case(rng, manifest, entry, tree, table, case, images, kind):
+    """One seeded case: (feeds, the spec's combined logits, view, rule, filters)."""
+    from lantern.runtime import accept as acceptance
+    from lantern.runtime.sampling import Sampling
+    from lantern.runtime.vocabulary import VocabularyView
+
+    voc = manifest.vocabulary
+    M, V = tree.num_nodes, voc.size
+    length = 4 * (tree.depth + 2)
+    forced = np.full(length, -1, dtype=np.int64)
+    if entry.forced_ids:  # every forced id somewhere, so the view's columns are the graph's
+        spots = rng.choice(length, len(entry.forced_ids) + 2, replace=False)
+        forced[spots] = np.resize(np.array(entry.forced_ids), len(spots))
+    view = VocabularyView(voc, forced)
+    cfg = case % 2 == 1
+    rows = 2 * images if cfg else images
+    raw = (rng.integers(-6, 6, size=(rows, M, V)) / (1 + case % 3)).astype(np.float32)  # ties
+    raw[rng.random(raw.shape) < 0.1] = -50.0 if cfg else -np.inf
+    raw[..., voc.image_start] = np.maximum(raw[..., voc.image_start], -1.0)  # a finite image logit per row
+    for i in entry.forced_ids:
+        raw[..., i] = np.maximum(raw[..., i], -1.0)
+    cond_rows = np.arange(images)
+    uncond_rows = cond_rows + images if cfg else cond_rows
+    scale, interval = (3.0, int(rng.integers(-1, 6))) if cfg else (1.0, -1)
+    count = rng.integers(1, length - tree.depth, size=images)
+    body = count[:, None] + tree.depths[None, :]
+    gathered = view.gather(raw).astype(np.float32)
+    cond, uncond = gathered[cond_rows], gathered[uncond_rows]
+    with np.errstate(invalid="ignore"):
+        logits = cond.copy() if not cfg else uncond + np.float32(scale) * (cond - uncond)
+    if interval >= 0:
+        logits[body >= interval] = cond[body >= interval]
+    logits = view.force(logits, body)
+    width = 4 if table is None else table.shape[1]
+    if table is None:
+        neighbors = np.stack([np.delete(np.arange(view.size), c)[:width] for c in range(view.size)])
+    else:
+        neighbors = view.neighbors(table)
+    k = min(4, width)
+    rule = [acceptance.Exact(), acceptance.LanternPP(k=k, lam=2.0), acceptance.Lantern(k=k, delta=0.1),
+            acceptance.LanternPP(k=k, lam=1.0)][case % 4]
+    top = logits.argmax(axis=2)
+    parent = np.maximum(tree.parents, 0)
+    feeds = dict(logits=raw, cond_rows=cond_rows, uncond_rows=uncond_rows, cfg_scale=np.array([scale], np.float32),
+                 cfg_interval=np.array([interval]), count=count, forced_columns=view.forced_column)
+    filters = None
+    if kind == "greedy":
+        near = neighbors[top[:, parent], rng.integers(0, k, size=(images, M))]
+        pick = rng.random((images, M))
+        tokens = np.where(pick < 0.5, top[:, parent], np.where(pick < 0.8, near, rng.integers(0, view.size, (images, M))))
+        feeds["tokens"] = tokens
+    else:
+        K = manifest.candidates
+        ids = np.stack([[np.concatenate([[top[n, i]], rng.permutation(np.delete(np.arange(view.size), top[n, i]))[:K - 1]])
+                         for i in range(M)] for n in range(images)])
+        probs = rng.dirichlet(np.full(K, 0.5), size=(images, M)).astype(np.float32)
+        tokens = np.zeros((images, M), dtype=np.int64)
+        race = rng.random((images, M, K))
+        for level in tree.levels:
+            drawn = Sampling().children(ids[:, level.parents], probs[:, level.parents], level.width, race[:, level.parents])
+            tokens[:, level.nodes] = drawn[:, np.arange(len(level.nodes)), level.ranks]
+            column = view.forced_at(count - 1 + level.depth)  # forced drafts as the loop makes them
+            for n in np.flatnonzero(column >= 0):
+                tokens[n, level.nodes] = column[n]
+                ids[n, level.parents] = column[n]
+                probs[n, level.parents] = np.eye(K, dtype=np.float32)[0]
+        filters = [(1.0, 0, 1.0), (0.8, 8, 1.0), (1.2, 0, 0.8), (1.0, 16, 0.7)][case % 4]
+        feeds.update(tokens=tokens, draft_ids=ids, draft_probs=probs,
+                     uniforms=rng.random((images, M)).astype(np.float32).astype(np.float64))
+    tokens[:, 0] = rng.integers(0, voc.codes, size=images)
+    feeds.update(neighbors=neighbors.astype(np.int64), k=np.array([rule.k]),
+                 lam=np.array([getattr(rule, "lam", 1.0)], np.float32),
+                 delta=np.array([getattr(rule, "delta", 0.0)], np.float32))
+    if kind == "sampling":
+        feeds.update(temperature=np.array([filters[0]], np.float32), top_k=np.array([filters[1]]),
+                     top_p=np.array([filters[2]], np.float32))
+        feeds["uniforms"] = feeds["uniforms"].astype(np.float32)  # float32 values: the spec reads the same numbers
+    return feeds, logits, view, rule, filters

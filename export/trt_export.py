@@ -130,6 +130,38 @@ def graph_profiles(manifest, graph, calls):
     return [(tuple(labels), tb.exact_profile(dict(key[0]))) for key, labels in grouped.items()]
 
 
+def acceptance_jobs(manifest, batches, cfgs, trees):
+    """[(graph label, profiles)] for the acceptance graphs of the given trees (those the engine
+    has graphs for: Manifest.acceptance), in graph_profiles' form: one exact profile per
+    (batch, CFG) shape of the step plans: logits [rows, M, V] as the verification returns them,
+    N images, the body's forced-column length, the neighbor table's width."""
+    adapter = condition_adapter(manifest, np.float32, directory=None)
+    width = manifest.neighbors.k if manifest.neighbors is not None else 1  # exact-only engines feed one column
+    graphs = manifest.all_graphs()
+    jobs = []
+    for tree in trees:
+        entry = manifest.acceptance_for(tree)
+        if entry is None:
+            continue
+        name = next(n for n, e in manifest.acceptance.items() if e is entry)
+        for kind in ("greedy", "sampling"):
+            label = f"accept_{kind}@{name}"
+            if label not in graphs:
+                continue
+            spec = graphs[label]
+            dynamic = [n for n, t in spec.inputs.items() if any(isinstance(d, str) for d in t.shape)]
+            grouped = {}
+            for images in batches:
+                for cfg in cfgs:
+                    body = len(_prefix(manifest, images, cfg, adapter).forced)
+                    dims = {"B": 2 * images if cfg else images, "N": images, "F": body, "Kn": width}
+                    shapes = {n: tuple(dims[d] if isinstance(d, str) else d for d in spec.inputs[n].shape) for n in dynamic}
+                    grouped.setdefault(tuple(sorted(shapes.items())), []).append(
+                        f"accept n{images}{' cfg' if cfg else ''} {tree.name}")
+            jobs.append((label, [(tuple(labels), tb.exact_profile(dict(key))) for key, labels in grouped.items()]))
+    return jobs
+
+
 def plans_key(flavor, compute_capabilities):
     return f"{flavor}-{'_'.join(compute_capabilities)}"
 
@@ -225,20 +257,23 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
 
     calls = call_shapes(manifest, batches, cfgs, tree_list)
     jobs = [(graph, graph_profiles(manifest, graph, calls[graph])) for graph in calls]
+    jobs += acceptance_jobs(manifest, batches, cfgs, tree_list)
+    graphs = manifest.all_graphs()
     bar = _progress(jobs, progress)
     with enginedir.staging(directory, "trt") as stage:
         plans, records = {}, {}
         for graph, profiles in jobs:
             bar.set_description(f"{graph} ({len(profiles)} profile{'s' if len(profiles) > 1 else ''})")
             plan, record = tb.build_plan(
-                os.path.join(directory, manifest.graphs[graph].file), [p for _, p in profiles], flavor=flavor,
+                os.path.join(directory, graphs[graph].file), [p for _, p in profiles], flavor=flavor,
                 compute_capabilities=None if flavor == "tensorrt" else ccs, timing_cache=timing_cache,
                 workspace_bytes=workspace_bytes, tf32=tf32, progress=lambda phase, done, total: bar.set_postfix_str(
                     f"{phase} {done}/{total}"[:40], refresh=False))
-            enginedir.write_file(stage, f"{graph}.plan", plan)
+            plan_name = f"{os.path.basename(graphs[graph].file)[:-len('.onnx')]}.plan"  # target.plan, accept/T-H.greedy.plan
+            enginedir.write_file(stage, plan_name, plan)
             records[graph] = record
             held = record["profiles"]  # the profiles as TensorRT holds them
-            plans[graph] = PlanFile(file=f"plans/{key}/{graph}.plan", profiles=tuple(
+            plans[graph] = PlanFile(file=f"plans/{key}/{plan_name}", profiles=tuple(
                 PlanProfile(serves=labels, shapes=shapes) for (labels, _), shapes in zip(profiles, held)))
             bar.update()
         entry = TensorRTPlans(
@@ -257,9 +292,10 @@ def _commit(directory, built_from, key, entry, stage, force):
     fails."""
     with enginedir.locked(directory, "lantern-export trt"):
         manifest = read_manifest(directory, verify=True)
-        changed = sorted(g for g in set(manifest.graphs) | set(built_from.graphs)
-                         if manifest.graphs.get(g) != built_from.graphs.get(g)
-                         or manifest.files.get(manifest.graphs[g].file) != built_from.files.get(manifest.graphs[g].file))
+        now, then = manifest.all_graphs(), built_from.all_graphs()
+        changed = sorted(g for g in set(now) | set(then)
+                         if g not in now or now.get(g) != then.get(g)
+                         or manifest.files.get(now[g].file) != built_from.files.get(now[g].file))
         if changed:
             raise LanternError(f"{directory}: the graphs ({', '.join(changed)}) changed while the plans were built; "
                                f"run `lantern-export trt` again")

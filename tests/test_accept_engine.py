@@ -98,3 +98,72 @@ def test_accept_refuses_an_engine_without_a_drafter_in_one_line(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "candidates" in err[0]
     assert manifest_json(copy) == data
+
+
+def test_check_covers_the_acceptance_graphs_and_catches_a_wrong_one(accept_engine, monkeypatch):
+    from lantern.export import accept_graphs
+
+    m = read_manifest(accept_engine)
+    rows = accept_graphs.check_acceptance(accept_engine, m, np.random.default_rng(0), cases=2)
+    assert {r["graph"] for r in rows} == {f"accept_greedy@{m.tree['name']}", f"accept_sampling@{m.tree['name']}"}
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+
+    class Shifted(accept_graphs.GreedyAcceptance):  # a wrong next token
+        def forward(self, *inputs):
+            accepted, next_token, path, decisions, invalid = super().forward(*inputs)
+            return accepted, next_token + 1, path, decisions, invalid
+
+    monkeypatch.setitem(accept_graphs.KINDS, "greedy", Shifted)
+    rows = accept_graphs.check_acceptance(accept_engine, m, np.random.default_rng(0), cases=1)
+    assert [r["ok"] for r in rows if r["graph"].startswith("accept_greedy")] == [True, False]
+
+
+def test_trt_lays_out_the_acceptance_plans_from_the_step_plans(accept_engine):
+    """`lantern-export trt` builds a plan per acceptance graph of the trees it builds for, one
+    exact profile per batch and CFG setting, in the shapes a generation's step feeds: the target's
+    rows as verification returns them, the body's length, the engine's neighbor table."""
+    from lantern.export import trt_export
+
+    m = read_manifest(accept_engine)
+    tree = build_tree(m.tree)
+    jobs = dict(trt_export.acceptance_jobs(m, (1, 3), (False, True), [tree, build_tree("chain-4")]))
+    assert set(jobs) == {f"accept_greedy@{tree.name}", f"accept_sampling@{tree.name}"}  # chain-4 has no graphs
+    for label, profiles in jobs.items():
+        assert [labels for labels, _ in profiles] == [(f"accept n{n}{c} {tree.name}",) for n in (1, 3) for c in ("", " cfg")]
+        for (labels, profile), (images, cfg) in zip(profiles, [(1, False), (1, True), (3, False), (3, True)]):
+            lo, opt, hi = profile["logits"]
+            assert lo == opt == hi == (2 * images if cfg else images, tree.num_nodes, m.vocabulary.size)
+            assert profile["forced_columns"][0] == (m.image.tokens,)  # c2i: the body is the grid, nothing forced
+            assert profile["neighbors"][0] == (m.vocabulary.codes, m.neighbors.k)
+            assert profile["tokens"][0] == (images, tree.num_nodes)
+            if label.startswith("accept_sampling"):
+                assert profile["draft_probs"][0] == (images, tree.num_nodes, m.candidates)
+
+
+def test_the_manifest_takes_plans_of_acceptance_graphs(accept_engine, tmp_path):
+    """A `lantern-export trt` record with acceptance plans (keyed accept_<kind>@TREE) reads back;
+    one for a graph the engine does not have is refused."""
+    from lantern.export import trt_export
+    from lantern.runtime.manifest import PlanFile, PlanProfile, TensorRTPlans, describe_files
+
+    copy = shutil.copytree(accept_engine, tmp_path / "engine")
+    m = read_manifest(copy)
+    tree = build_tree(m.tree)
+    (label, profiles), _ = trt_export.acceptance_jobs(m, (1,), (True,), [tree])
+    os.makedirs(os.path.join(copy, "plans", "tensorrt-rtx-SM89"))
+    plan = "plans/tensorrt-rtx-SM89/" + os.path.basename(m.all_graphs()[label].file)[:-len(".onnx")] + ".plan"
+    with open(os.path.join(copy, plan), "wb") as f:
+        f.write(b"not a real plan")
+    shapes = {n: {"min": list(a), "opt": list(b), "max": list(c)} for n, (a, b, c) in profiles[0][1].items()}
+    entry = TensorRTPlans(flavor="tensorrt-rtx", version="1.7", compute_capabilities=("SM89",),
+                          plans={label: PlanFile(file=plan, profiles=(PlanProfile(serves=profiles[0][0], shapes=shapes),))},
+                          batches=(1,), cfg=(True,), trees=(tree.name,))
+    m.replace(tensorrt={"tensorrt-rtx-SM89": entry}, files={**m.files, **describe_files(copy, [plan])}).write(copy)
+    assert read_manifest(copy).tensorrt["tensorrt-rtx-SM89"].plans[label].profiles[0].covers(
+        {n: s["min"] for n, s in shapes.items()})
+    data = manifest_json(copy)
+    data["tensorrt"]["tensorrt-rtx-SM89"]["plans"]["accept_greedy@chain-4"] = data["tensorrt"]["tensorrt-rtx-SM89"]["plans"][label]
+    with open(os.path.join(copy, "manifest.json"), "w") as f:
+        json.dump(data, f)
+    with pytest.raises(LanternError, match="accept_greedy@chain-4 is a plan for a graph the engine does not have"):
+        read_manifest(copy)

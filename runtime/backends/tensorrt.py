@@ -116,7 +116,7 @@ class TensorRTBackend(CudaArrays):
                                f"rebuild it with `{rebuild_command(self.directory, self.plans.flavor, self.gpu)}`")
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         inputs = {n for n in names if engine.get_tensor_mode(n) == self.trt.TensorIOMode.INPUT}
-        entry = self.manifest.graphs[graph]
+        entry = self.manifest.all_graphs()[graph]  # acceptance plans too (accept_<kind>@TREE)
         if inputs != set(entry.inputs) or set(names) - inputs != set(entry.outputs) \
                 or engine.num_optimization_profiles != len(plan_file.profiles):
             raise LanternError(f"{path}: the plan's inputs, outputs or profiles differ from the manifest's; rebuild it "
