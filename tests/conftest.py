@@ -12,12 +12,13 @@ sys.dont_write_bytecode = True
 
 # The files that take longest, in the order the workers should start them (pyproject: --dist
 # loadfile --no-loadscope-reorder, so a worker takes whole files in this order and then the rest in
-# collection order). Longest first, so no long file starts last while the other core idles; the
-# demo engine's first user and the other session engines' first users lead on different workers,
-# so neither waits for the other's build.
-LONGEST_FIRST = ["test_demo_command.py", "test_inplace_engines.py", "test_real_size.py", "test_quantize.py",
-                 "test_chameleon_engine.py", "test_reliability.py", "test_tune.py", "test_demo_model.py",
-                 "test_generate_outputs.py", "test_fuzz.py", "test_serve.py", "test_image_service.py"]
+# collection order). Longest first (measured with --durations), so no long file starts last while
+# the other core idles; the demo engine's first user and the other session engines' first user
+# lead on different workers, so neither waits for the other's build.
+LONGEST_FIRST = ["test_demo_command.py", "test_inplace_engines.py", "test_generator.py", "test_reliability.py",
+                 "test_tensorrt_build.py", "test_export.py", "test_quantize.py", "test_serve.py", "test_tune.py",
+                 "test_real_size.py", "test_fuzz.py", "test_vq.py", "test_fused_forms.py", "test_placement.py",
+                 "test_polygraphy.py", "test_image_service.py", "test_chameleon_engine.py"]
 
 
 def pytest_collection_modifyitems(config, items):
