@@ -10,6 +10,21 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 sys.dont_write_bytecode = True
 
+# The files that take longest, in the order the workers should start them (pyproject: --dist
+# loadfile --no-loadscope-reorder, so a worker takes whole files in this order and then the rest in
+# collection order). Longest first (measured with --durations), so no long file starts last while
+# the other core idles; the demo engine's first user and the other session engines' first user
+# lead on different workers, so neither waits for the other's build.
+LONGEST_FIRST = ["test_demo_command.py", "test_inplace_engines.py", "test_generator.py", "test_reliability.py",
+                 "test_tensorrt_build.py", "test_export.py", "test_quantize.py", "test_serve.py", "test_tune.py",
+                 "test_real_size.py", "test_fuzz.py", "test_vq.py", "test_fused_forms.py", "test_placement.py",
+                 "test_polygraphy.py", "test_image_service.py", "test_chameleon_engine.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file keeps its order
+
 
 def built_once(tmp_path_factory, name, build):
     """A session fixture's directory, built once for the whole run: with pytest-xdist every worker

@@ -1,4 +1,6 @@
 """The README's main command, `lantern-export demo`, and the quality harness on the shipped model."""
+import contextlib
+import io
 import json
 
 import pytest
@@ -68,41 +70,52 @@ def test_acceptance_per_depth_from_the_histogram():
     assert acceptance_per_depth([]) == []
 
 
-def test_quality_harness_small_sweep(demo, tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    argv = ["quality", str(demo), "--per-class", "1", "--lams", "1,3", "--ks", "5", "--deltas", "",
-            "--schemes", "none", "--threads", "1", "--no-progress"]
-    assert run_cli.main(argv) == 0
-    printed = capsys.readouterr().out
-    assert "1 scheme (fp32) x 4 methods" in printed and "15 sampled images" in printed and "expect about" in printed
-    out = tmp_path / f"quality-{demo.name}"  # its own directory, not inside the engine
+@pytest.fixture(scope="module")
+def quality(demo_engine, tmp_path_factory):
+    """One `lantern-run quality` sweep for the tests below (one sweep: the suite's time): fp32 and
+    int4 x ar, exact and lantern++ k=5 at lam 1 and 3, one image per class, written to its default
+    directory under the working directory. Returns (working directory, argv, what it printed)."""
+    cwd = tmp_path_factory.mktemp("quality")
+    argv = ["quality", str(demo_engine), "--schemes", "int4", "--per-class", "1", "--lams", "1,3", "--ks", "5",
+            "--deltas", "", "--threads", "1", "--no-progress"]
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.chdir(cwd)
+        assert run_cli.main(argv) == 0
+    return cwd, argv, printed.getvalue()
+
+
+def test_quality_harness_sweeps_methods(demo, quality, monkeypatch, capsys):
+    cwd, argv, printed = quality
+    assert "4 methods" in printed and "15 sampled images" in printed and "expect about" in printed
+    out = cwd / f"quality-{demo.name}"  # its own directory, not inside the engine
     assert not (demo / "quality").exists()
     report = json.loads((out / "report.json").read_text())
-    rows = {r["method"]: r for r in report["results"]}
-    assert set(rows) == {"ar", "exact", "lantern++ k=5 lam=1", "lantern++ k=5 lam=3"}
-    # lam = 1 is exact: the same tokens, so the same accuracy and distance.
-    assert rows["lantern++ k=5 lam=1"]["accuracy"] == rows["exact"]["accuracy"]
-    assert rows["lantern++ k=5 lam=1"]["frechet_vs_ar"] == rows["exact"]["frechet_vs_ar"]
-    assert rows["ar"]["accuracy"] > 0.5  # the classes are recognisable
+    rows = {(r["scheme"], r["method"]): r for r in report["results"]}
+    assert {m for s, m in rows} == {"ar", "exact", "lantern++ k=5 lam=1", "lantern++ k=5 lam=3"}
+    # lam = 1 is exact: the same tokens, so the same accuracy and distance, in every scheme.
+    for scheme in ("fp32", "int4"):
+        assert rows[scheme, "lantern++ k=5 lam=1"]["accuracy"] == rows[scheme, "exact"]["accuracy"]
+        assert rows[scheme, "lantern++ k=5 lam=1"]["frechet_vs_ar"] == rows[scheme, "exact"]["frechet_vs_ar"]
+    assert rows["fp32", "ar"]["accuracy"] > 0.5  # the classes are recognisable
     assert (out / "speed_vs_quality.png").stat().st_size > 0
     # A second run does not mix into the first report: refused at once without --force.
+    monkeypatch.chdir(cwd)
     assert run_cli.main(argv) == 2
     assert "already exists; pass --force" in capsys.readouterr().err
     assert json.loads((out / "report.json").read_text()) == report
 
 
-def test_quality_compares_schemes(demo, tmp_path, capsys):
-    """fp32 (the reference) and int4 x ar, exact, lantern++ (int4 alone: the suite's time; the
-    default adds int8): fp32 exact is greedy-exact (agreement 1 with fp32 ar), int4 agrees less
-    (teacher forced: measured 82.7%)."""
-    out = tmp_path / "q"
-    argv = ["quality", str(demo), "--schemes", "int4", "--per-class", "1", "--threads", "1", "--no-progress",
-            "--out", str(out)]
-    assert run_cli.main(argv) == 0
-    assert "2 schemes (fp32, int4) x 3 methods" in capsys.readouterr().out
+def test_quality_compares_schemes(demo, quality):
+    """fp32 (the reference) and int4 (int4 alone: the suite's time; the default adds int8): fp32
+    exact is greedy-exact (agreement 1 with fp32 ar), int4 agrees less (teacher forced: measured
+    82.7%)."""
+    cwd, _, printed = quality
+    out = cwd / f"quality-{demo.name}"
+    assert "2 schemes (fp32, int4) x 4 methods" in printed
     report = json.loads((out / "report.json").read_text())
     rows = {(r["scheme"], r["method"]): r for r in report["results"]}
-    assert len(rows) == 6 and report["reference"] == "fp32 ar"
+    assert len(rows) == 8 and report["reference"] == "fp32 ar"
     assert report["schemes"]["int4"]["quantization"]["target"]["bits"] == 4
     assert rows["fp32", "ar"]["greedy_agreement"] == rows["fp32", "exact"]["greedy_agreement"] == 1.0
     assert rows["int4", "ar"]["greedy_agreement"] < 1.0
@@ -111,7 +124,7 @@ def test_quality_compares_schemes(demo, tmp_path, capsys):
     for r in rows.values():
         assert 0 <= r["accuracy"] <= 1 and r["frechet_vs_ar"] >= 0 and r["speedup"] > 0
         assert (r["mean_accepted_length"] > 1.5) == (r["mode"] != "ar")
-    assert "| int4 | lantern++ k=20 lam=5 |" in (out / "report.md").read_text()
+    assert "| int4 | lantern++ k=5 lam=3 |" in (out / "report.md").read_text()
 
 
 def test_quality_refuses_schemes_on_a_quantized_engine(demo, capsys):
