@@ -97,18 +97,52 @@ def _read_json(path):
         raise LanternError(f"{path}: cannot read JSON ({e})") from None
 
 
-def _read_tensors(weights):
-    """All tensors of a weights file (or of every shard an index lists)."""
+def _read_tensors(weights, defer=None, skip=None):
+    """All tensors of a weights file (or of every shard an index lists). defer: (DeferredWeights,
+    dtype) to read safetensors lazily: large tensors become placeholders in `dtype` read when
+    exported, the others are read now and cast to `dtype` (lantern.export.streaming). Keys starting
+    with `skip` are listed (as None) but never read."""
     if weights.endswith(INDEX_FILE):
         directory = os.path.dirname(weights)
         state = {}
         for shard in sorted(set(_read_json(weights).get("weight_map", {}).values())):
-            state.update(load_state_file(os.path.join(directory, shard)))
+            state.update(_read_tensors(os.path.join(directory, shard), defer, skip))
         return state
+    if defer is not None and weights.endswith(".safetensors"):
+        return _read_deferred(weights, *defer, skip)
     state = load_state_file(weights)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise LanternError(f"{weights}: expected a flat dict of tensors")
     return dict(state)
+
+
+def _read_deferred(weights, deferred, dtype, skip=None):
+    from safetensors import safe_open
+
+    from lantern.export.streaming import DEFER_ELEMENTS
+
+    def read(key):
+        with safe_open(weights, "pt") as f:
+            return f.get_tensor(key).to(dtype)
+
+    if not os.path.isfile(weights):
+        raise LanternError(f"{weights}: no such file")
+    state = {}
+    try:
+        with safe_open(weights, "pt") as f:
+            for key in f.keys():
+                if skip and key.startswith(skip):
+                    state[key] = None
+                    continue
+                shape = tuple(f.get_slice(key).get_shape())
+                numel = 1
+                for n in shape:
+                    numel *= n
+                state[key] = deferred.placeholder(shape, dtype, lambda key=key: read(key)) \
+                    if numel >= DEFER_ELEMENTS else f.get_tensor(key).to(dtype)
+    except Exception as e:  # safetensors raises its own error type, which moved between versions
+        raise LanternError(f"{weights}: unreadable or truncated safetensors file ({e})") from None
+    return state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -147,15 +181,17 @@ def _expand_qk_norms(state, config, prefix, source):
 # Targets
 
 
-def load_target(path):
-    """An Anole (HF) or Lumina-mGPT (xllmx) directory -> (ChameleonTarget, info)."""
+def load_target(path, defer=None):
+    """An Anole (HF) or Lumina-mGPT (xllmx) directory -> (ChameleonTarget, info).
+    defer: (DeferredWeights, dtype): the large tensors of a safetensors checkpoint stay on disk
+    until exported (lantern.export.streaming); the model is then already in `dtype`."""
     path = os.fspath(path)
     found = detect(path)
     if found["role"] != "target":
         raise LanternError(f"{path}: this is a {found['role']} checkpoint, not a Chameleon target")
     raw_config = _read_json(os.path.join(path, "config.json"))
     config = ChameleonConfig.from_hf(raw_config, os.path.join(path, "config.json"))
-    raw = _read_tensors(found["weights"])
+    raw = _read_tensors(found["weights"], defer, skip=SKIPPED_TARGET_PREFIX)
     state = {}
     for key, value in raw.items():
         if key.startswith(SKIPPED_TARGET_PREFIX):
@@ -181,16 +217,17 @@ def load_target(path):
 # Drafters
 
 
-def load_drafter(path, target_config=None):
+def load_drafter(path, target_config=None, defer=None):
     """A LANTERN drafter directory -> (ChameleonDrafter, info). With target_config, its family
     decides the qk-norm layout and the image-token range, and the drafter must fit the target;
-    without, the layout is read off the q_norm shape ([heads, hd] = hf, else xllmx)."""
+    without, the layout is read off the q_norm shape ([heads, hd] = hf, else xllmx). defer: as
+    load_target's."""
     path = os.fspath(path)
     found = detect(path)
     if found["role"] != "drafter":
         raise LanternError(f"{path}: this is a {found['role']} checkpoint, not a LANTERN drafter")
     raw_config = _read_json(os.path.join(path, "config.json"))
-    state = _read_tensors(found["weights"])
+    state = _read_tensors(found["weights"], defer)
     if target_config is not None:
         family, layout = target_config.family, target_config.qk_norm_layout
         image_range = dict(image_token_start=target_config.image_token_start, image_token_end=target_config.image_token_end)

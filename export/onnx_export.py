@@ -42,6 +42,7 @@ import torch
 from lantern.export import placement
 from lantern.export.families import DTYPES, FAMILIES, family_of
 from lantern.export.fused_forms import ATTENTION_FORMS
+from lantern.export.streaming import DeferredWeights
 from lantern.runtime import manifest as engine_format
 from lantern.runtime.contracts import resolved_io
 from lantern.runtime.errors import LanternError
@@ -157,15 +158,25 @@ def _weight_bytes(module):
     return total
 
 
-def export_graph(module, io_spec, path, opset=DEFAULT_OPSET):
+def export_graph(module, io_spec, path, opset=DEFAULT_OPSET, deferred=None):
     """Export one graph module to `path` (plus `path`.data when its weights are large).
-    Returns the file names written."""
+    deferred: the DeferredWeights (lantern.export.streaming) whose placeholders the module holds;
+    their real values are read one by one while the file is written. Returns the file names written."""
     inputs, outputs = list(io_spec["inputs"]), list(io_spec["outputs"])
-    external = _weight_bytes(module) > EXTERNAL_DATA_BYTES
+    streamed = deferred is not None and any(deferred.load_of(p) is not None for p in module.parameters())
+    external = streamed or _weight_bytes(module) > EXTERNAL_DATA_BYTES
     with _quiet_exporter(), torch.no_grad():
+        # streamed: the optimizer runs after the placeholders became lazy tensors (it would fold each
+        # weight's Transpose into an in-memory copy otherwise)
         program = torch.onnx.export(module, _trace_inputs(io_spec), None, input_names=inputs,
                                     output_names=outputs, dynamic_shapes=_dynamic_shapes(module, io_spec),
-                                    opset_version=opset, dynamo=True, external_data=external, verbose=False)
+                                    opset_version=opset, dynamo=True, external_data=external, verbose=False,
+                                    optimize=not streamed)
+        if streamed:
+            from lantern.export.streaming import defer_initializers
+
+            defer_initializers(program.model, deferred)
+            program.optimize()
     _apply_contract(program.model, io_spec, os.path.basename(path))
     with _quiet_exporter():
         program.save(path, external_data=external)
@@ -331,7 +342,11 @@ def _build(staging, bar, job):
                                                          job.attention)
     candidates, neighbors_k = job.candidates, job.neighbors_k
     bar.set_description("load")
-    models = family.load(job.target, job.target_format, job.target_options, drafter, vq)
+    # Large safetensors tensors stay on disk until each is written (lantern.export.streaming): a 7B
+    # target is never held in memory.
+    deferred = DeferredWeights()
+    models = family.load(job.target, job.target_format, job.target_options, drafter, vq,
+                         defer=(deferred, DTYPES[dtype]))
     sources = {"target": _source_record("target", job.target, models["target"].info,
                                         _options_record(job.target_options))}
     sources["target"]["format_option"] = job.target_format
@@ -370,7 +385,7 @@ def _build(staging, bar, job):
                 dims["S"] = static_cache.drafter if name == "drafter" else static_cache.target
             io_spec = resolved_io(contract, dims, DTYPE_NAMES[graph_dtype], layers=family.layers(name, models))
             path = os.path.join(tmp, engine_format.GRAPH_FILES[name])
-            written = export_graph(module, io_spec, path, job.opset)
+            written = export_graph(module, io_spec, path, job.opset, deferred)
             files += written
             graph_entries[name] = engine_format.Graph(
                 file=written[0], contract=contract, dtype=graph_dtype,
