@@ -426,6 +426,68 @@ def save_xllmx_lumina(model, directory, *, shards=1, dtype=torch.bfloat16, with_
     _write_weights(_collapse_qk_norms(_target_state(model), model.config, "model."), directory, shards, dtype)
 
 
+def save_random_target(config, directory, *, seed=0, dtype=torch.bfloat16):
+    """A random target of `config` in its family's layout (Anole: HF; Lumina-mGPT: xllmx), written
+    tensor by tensor: a 7B checkpoint without the model in memory. Values follow init_random's
+    rules (norm weights near 1, norm biases near 0, the rest N(0, 0.02)), one generator per tensor
+    seeded from `seed` and the tensor's index."""
+    os.makedirs(directory, exist_ok=True)
+    xllmx = config.qk_norm_layout == "xllmx"
+    if xllmx:
+        extra, architecture = {"mask_image_logits": False, "dropout": 0.05, "z_loss_weight": 1e-5}, \
+            "ChameleonXLLMXForConditionalGeneration"
+    else:
+        extra, architecture = None, "ChameleonForConditionalGeneration"
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(_hf_config(config, architecture, True, extra), f, indent=1)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in _target_state(ChameleonTarget(config)).items()}
+    if xllmx:
+        shapes = {k: (config.model_parallel_size, v[1]) if "_norm." in k and ".self_attn." in k else v
+                  for k, v in shapes.items()}
+
+    def make(index, key, shape):
+        gen = torch.Generator().manual_seed(seed * 100003 + index)
+        values = torch.randn(shape, generator=gen)
+        if key.endswith("norm.weight"):
+            return 1.0 + 0.1 * values
+        return (0.1 if key.endswith("norm.bias") else 0.02) * values
+
+    write_safetensors(os.path.join(directory, SAFETENSORS_FILE), shapes, dtype,
+                      lambda index, key: make(index, key, shapes[key]))
+
+
+def write_safetensors(path, shapes, dtype, make):
+    """A safetensors file of tensors {key: shape} in `dtype`, written one tensor at a time:
+    make(index, key) gives each (any float dtype; cast here). Keys are stored sorted, as
+    safetensors' own writer does."""
+    import struct
+
+    codes = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    width = torch.tensor([], dtype=dtype).element_size()
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    keys = sorted(shapes)
+    for key in keys:
+        n = width
+        for d in shapes[key]:
+            n *= d
+        header[key] = {"dtype": codes[dtype], "shape": list(shapes[key]), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".partial"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for index, key in enumerate(keys):
+            value = make(index, key).to(dtype).contiguous()
+            if tuple(value.shape) != tuple(shapes[key]):
+                raise RuntimeError(f"{key}: made shape {tuple(value.shape)}, expected {shapes[key]}")
+            f.write(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+            del value
+    os.replace(tmp, path)
+
+
 def save_drafter(drafter, directory, *, fmt="bin", dtype=torch.bfloat16):
     """Write a drafter as LANTERN ships it: config.json + pytorch_model.bin (fmt="safetensors":
     model.safetensors). The qk-norm layout follows drafter.config.qk_norm_layout."""
