@@ -26,7 +26,9 @@ Layouts (directories):
   vq                     vqgan.yaml + vqgan.ckpt (lantern.export.chameleon_vq).
 
 Loading builds the model on the meta device and assigns the file's tensors, so a checkpoint is
-held in memory once (a 7B target in bf16: ~14 GB), never twice.
+held in memory once (a 7B target in bf16: ~14 GB), never twice; with `defer` (what the export
+uses) a safetensors checkpoint's large tensors are not held at all until each is written
+(lantern.export.streaming). save_random_target writes a random target of any size tensor by tensor.
 """
 import json
 import os

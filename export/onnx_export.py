@@ -10,6 +10,11 @@ one `<graph>.onnx.data` file (a GPT-XL export peaks near the loader's own footpr
 supported one (the TorchScript exporter is deprecated). Its cost is time: ~2-3 s per tiny graph,
 where the TorchScript exporter takes a fraction of a second.
 
+Weights: large safetensors tensors (the Chameleon family's checkpoints) are never loaded whole:
+the graphs are traced over one-element placeholders and each weight is read, cast and transposed
+while its external data is written (lantern.export.streaming), so a 7B export peaks near the
+largest tensor plus the graph, not the model.
+
 The directory is built in a temporary sibling of --out and renamed into place when complete,
 so --out either holds a whole engine or nothing. manifest.json is written last.
 
@@ -372,6 +377,7 @@ def _build(staging, bar, job):
         if candidates < draft_tree.max_width:
             raise LanternError(f"--candidates {candidates} is narrower than tree {draft_tree.name!r}, whose widest "
                                f"node has {draft_tree.max_width} children")
+    _check_disk(os.path.dirname(staging.path), graphs)
     bar.update()
 
     tmp = staging.open()  # locks `out`, re-checks it, cleans dead runs' leftovers
@@ -424,6 +430,18 @@ def _build(staging, bar, job):
         staging.discard()
         raise
     return manifest
+
+
+def _check_disk(parent, graphs):
+    """LanternError before anything is written when the disk under `parent` cannot hold the graphs'
+    weights (each graph writes its own copy of a shared weight) with 5% to spare."""
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:  # the nearest that exists
+        parent = os.path.dirname(parent)
+    needed = int(1.05 * sum(_weight_bytes(module) for _, module in graphs.values()))
+    free = shutil.disk_usage(parent).free
+    if needed > free:
+        raise LanternError(f"the engine's graphs need about {needed / 2**30:.1f} GiB of disk under {parent}; "
+                           f"{free / 2**30:.1f} GiB is free")
 
 
 def _write_neighbors(directory, vectors, k):

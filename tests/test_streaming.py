@@ -87,3 +87,15 @@ def test_a_truncated_deferred_checkpoint_is_one_error_line(checkpoint, tmp_path)
         f.truncate(os.path.getsize(weights) // 2)
     with pytest.raises(LanternError, match="unreadable"):
         ck.load_target(bad, defer=(DeferredWeights(), torch.float16))
+
+
+def test_an_export_the_disk_cannot_hold_is_refused_before_writing(checkpoint, tmp_path, monkeypatch):
+    import shutil
+
+    from lantern.export.onnx_export import export_engine
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 20))  # 1 MiB free
+    with pytest.raises(LanternError, match=r"need about 0\.\d GiB of disk .* 0\.0 GiB is free"):
+        export_engine(tmp_path / "engines" / "e", checkpoint, dtype="fp16")
+    assert not (tmp_path / "engines").exists()

@@ -14,6 +14,12 @@ Configurations (the paper's models; targets with a LANTERN-shaped drafter and th
 7B shapes' per-layer costs are measured at two depths and the full depth extrapolated from them
 (labelled so in the JSON).
 
+The 7B shapes fit because nothing holds their target: the writer makes each tensor from its own
+seeded generator and appends it to model.safetensors (chameleon_checkpoints.save_random_target),
+and `lantern-export onnx` leaves large safetensors tensors on disk until each is written
+(lantern.export.streaming). What still loads a whole 7B model (check's fp32 torch reference, ONNX
+Runtime sessions for tokens, the TensorRT builder) is refused up front with the number it needs.
+
 Every stage is a child process of its own, so its peak RSS (getrusage of that child) is its own.
 A stage is refused before it starts when its estimate exceeds --memory-limit-gib (default 12: the
 machine is shared) or the disk cannot hold what it writes, with the number it needs; a watchdog
