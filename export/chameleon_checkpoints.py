@@ -26,7 +26,9 @@ Layouts (directories):
   vq                     vqgan.yaml + vqgan.ckpt (lantern.export.chameleon_vq).
 
 Loading builds the model on the meta device and assigns the file's tensors, so a checkpoint is
-held in memory once (a 7B target in bf16: ~14 GB), never twice.
+held in memory once (a 7B target in bf16: ~14 GB), never twice; with `defer` (what the export
+uses) a safetensors checkpoint's large tensors are not held at all until each is written
+(lantern.export.streaming). save_random_target writes a random target of any size tensor by tensor.
 """
 import json
 import os
@@ -74,12 +76,52 @@ def _weights_file(directory):
     raise LanternError(f"{directory}: no weights file (expected {INDEX_FILE}, {SAFETENSORS_FILE} or {BIN_FILE})")
 
 
-def _read_tensors(weights):
-    """All tensors of a weights file (or of every shard an index lists)."""
+def _read_tensors(weights, defer=None, skip=None):
+    """All tensors of a weights file (or of every shard an index lists). defer: (DeferredWeights,
+    dtype) to read safetensors lazily: large tensors become placeholders in `dtype` read when
+    exported, the others are read now and cast to `dtype` (lantern.export.streaming). Keys starting
+    with `skip` are listed (as None) but never read."""
+    if weights.endswith(INDEX_FILE):
+        directory = os.path.dirname(weights)
+        state = {}
+        for shard in sorted(set(read_json(weights).get("weight_map", {}).values())):
+            state.update(_read_tensors(os.path.join(directory, shard), defer, skip))
+        return state
+    if defer is not None and weights.endswith(".safetensors"):
+        return _read_deferred(weights, *defer, skip)
     state = read_state(weights)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise LanternError(f"{weights}: expected a flat dict of tensors")
     return dict(state)
+
+
+def _read_deferred(weights, deferred, dtype, skip=None):
+    from safetensors import safe_open
+
+    from lantern.export.streaming import DEFER_ELEMENTS
+
+    def read(key):
+        with safe_open(weights, "pt") as f:
+            return f.get_tensor(key).to(dtype)
+
+    if not os.path.isfile(weights):
+        raise LanternError(f"{weights}: no such file")
+    state = {}
+    try:
+        with safe_open(weights, "pt") as f:
+            for key in f.keys():
+                if skip and key.startswith(skip):
+                    state[key] = None
+                    continue
+                shape = tuple(f.get_slice(key).get_shape())
+                numel = 1
+                for n in shape:
+                    numel *= n
+                state[key] = deferred.placeholder(shape, dtype, lambda key=key: read(key)) \
+                    if numel >= DEFER_ELEMENTS else f.get_tensor(key).to(dtype)
+    except Exception as e:  # safetensors raises its own error type, which moved between versions
+        raise LanternError(f"{weights}: unreadable or truncated safetensors file ({e})") from None
+    return state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,15 +160,17 @@ def _expand_qk_norms(state, config, prefix, source):
 # Targets
 
 
-def load_target(path):
-    """An Anole (HF) or Lumina-mGPT (xllmx) directory -> (ChameleonTarget, info)."""
+def load_target(path, defer=None):
+    """An Anole (HF) or Lumina-mGPT (xllmx) directory -> (ChameleonTarget, info).
+    defer: (DeferredWeights, dtype): the large tensors of a safetensors checkpoint stay on disk
+    until exported (lantern.export.streaming); the model is then already in `dtype`."""
     path = os.fspath(path)
     found = detect(path)
     if found["role"] != "target":
         raise LanternError(f"{path}: this is a {found['role']} checkpoint, not a Chameleon target")
     raw_config = read_json(os.path.join(path, "config.json"))
     config = ChameleonConfig.from_hf(raw_config, os.path.join(path, "config.json"))
-    raw = _read_tensors(found["weights"])
+    raw = _read_tensors(found["weights"], defer, skip=SKIPPED_TARGET_PREFIX)
     state = {}
     for key, value in raw.items():
         if key.startswith(SKIPPED_TARGET_PREFIX):
@@ -152,16 +196,17 @@ def load_target(path):
 # Drafters
 
 
-def load_drafter(path, target_config=None):
+def load_drafter(path, target_config=None, defer=None):
     """A LANTERN drafter directory -> (ChameleonDrafter, info). With target_config, its family
     decides the qk-norm layout and the image-token range, and the drafter must fit the target;
-    without, the layout is read off the q_norm shape ([heads, hd] = hf, else xllmx)."""
+    without, the layout is read off the q_norm shape ([heads, hd] = hf, else xllmx). defer: as
+    load_target's."""
     path = os.fspath(path)
     found = detect(path)
     if found["role"] != "drafter":
         raise LanternError(f"{path}: this is a {found['role']} checkpoint, not a LANTERN drafter")
     raw_config = read_json(os.path.join(path, "config.json"))
-    state = _read_tensors(found["weights"])
+    state = _read_tensors(found["weights"], defer)
     if target_config is not None:
         family, layout = target_config.family, target_config.qk_norm_layout
         image_range = dict(image_token_start=target_config.image_token_start, image_token_end=target_config.image_token_end)
@@ -358,6 +403,68 @@ def save_xllmx_lumina(model, directory, *, shards=1, dtype=torch.bfloat16, with_
         json.dump(_hf_config(model.config, "ChameleonXLLMXForConditionalGeneration", with_vocabulary_map, extra), f,
                   indent=1)
     _write_weights(_collapse_qk_norms(_target_state(model), model.config, "model."), directory, shards, dtype)
+
+
+def save_random_target(config, directory, *, seed=0, dtype=torch.bfloat16):
+    """A random target of `config` in its family's layout (Anole: HF; Lumina-mGPT: xllmx), written
+    tensor by tensor: a 7B checkpoint without the model in memory. Values follow init_random's
+    rules (norm weights near 1, norm biases near 0, the rest N(0, 0.02)), one generator per tensor
+    seeded from `seed` and the tensor's index."""
+    os.makedirs(directory, exist_ok=True)
+    xllmx = config.qk_norm_layout == "xllmx"
+    if xllmx:
+        extra, architecture = {"mask_image_logits": False, "dropout": 0.05, "z_loss_weight": 1e-5}, \
+            "ChameleonXLLMXForConditionalGeneration"
+    else:
+        extra, architecture = None, "ChameleonForConditionalGeneration"
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(_hf_config(config, architecture, True, extra), f, indent=1)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in _target_state(ChameleonTarget(config)).items()}
+    if xllmx:
+        shapes = {k: (config.model_parallel_size, v[1]) if "_norm." in k and ".self_attn." in k else v
+                  for k, v in shapes.items()}
+
+    def make(index, key, shape):
+        gen = torch.Generator().manual_seed(seed * 100003 + index)
+        values = torch.randn(shape, generator=gen)
+        if key.endswith("norm.weight"):
+            return 1.0 + 0.1 * values
+        return (0.1 if key.endswith("norm.bias") else 0.02) * values
+
+    write_safetensors(os.path.join(directory, SAFETENSORS_FILE), shapes, dtype,
+                      lambda index, key: make(index, key, shapes[key]))
+
+
+def write_safetensors(path, shapes, dtype, make):
+    """A safetensors file of tensors {key: shape} in `dtype`, written one tensor at a time:
+    make(index, key) gives each (any float dtype; cast here). Keys are stored sorted, as
+    safetensors' own writer does."""
+    import struct
+
+    codes = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+    width = torch.tensor([], dtype=dtype).element_size()
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    keys = sorted(shapes)
+    for key in keys:
+        n = width
+        for d in shapes[key]:
+            n *= d
+        header[key] = {"dtype": codes[dtype], "shape": list(shapes[key]), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".partial"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for index, key in enumerate(keys):
+            value = make(index, key).to(dtype).contiguous()
+            if tuple(value.shape) != tuple(shapes[key]):
+                raise RuntimeError(f"{key}: made shape {tuple(value.shape)}, expected {shapes[key]}")
+            f.write(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+            del value
+    os.replace(tmp, path)
 
 
 def save_drafter(drafter, directory, *, fmt="bin", dtype=torch.bfloat16):

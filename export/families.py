@@ -49,8 +49,10 @@ class Family(Protocol):
     def inspect(self, path, fmt=None, **target_options) -> dict:
         """What the loaders detect in a checkpoint of any role (LoadedModel.info)."""
 
-    def load(self, target, target_format=None, target_options=None, drafter=None, vq=None) -> dict:
-        """{role: LoadedModel} through the strict loaders, checked against each other."""
+    def load(self, target, target_format=None, target_options=None, drafter=None, vq=None, defer=None) -> dict:
+        """{role: LoadedModel} through the strict loaders, checked against each other. defer:
+        (DeferredWeights, dtype) to leave large tensors on disk until exported, where the
+        family's loaders can (lantern.export.streaming); None loads everything."""
 
     def cast(self, models, dtype):
         """The models to the export dtype, in place (what stays fp32 is the family's choice)."""
@@ -103,8 +105,9 @@ class LlamaGen:
             return load_vq(path)[1]
         return checkpoints.load_target(path, fmt, **target_options)[1]
 
-    def load(self, target, target_format=None, target_options=None, drafter=None, vq=None):
-        """{role: (model, info)} through the strict loaders."""
+    def load(self, target, target_format=None, target_options=None, drafter=None, vq=None, defer=None):
+        """{role: (model, info)} through the strict loaders (all in memory: GPT-XL fits; defer
+        is not used)."""
 
         models = {"target": LoadedModel(*checkpoints.load_target(target, target_format, **(target_options or {})))}
         args = models["target"].model.args
@@ -238,17 +241,17 @@ class Chameleon:
             return chameleon_checkpoints.load_drafter(path)[1]
         return chameleon_checkpoints.load_target(path)[1]
 
-    def load(self, target, target_format=None, target_options=None, drafter=None, vq=None):
+    def load(self, target, target_format=None, target_options=None, drafter=None, vq=None, defer=None):
         if target_format not in (None, "chameleon"):
             raise LanternError(f"{target}: a Chameleon directory; --format {target_format!r} does not apply")
         unused = [k for k, v in (target_options or {}).items() if v is not None and k != "weights"]
         if unused:
             raise LanternError(f"{target}: a Chameleon checkpoint carries its config; "
                                f"{', '.join('--' + k.replace('_', '-') for k in unused)} do not apply")
-        models = {"target": LoadedModel(*chameleon_checkpoints.load_target(target))}
+        models = {"target": LoadedModel(*chameleon_checkpoints.load_target(target, defer))}
         config = models["target"].model.config
         if drafter is not None:
-            models["drafter"] = LoadedModel(*chameleon_checkpoints.load_drafter(drafter, config))
+            models["drafter"] = LoadedModel(*chameleon_checkpoints.load_drafter(drafter, config, defer))
             if models["drafter"].model.config.num_hidden_layers != 1:
                 raise LanternError(f"{drafter}: the drafter graph takes one layer's cache; this drafter has "
                                    f"{models['drafter'].model.config.num_hidden_layers} layers")

@@ -10,6 +10,11 @@ one `<graph>.onnx.data` file (a GPT-XL export peaks near the loader's own footpr
 supported one (the TorchScript exporter is deprecated). Its cost is time: ~2-3 s per tiny graph,
 where the TorchScript exporter takes a fraction of a second.
 
+Weights: large safetensors tensors (the Chameleon family's checkpoints) are never loaded whole:
+the graphs are traced over one-element placeholders and each weight is read, cast and transposed
+while its external data is written (lantern.export.streaming), so a 7B export peaks near the
+largest tensor plus the graph, not the model.
+
 The directory is built in a temporary sibling of --out and renamed into place when complete,
 so --out either holds a whole engine or nothing. manifest.json is written last.
 
@@ -45,6 +50,7 @@ from lantern.export.cache_forms import ATTENTION_FORMS
 from lantern.export.inspect_cmd import add_model_options, target_options
 from lantern.export.neighbors import nearest_neighbors
 from lantern.export.quantize import add_quantize_options, describe_quantization, quantize_graphs, quantize_options
+from lantern.export.streaming import DeferredWeights
 from lantern.runtime import manifest as engine_format
 from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.contracts import resolved_io
@@ -163,15 +169,25 @@ def _weight_bytes(module):
     return total
 
 
-def export_graph(module, io_spec, path, opset=DEFAULT_OPSET):
+def export_graph(module, io_spec, path, opset=DEFAULT_OPSET, deferred=None):
     """Export one graph module to `path` (plus `path`.data when its weights are large).
-    Returns the file names written."""
+    deferred: the DeferredWeights (lantern.export.streaming) whose placeholders the module holds;
+    their real values are read one by one while the file is written. Returns the file names written."""
     inputs, outputs = list(io_spec["inputs"]), list(io_spec["outputs"])
-    external = _weight_bytes(module) > EXTERNAL_DATA_BYTES
+    streamed = deferred is not None and any(deferred.load_of(p) is not None for p in module.parameters())
+    external = streamed or _weight_bytes(module) > EXTERNAL_DATA_BYTES
     with _quiet_exporter(), torch.no_grad():
+        # streamed: the optimizer runs after the placeholders became lazy tensors (it would fold each
+        # weight's Transpose into an in-memory copy otherwise)
         program = torch.onnx.export(module, _trace_inputs(io_spec), None, input_names=inputs,
                                     output_names=outputs, dynamic_shapes=_dynamic_shapes(module, io_spec),
-                                    opset_version=opset, dynamo=True, external_data=external, verbose=False)
+                                    opset_version=opset, dynamo=True, external_data=external, verbose=False,
+                                    optimize=not streamed)
+        if streamed:
+            from lantern.export.streaming import defer_initializers
+
+            defer_initializers(program.model, deferred)
+            program.optimize()
     _apply_contract(program.model, io_spec, os.path.basename(path))
     with _quiet_exporter():
         program.save(path, external_data=external)
@@ -336,7 +352,11 @@ def _build(staging, bar, job):
                                                          job.attention)
     candidates, neighbors_k = job.candidates, job.neighbors_k
     bar.set_description("load")
-    models = family.load(job.target, job.target_format, job.target_options, drafter, vq)
+    # Large safetensors tensors stay on disk until each is written (lantern.export.streaming): a 7B
+    # target is never held in memory.
+    deferred = DeferredWeights()
+    models = family.load(job.target, job.target_format, job.target_options, drafter, vq,
+                         defer=(deferred, DTYPES[dtype]))
     sources = {"target": _source_record("target", job.target, models["target"].info,
                                         _options_record(job.target_options))}
     sources["target"]["format_option"] = job.target_format
@@ -362,6 +382,7 @@ def _build(staging, bar, job):
         if candidates < draft_tree.max_width:
             raise LanternError(f"--candidates {candidates} is narrower than tree {draft_tree.name!r}, whose widest "
                                f"node has {draft_tree.max_width} children")
+    _check_disk(os.path.dirname(staging.path), graphs)
     bar.update()
 
     tmp = staging.open()  # locks `out`, re-checks it, cleans dead runs' leftovers
@@ -375,7 +396,7 @@ def _build(staging, bar, job):
                 dims["S"] = inplace_cache.drafter if name == "drafter" else inplace_cache.target
             io_spec = resolved_io(contract, dims, DTYPE_NAMES[graph_dtype], layers=family.layers(name, models))
             path = os.path.join(tmp, engine_format.GRAPH_FILES[name])
-            written = export_graph(module, io_spec, path, job.opset)
+            written = export_graph(module, io_spec, path, job.opset, deferred)
             files += written
             graph_entries[name] = engine_format.Graph(
                 file=written[0], contract=contract, dtype=graph_dtype,
@@ -413,6 +434,18 @@ def _build(staging, bar, job):
         staging.discard()
         raise
     return manifest
+
+
+def _check_disk(parent, graphs):
+    """LanternError before anything is written when the disk under `parent` cannot hold the graphs'
+    weights (each graph writes its own copy of a shared weight) with 5% to spare."""
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:  # the nearest that exists
+        parent = os.path.dirname(parent)
+    needed = int(1.05 * sum(_weight_bytes(module) for _, module in graphs.values()))
+    free = shutil.disk_usage(parent).free
+    if needed > free:
+        raise LanternError(f"the engine's graphs need about {needed / 2**30:.1f} GiB of disk under {parent}; "
+                           f"{free / 2**30:.1f} GiB is free")
 
 
 def _write_neighbors(directory, vectors, k):

@@ -121,3 +121,21 @@ def test_quantized_engine_passes_check_and_generates(engines, family, tmp_path):
     engine = Engine(out, threads=2)
     tokens = engine.generate(mode="lantern++", k=8, lam=4.0, prompt=["a red cat"], grid=GRID, cfg_scale=3.0).tokens
     assert tokens.shape == (1, GRID[0] * GRID[1]) and 0 <= tokens.min() and tokens.max() < CODES
+
+
+def test_step_plans_lay_out_without_the_engines_files(engines):
+    """`lantern-export trt` lays out a Chameleon engine's step plans from its manifest alone: the
+    prompt adapter then takes ids only (it once joined directory None with the tokenizer's name)."""
+    from lantern.export.trt_export import PROMPT_TOKENS, call_shapes
+    from lantern.runtime.conditions import Prompt
+    from lantern.runtime.manifest import read_manifest
+    from lantern.runtime.tree import build_tree
+
+    manifest = read_manifest(engines["anole"], verify=False)
+    assert manifest.condition.tokenizer is not None  # the case that failed: an engine with a tokenizer
+    shapes = call_shapes(manifest, [1], [False, True], [build_tree(manifest.tree)])
+    prefill = {label: s for label, (s, _) in shapes["target"].items() if label.startswith("prefill")}
+    assert prefill and all(s["input_ids"][-1] >= PROMPT_TOKENS for s in prefill.values())
+    with pytest.raises(LanternError, match="ids only"):
+        Prompt(manifest, None).tokenizer()
+    assert Prompt(manifest, engines["anole"]).tokenizer().encode("a cat")  # with the directory: text works

@@ -65,3 +65,16 @@ def test_shapes_are_the_papers_models(config):
     full = s["full_parameters"]
     assert s["layers"] == 2 and s["parameters"] < full
     assert (0.77e9 < full < 0.78e9) if config.startswith("gpt-xl") else (6.9e9 < full < 7.1e9)
+
+
+def test_the_7b_shapes_stream_write_and_export_and_refuse_what_loads_the_whole_model():
+    """Writer and export stream a 7B target (measured: 2.4 GB peak writing Anole-7b); check, tokens
+    and the TensorRT build still hold it, so under the default 12 GiB they are refused up front."""
+    for config, family in (("anole-7b", "anole"), ("lumina-mgpt-7b", "lumina_mgpt")):
+        parameters = bench.shapes(config)["parameters"]
+        for stage in ("write", "export"):
+            assert bench.estimate(stage, parameters, "bf16", family)[0] < 6 * bench.GIB
+        for stage in ("check", "tokens", "trt"):
+            assert bench.estimate(stage, parameters, "fp16", family)[0] > 24 * bench.GIB
+    gpt_xl = bench.shapes("gpt-xl-c2i")["parameters"]
+    assert bench.estimate("export", gpt_xl, "fp16", "llamagen")[0] == bench.RSS_PER_PARAM["export"] * gpt_xl
