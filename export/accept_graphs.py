@@ -32,8 +32,15 @@ import torch
 from torch import nn
 
 from lantern.export.onnx_export import _apply_contract, _quiet_exporter
-from lantern.runtime.contracts import GRAPHS, resolved_io
+from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT, GRAPHS, resolved_io
 from lantern.runtime.errors import LanternError
+from lantern.runtime import accept as acceptance, enginedir
+from lantern.runtime.chameleon_prompts import forced_tokens
+from lantern.runtime.enginedir import inside
+from lantern.runtime.manifest import AcceptanceGraphs, Graph, TensorSpec, describe_files, read_manifest
+from lantern.runtime.sampling import Sampling
+from lantern.runtime.tree import build_tree
+from lantern.runtime.vocabulary import VocabularyView
 
 # float64's rounding limits around 1: 1 + e rounds above 1 iff e > 2^-53 (2^-53 itself ties to
 # 1.0, the even neighbor), and rounds to 1.0 iff -2^-54 <= e <= 2^-53.
@@ -278,8 +285,6 @@ class SamplingAcceptance(nn.Module):
 
     def filtered(self, l, temperature, top_k, top_p):
         """lantern.runtime.accept.filtered_probs of every node's combined logits [N, M, S]."""
-        from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT
-
         S = l.shape[2]
         z = l / temperature
         cap = min(ACCEPT_TOP_K_LIMIT, S)
@@ -401,8 +406,6 @@ def engine_forced_ids(manifest_condition, image):
     acceptance graphs' token space; none for class and caption engines."""
     if manifest_condition.kind != "prompt":
         return ()
-    from lantern.runtime.chameleon_prompts import forced_tokens
-
     forced = forced_tokens(manifest_condition.style, (image.grid_height, image.grid_width))
     return tuple(int(i) for i in np.unique(forced[forced >= 0]))
 
@@ -421,9 +424,6 @@ def write_acceptance_graphs(directory, tree, vocabulary, condition, image, candi
                             opset=18):
     """Export the acceptance graphs of `tree` into `directory` (a staging copy of the engine):
     (AcceptanceGraphs, [files written])."""
-    from lantern.runtime import enginedir
-    from lantern.runtime.manifest import AcceptanceGraphs, Graph, TensorSpec
-
     forced = engine_forced_ids(condition, image)
     columns = np.concatenate([np.arange(vocabulary.image_start, vocabulary.image_end), np.array(forced, dtype=np.int64)])
     enginedir.make_dirs(directory, "accept")
@@ -442,8 +442,6 @@ def write_acceptance_graphs(directory, tree, vocabulary, condition, image, candi
 def engine_trees(manifest, directory, specs=()):
     """The trees `lantern-export accept` covers: the given specs, else the default tree and every
     tuned tree (whatever backend it was tuned on), each once by its paths."""
-    from lantern.runtime.tree import build_tree
-
     if manifest.tree is None:
         raise LanternError("this engine serves 'ar' only (no drafter): there is nothing to accept")
     if specs:
@@ -475,9 +473,6 @@ def add_acceptance_graphs(directory, specs=(), kinds=tuple(KINDS), force=False, 
     record them; returns the merged manifest. Staged beside the engine's files, moved into
     accept/ and recorded under the engine's lock; trees that have graphs are skipped unless
     force. Nothing changes when any step fails."""
-    from lantern.runtime import enginedir
-    from lantern.runtime.manifest import describe_files, read_manifest
-
     directory = os.path.abspath(os.fspath(directory))
     manifest = read_manifest(directory, verify=True)
     trees = [t for t in engine_trees(manifest, directory, specs)
@@ -520,8 +515,6 @@ def add_acceptance_graphs(directory, specs=(), kinds=tuple(KINDS), force=False, 
 
 
 def _paths(entry):
-    from lantern.runtime.tree import build_tree
-
     return build_tree(entry.tree).paths
 
 
@@ -565,10 +558,6 @@ def check_acceptance(directory, manifest, rng, cases=4, images=3, sampled_images
     (float32 rounding flips decisions at their edge; the emitted distribution is tested in
     tests/test_accept_graphs.py)."""
     import onnxruntime as ort
-
-    from lantern.runtime import accept as acceptance
-    from lantern.runtime.enginedir import inside
-    from lantern.runtime.tree import build_tree
 
     table = None
     if manifest.neighbors is not None:
@@ -635,10 +624,6 @@ def _agreement_row(label, what, who, got, want):
 
 def _check_case(rng, manifest, entry, tree, table, case, images, kind):
     """One seeded case: (feeds, the spec's combined logits, view, rule, filters)."""
-    from lantern.runtime import accept as acceptance
-    from lantern.runtime.sampling import Sampling
-    from lantern.runtime.vocabulary import VocabularyView
-
     voc = manifest.vocabulary
     M, V = tree.num_nodes, voc.size
     length = 4 * (tree.depth + 2)

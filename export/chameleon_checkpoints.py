@@ -39,6 +39,7 @@ from lantern.export import chameleon
 from lantern.export.chameleon import ChameleonConfig, ChameleonDrafter, ChameleonTarget, DrafterConfig
 from lantern.export.checkpoints import check_state_keys, peek_keys, read_json, read_state
 from lantern.runtime.errors import LanternError
+from lantern.export.streaming import DEFER_ELEMENTS
 
 INDEX_FILE, SAFETENSORS_FILE, BIN_FILE = "model.safetensors.index.json", "model.safetensors", "pytorch_model.bin"
 SKIPPED_TARGET_PREFIX = "model.vqmodel."  # the VQ encoder inside HF checkpoints
@@ -97,8 +98,6 @@ def _read_tensors(weights, defer=None, skip=None):
 
 def _read_deferred(weights, deferred, dtype, skip=None):
     from safetensors import safe_open
-
-    from lantern.export.streaming import DEFER_ELEMENTS
 
     def read(key):
         with safe_open(weights, "pt") as f:

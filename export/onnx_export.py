@@ -50,9 +50,8 @@ from lantern.export.cache_forms import ATTENTION_FORMS
 from lantern.export.inspect_cmd import add_model_options, target_options
 from lantern.export.neighbors import nearest_neighbors
 from lantern.export.quantize import add_quantize_options, describe_quantization, quantize_graphs, quantize_options
-from lantern.export.streaming import DeferredWeights
+from lantern.export.streaming import DeferredWeights, defer_initializers
 from lantern.runtime import manifest as engine_format
-from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.contracts import resolved_io
 from lantern.runtime.errors import LanternError
 from lantern.runtime.integrity import sha256_file
@@ -184,8 +183,6 @@ def export_graph(module, io_spec, path, opset=DEFAULT_OPSET, deferred=None):
                                     opset_version=opset, dynamo=True, external_data=external, verbose=False,
                                     optimize=not streamed)
         if streamed:
-            from lantern.export.streaming import defer_initializers
-
             defer_initializers(program.model, deferred)
             program.optimize()
     _apply_contract(program.model, io_spec, os.path.basename(path))
@@ -545,16 +542,3 @@ def run(args):
     if manifest.neighbors is None and manifest.tree is not None:
         print("no neighbor table (no --vq): modes lantern and lantern++ need one")
     return 0
-
-
-def open_torch_backend(directory, threads=None, device="cpu", manifest=None):
-    """The runtime's torch backend over an engine's graphs rebuilt from its source checkpoints."""
-
-    manifest = manifest or read_manifest(directory)
-    if (scheme := engine_format.quantization_scheme(manifest)) != "none":  # it would serve fp32 numerics
-        raise LanternError(f"{directory} has {scheme}-quantized graphs, which the torch backend cannot run (it runs the "
-                           f"fp32 modules); use --backend onnxruntime, or the fp32 engine for the torch reference")
-    from lantern.export.accept_graphs import GreedyAcceptance
-
-    modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
-    return TorchBackend(modules, manifest, threads=threads, device=device, acceptance=GreedyAcceptance)

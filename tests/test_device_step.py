@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lantern.export.onnx_export import open_torch_backend
+from lantern.export.torch_backend import open_torch_backend
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.tools.bench.device_step import RecordingBackend

@@ -11,7 +11,7 @@ from scipy import stats
 
 from engines import build_engine, captions
 from lantern.export import checkpoints
-from lantern.export.onnx_export import open_torch_backend
+from lantern.export.torch_backend import open_torch_backend
 from lantern.runtime import accept as acceptance
 from lantern.runtime.cli import main as run_main
 from lantern.runtime.generator import Engine

@@ -49,7 +49,7 @@ from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.generator import Engine
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.plan import Call
-from lantern.tools.bench.device_step import device_acceptance
+from lantern.tools.bench.device_step import device_acceptance, step_timing
 from lantern.tools.latency import default_condition, verify_latency
 
 from lantern.tools.bench.device_step import export_gpt
@@ -234,7 +234,8 @@ def measure(engine_dir, engine, cpu, tokens, batches, repeats, numerics_too=True
 def torch_cuda(engine_dir, cpu, opts, cuda_graphs):
     if cuda_visible() is None:
         raise Skip("torch sees no CUDA device")
-    from lantern.export.onnx_export import load_graph_modules, open_torch_backend
+    from lantern.export.onnx_export import load_graph_modules
+    from lantern.export.torch_backend import open_torch_backend
 
     if cuda_graphs:
         backend = open_torch_backend(engine_dir, device="cuda")
@@ -355,8 +356,6 @@ def device_step_section(engine_dir, batches, cuda_graphs, device=None, **options
     logic on the CPU."""
     if device is None and cuda_visible() is None:
         raise Skip("torch sees no CUDA device")
-    from lantern.tools.bench.device_step import step_timing
-
     return step_timing(engine_dir, device or "cuda", cuda_graphs, batches=batches, **options)
 
 

@@ -10,7 +10,7 @@ from lantern.tools import quality, serve, serve_client, tree_report, tune
 
 
 def _torch_backend(engine_dir, threads, device):
-    from lantern.export.onnx_export import open_torch_backend
+    from lantern.export.torch_backend import open_torch_backend
 
     return open_torch_backend(engine_dir, threads=threads, device=device)
 

@@ -60,7 +60,7 @@ def _torch(directory, manifest, modules=None, **options):
     if modules is None:
         raise LanternError("the torch backend runs the graphs as torch modules, which lantern.export rebuilds from "
                            "the engine's source checkpoints: use `lantern-run` (it does that) or "
-                           "lantern.export.onnx_export.open_torch_backend(engine_dir)")
+                           "lantern.export.torch_backend.open_torch_backend(engine_dir)")
     from lantern.runtime.backends.torch import TorchBackend
 
     return TorchBackend(modules, manifest, **options)

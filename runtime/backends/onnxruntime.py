@@ -17,6 +17,8 @@ import numpy as np
 
 from lantern.runtime.errors import LanternError
 from lantern.runtime.contracts import graph_io
+from lantern.runtime.accept import Outcome
+from lantern.runtime.sampling import Greedy
 
 _NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -116,8 +118,6 @@ class OnnxRuntimeBackend:
     def device_step_refusal(self, plan, sampler):
         """Why this backend's device step (the engine's acceptance graph fed the verification
         logits in place, IOBinding) cannot run a generation of this plan, or None."""
-        from lantern.runtime.sampling import Greedy
-
         if not isinstance(sampler, Greedy):
             return "on onnxruntime it runs greedy acceptance only"
         if not plan.tree.depth:
@@ -219,8 +219,6 @@ class OrtGraphAcceptance:
 
     def accept(self, decoding, active):
         """The Outcome of the active images (as lantern.runtime.accept's)."""
-        from lantern.runtime.accept import Outcome
-
         self.feeds["count"][:] = decoding.count
         self.feeds["tokens"][:] = self.view.columns(decoding.node_tokens)
         self.session.run_with_iobinding(self.binding)

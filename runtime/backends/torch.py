@@ -22,6 +22,7 @@ import numpy as np
 
 from lantern.runtime.errors import LanternError
 from lantern.runtime.contracts import graph_io
+from lantern.runtime.backends.torch_step import TorchDeviceStep, refusal
 
 _TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -179,18 +180,14 @@ class TorchBackend:
     # -- the device step ---------------------------------------------------------------------
     def device_step_refusal(self, plan, sampler):
         """Why the device step cannot run a generation of this plan and sampler, or None."""
-        from lantern.runtime.backends.torch_step import refusal
-
         if self.acceptance is None:
             return ("this torch backend was opened without the acceptance module (open it with "
-                    "lantern.export.onnx_export.open_torch_backend)")
+                    "lantern.export.torch_backend.open_torch_backend)")
         return refusal(plan, sampler)
 
     def device_step(self, decoding):
         """The device step for one generation (after its prefill). Its host crossings go through
         decoding.backend (this backend, or a wrapper that records them)."""
-        from lantern.runtime.backends.torch_step import TorchDeviceStep
-
         step = self._steps.get(id(decoding.plan))
         if step is not None and step.plan is decoding.plan and step.key == TorchDeviceStep.key_of(decoding) \
                 and step.backend is decoding.backend:

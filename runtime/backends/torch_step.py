@@ -28,13 +28,12 @@ uniforms (lantern.runtime.streams.table) on the device."""
 import numpy as np
 
 from lantern.runtime.errors import LanternError
+from lantern.runtime.kvcache import InPlaceKVCache
+from lantern.runtime.sampling import Greedy
 
 
 def refusal(plan, sampler):
     """Why the device step cannot run a generation of this plan and sampler, or None."""
-    from lantern.runtime.kvcache import InPlaceKVCache
-    from lantern.runtime.sampling import Greedy
-
     if not isinstance(sampler, Greedy):
         return ("it runs greedy decoding only (sampling there needs the children's draw and the images' random "
                 "streams on the device too: not yet)")

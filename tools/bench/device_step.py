@@ -34,6 +34,9 @@ from lantern.runtime import accept as acceptance
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.tree import build_tree, root_only
+from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
+from lantern.runtime.backends.torch import TorchBackend
+from lantern.runtime.manifest import read_manifest
 
 VOCAB, TABLE = 16384, 1000
 
@@ -273,9 +276,7 @@ def step_record(engine, recorder, path, mode, images, cfg, classes):
 
 def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), cfg=4.0, threads=2):
     """Per step, host vs device, for each backend the CPU has: a list of records."""
-    from lantern.export.onnx_export import open_torch_backend
-    from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
-    from lantern.runtime.manifest import read_manifest
+    from lantern.export.torch_backend import open_torch_backend
 
     manifest = read_manifest(engine_dir)
     backends = {"onnxruntime-cpu": OnnxRuntimeBackend(engine_dir, manifest, threads=threads),
@@ -307,9 +308,6 @@ def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact
     AR steps; greedy, CFG. Each generation runs once, after one warm-up of its plan (warmup)."""
     from lantern.export.accept_graphs import GreedyAcceptance
     from lantern.export.onnx_export import load_graph_modules
-    from lantern.runtime.backends.torch import TorchBackend
-    from lantern.runtime.manifest import read_manifest
-
     manifest = read_manifest(engine_dir)
     modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
     backend = TorchBackend(modules, manifest, device=device, threads=threads, cuda_graphs=cuda_graphs,
