@@ -273,7 +273,7 @@ def _no_graphs(monkeypatch):
 
     empty = onnx.helper.make_model(onnx.helper.make_graph([], "empty", [], [])).SerializeToString()
 
-    def write(module, io_spec, path, opset=18):
+    def write(module, io_spec, path, opset=18, deferred=None):
         with open(path, "wb") as f:
             f.write(empty)
         return [os.path.basename(path)]
@@ -333,10 +333,10 @@ def test_failure_mid_export_leaves_nothing(sources, tmp_path, monkeypatch):
     out = tmp_path / "engines" / "half"
     real = onnx_export.export_graph
 
-    def fail_on_target(module, io_spec, path, opset=onnx_export.DEFAULT_OPSET):
+    def fail_on_target(module, io_spec, path, opset=onnx_export.DEFAULT_OPSET, deferred=None):
         if path.endswith("target.onnx"):
             raise RuntimeError("exporter blew up")
-        return real(module, io_spec, path, opset)
+        return real(module, io_spec, path, opset, deferred)
 
     monkeypatch.setattr(onnx_export, "export_graph", fail_on_target)
     with pytest.raises(RuntimeError, match="blew up"):
