@@ -89,10 +89,7 @@ class Engine:
             options = dict(backend_options, threads=threads, **({} if device is None else {"device": device}))
             backend = open_backend(backend, self.directory, m, **options)
         self.backend = backend
-        if step == "device" and not hasattr(backend, "device_step"):
-            raise LanternError(f"the {backend.name} backend has no device step; use step='host' (or the torch "
-                               f"backend)")
-        self.step = step or getattr(backend, "default_step", "host")
+        self.step = step or backend.default_step
         self._step_asked = step is not None
         self.condition = condition_adapter(m, self.backend.float_dtype, self.directory)
         self.tree = build_tree(m.tree) if m.tree else None

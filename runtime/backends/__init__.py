@@ -49,6 +49,14 @@ class Backend(Protocol):
         """[(case name, {input: shape})]: the only shapes this backend runs a graph at (compiled
         profiles), for check's cases; None where any shape runs."""
 
+    default_step: str  # "host" or "device": the step path Engine(step=None) takes
+
+    def device_step_refusal(self, plan, sampler):
+        """Why the device step cannot run a generation of this plan and sampler, or None."""
+
+    def device_step(self, decoding):
+        """The device step for one generation (runtime.generator; only where the refusal is None)."""
+
 
 def _onnxruntime(directory, manifest, **options):
     from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend

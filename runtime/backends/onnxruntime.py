@@ -28,6 +28,7 @@ _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tenso
 class OnnxRuntimeBackend:
     name = "onnxruntime"
     key = None  # runs the ONNX graphs (or their modules), no compiled plans
+    default_step = "host"  # its device step (acceptance as a graph) is slower on a CPU: bench.device_step
 
     def __init__(self, directory, manifest, threads=None, device="cpu", io_binding=True):
         try:

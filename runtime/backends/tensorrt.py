@@ -79,6 +79,7 @@ class _Bound:
 
 class TensorRTBackend(CudaArrays):
     name = "tensorrt"
+    default_step = "host"
 
     def __init__(self, directory, manifest, threads=None, device="cuda", flavor=None, plans=None, cuda_graphs=True):
         """threads: unused (the GPU runs the graphs). device: cuda or cuda:N. flavor / plans:
@@ -216,6 +217,12 @@ class TensorRTBackend(CudaArrays):
         for regime, call in plan.calls.items():
             bound, call.outputs = self._prepare(call, profiles[regime])
             self._bound[id(call)] = bound
+
+    def device_step_refusal(self, plan, sampler):
+        return "the tensorrt backend has no device step yet (the torch backend has one)"
+
+    def device_step(self, decoding):
+        raise LanternError(self.device_step_refusal(decoding.plan, decoding.sampler))
 
     def release(self, plan):
         """Forget a plan's bindings and graphs (the engine keeps one plan at a time)."""
