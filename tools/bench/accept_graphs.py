@@ -24,19 +24,10 @@ import numpy as np
 from lantern.runtime import accept as acceptance
 from lantern.runtime.sampling import Sampling
 from lantern.runtime.tree import build_tree
+from lantern.tools.bench.device_step import median_ms
 
 VOCAB, TABLE, CANDIDATES, CFG = 16384, 1000, 2048, 4.0
 TOP_K = 2000
-
-
-def median_ms(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(times))
 
 
 def make_case(tree, images, rule, rng, kind, table):
