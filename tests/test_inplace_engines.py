@@ -10,7 +10,7 @@ import onnx
 import pytest
 import torch
 
-from engines import captions, export_argv, export_like, manifest
+from engines import export_argv, export_like, manifest
 from lantern.export import checkpoints, cli
 from lantern.export.check import TOLERANCES, _compare_ids, check_cases, check_engine
 from lantern.runtime.errors import LanternError
@@ -29,11 +29,6 @@ MODES = [dict(mode="ar"), dict(mode="exact"), dict(mode="lantern", delta=0.2, k=
 @pytest.fixture(scope="module")
 def inplace_c2i(c2i_engine, tmp_path_factory):
     return export_like(c2i_engine, tmp_path_factory.mktemp("inplace") / "c2i", "--attention", "inplace")
-
-
-@pytest.fixture(scope="module")
-def inplace_t2i(t2i_engine, tmp_path_factory):
-    return export_like(t2i_engine, tmp_path_factory.mktemp("inplace") / "t2i", "--attention", "inplace")
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +54,6 @@ def inplace_fp16(tmp_path_factory):
 def _inputs(kind, n=3):
     if kind == "c2i":
         return dict(classes=[1, 4, 7][:n])
-    if kind == "t2i":
-        caption, mask = captions(n)
-        return dict(caption=caption, caption_mask=mask)
     return dict(prompt=["a red cat", "a dog on a mat"], grid=(4, 4))  # two lengths: different padding
 
 
@@ -191,14 +183,17 @@ def test_inplace_fp16_graphs_match_the_plain_form(inplace_fp16):
 # Decoding
 
 
-@pytest.mark.parametrize("kind", ["c2i", "t2i", "anole"])
+@pytest.mark.parametrize("kind", ["c2i", "anole"])
 def test_inplace_engines_give_the_tokens_of_plain_engines(request, kind):
+    """c2i: every mode, and sampling. Anole: prompts of two lengths left-padded into the static
+    cache and forced tokens, with a drafting mode of each kind. A text-conditioned LlamaGen engine
+    adds only its condition graph, which the in-place form leaves as it is (the suite's time: it
+    is not re-exported here; its padded caption prefix is what Anole's padded prompts check)."""
     if kind == "anole":
         plain_dir, inplace_dir = request.getfixturevalue("chameleon_engines")["anole"], request.getfixturevalue("inplace_anole")
     else:
-        plain_dir, inplace_dir = request.getfixturevalue(f"{kind}_engine"), request.getfixturevalue(f"inplace_{kind}")
+        plain_dir, inplace_dir = request.getfixturevalue("c2i_engine"), request.getfixturevalue("inplace_c2i")
     plain, inplace = Engine(plain_dir, threads=2), Engine(inplace_dir, threads=2)
-    # every mode on c2i; the other families' conditions with a drafting mode of each kind (time)
     for options in MODES if kind == "c2i" else [MODES[1], MODES[3]]:
         kw = dict(greedy=True, cfg_scale=3.0, **options, **_inputs(kind))
         a, b = plain.generate(**kw), inplace.generate(**kw)
