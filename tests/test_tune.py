@@ -336,13 +336,16 @@ def test_cli_dry_run_and_errors(c2i_engine, t2i_engine, tmp_path, capsys):
         assert message in err and len(err.splitlines()) == 1, err
     assert open(os.path.join(d, "manifest.json")).read() == manifest and not os.path.exists(os.path.join(d, "tuned"))
     out = tmp_path / "report"
+    # the dry run on the torch backend's device step: the loop steps are measured as they will run
     assert run_main(["tune", d, "--threads", "1", "--mode", "exact", "--greedy", "--budget", "4", "--depth", "2",
-                     "--images", "2", "--repeats", "1", "--dry-run", "--out", str(out)]) == 0
+                     "--images", "2", "--repeats", "1", "--dry-run", "--out", str(out), "--backend", "torch",
+                     "--step", "device"]) == 0
     text = capsys.readouterr().out
-    assert "exact_greedy_nocfg" in text and "dry run" in text and "(obs)" in text
+    assert "exact_greedy_nocfg" in text and "dry run" in text and "(obs)" in text and "on the device step" in text
     assert open(os.path.join(d, "manifest.json")).read() == manifest
     report = json.loads((out / "report.json").read_text())
     assert report["settings"] == {"mode": "exact", "sampling": "greedy", "cfg_scale": 1.0, "cfg_interval": -1}
+    assert report["backend"] == "torch" and report["batches"]["1"]["step"] == "device"
     assert (out / "report.md").exists()
     assert run_main(["tune", t2i_engine, "--classes", "1"]) == 2
     assert "give --caption, not --classes" in capsys.readouterr().err
@@ -352,6 +355,7 @@ def test_cli_dry_run_and_errors(c2i_engine, t2i_engine, tmp_path, capsys):
     assert "now uses the tuned tree" in capsys.readouterr().out
     entry = read_manifest(d, verify=True).tuned_trees["exact_greedy_nocfg"]
     assert [t.images for t in entry.trees] == [1] and entry.measured["clock"] == "cpu"
+    assert entry.measured["step"] == {"1": "host"}  # ONNX Runtime on the CPU: the host step, its default
     assert run_main(["generate", d, "--mode", "exact", "--greedy", "--classes", "1", "--threads", "1",
                      "--out", str(tmp_path / "gen")]) == 0
     stats = json.loads((tmp_path / "gen" / "stats.json").read_text())

@@ -410,7 +410,8 @@ def tune(engine, settings, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH,
         generation = (m.image.tokens - 1, images)  # the first token comes from the prefill
         verify_ms, draft_ms = call_latency(engine, settings, images, budget, depth, repeats, seed, clock)
         call = batched(repeat_to(conds, images), images)[0]
-        engine.generate(**call, settings=settings, seed=seed, tree="chain-1")  # warm the sessions on loop-sized calls
+        # warm the sessions on loop-sized calls; the loop measurements below run on this step path
+        step = engine.generate(**call, settings=settings, seed=seed, tree="chain-1").stats["step"]
         trees = fit_trees(K, budget, depth, calib)
         full = [r["step_ms"] for r in calib_runs if r["images"] == images]  # the calibration's own steps
         run = [t for t in trees if not (full and t == calib)]
@@ -442,11 +443,12 @@ def tune(engine, settings, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH,
         report = tree_report.build_report(result, p, latency, min(K, MAX_WIDTH), counts, calibration=calib,
                                           generation=generation)
         coverage = plans_coverage(m, engine.condition, tree, images, cfg)
-        report.update(images=images, host_fit=host, fit=fit, plans=coverage_note(coverage),
+        report.update(images=images, step=step, host_fit=host, fit=fit, plans=coverage_note(coverage),
                       plans_cover=None if coverage is None else {k: not v for k, v in coverage.items()})
         per_batch[images], chosen[images] = report, tree
         log(f"[2/3] latency for {images} image(s) per call: verification T 1..{latency.verify.max_x}, drafter widths "
-            f"1..{latency.draft.max_x}, {len(fit)} loop measurements; {time.perf_counter() - t0:.1f} s")
+            f"1..{latency.draft.max_x}, {len(fit)} loop measurements on the {step} step; "
+            f"{time.perf_counter() - t0:.1f} s")
         log(fit_table(fit, host))
         log(f"[3/3] search for {images} image(s) per call (budget {budget}, depth {depth}, {K} candidates):")
         log(tree_report.format_report(report))
@@ -584,7 +586,8 @@ def install(directory, chosen, report):
         for name, data in contents.items():
             enginedir.write_file(directory, f"{report_dir}/{name}", data)
             names.append(f"{report_dir}/{name}")
-        measured = {"threads": report["threads"], "clock": report["clock"], "machine": report["machine"]}
+        measured = {"threads": report["threads"], "clock": report["clock"], "machine": report["machine"],
+                    "step": {images: r.get("step") for images, r in report["batches"].items()}}
         entry = TunedSettings(settings=GenerationSettings.from_canonical(report["settings"]),
                               backend=report["backend"], trees=tuple(trees),
                               report=f"{report_dir}/report.json", measured=measured)
