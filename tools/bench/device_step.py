@@ -306,12 +306,12 @@ def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact
     graphs per call for the host step, one per step for the device step, or none), per step
     path, mode and batch: ms per step, host share of the step time, and the speculative step in
     AR steps; greedy, CFG. Each generation runs once, after one warm-up of its plan (warmup)."""
-    from lantern.export.accept_graphs import GreedyAcceptance
+    from lantern.export.accept_graphs import KINDS
     from lantern.export.onnx_export import load_graph_modules
     manifest = read_manifest(engine_dir)
     modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
     backend = TorchBackend(modules, manifest, device=device, threads=threads, cuda_graphs=cuda_graphs,
-                           acceptance=GreedyAcceptance)
+                           acceptance=KINDS)
     num_classes = manifest.condition.num_classes or 1
     runs = []
     for path in ("host", "device"):
