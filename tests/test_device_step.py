@@ -224,18 +224,18 @@ def chi_square_p(a, b):
 
 def test_float32_sampling_acceptance_distribution(torch_c2i):
     """The float32 device acceptance (what TensorRT would run): the emitted tokens' distribution
-    equals the host path's (chi-square over 16 images' tokens, exact: lossless, so the target's),
+    equals the host path's (chi-square over 8 images' tokens, exact: lossless, so the target's),
     and its disagreement rate with the float64 host, image for image, is small (printed: pytest
     -s). On this 64-token model the test has little power against small biases (a temperature of
-    0.3 in place of 1 passed it at 24 images); a biased draw (uniforms u^4) fails it (p ~ 1e-44)."""
+    0.3 in place of 1 passed it at 24 images); a biased draw (uniforms u^4) fails it (p ~ 3e-6)."""
     directory, backend = torch_c2i
     f32 = TorchBackend(backend.modules, backend_manifest(directory), threads=2, acceptance=KINDS,
                        accept_precision="float32")
-    kw = dict(mode="exact", greedy=False, temperature=1.0, cfg_scale=4.0, classes=[3] * 16, seed=list(range(100, 116)))
+    kw = dict(mode="exact", greedy=False, temperature=1.0, cfg_scale=4.0, classes=[3] * 8, seed=list(range(100, 108)))
     host = Engine(directory, backend=backend, step="host").generate(**kw)
     device = Engine(directory, backend=f32, step="device").generate(**kw)
     assert device.stats["step"] == "device" and device.stats["mean_accepted_drafts"] > 0
     different = float((device.tokens != host.tokens).any(axis=1).mean())
-    print(f"float32 sampling acceptance: {different:.1%} of 16 images differ from the float64 host")
+    print(f"float32 sampling acceptance: {different:.1%} of 8 images differ from the float64 host")
     assert different <= 0.25
     assert chi_square_p(device.tokens.ravel(), host.tokens.ravel()) > 1e-3

@@ -28,8 +28,10 @@ generation starts, [N, chunk, block] float64, and each image's step counter (a d
 picks its block; chunk is every step the generation can take (image tokens - 1) unless that
 would pass TABLE_BYTES, then as many as fit, and the host uploads the next chunk when the step
 counter reaches it (a copy into the same tensor: a captured graph stays valid). One upload per
-generation for the shapes the project runs (GPT-B, 576 tokens, mc_sim_7b_63 with 64 candidates,
-8 images: 61 MB would pass; 16 tokens grids of the tests: a few kB). The children of a node are
+generation for the shapes the project runs: GPT-B's 24x24 grid with mc_sim_7b_63 and 64
+candidates is 26 * 65 uniforms * 575 steps * 8 bytes = 7.8 MB per image, 62 MB for 8 images (the
+tests' 6x6 grid: 124 kB per image); a bigger table (Anole's 1024 tokens, wide trees, big
+batches) goes in chunks rather than holding device memory the caches need. The children of a node are
 drawn without replacement by the exponential race of lantern.runtime.sampling.Sampling.children
 (keys -log(u) / q in float64, the first `width` in a stable sort: ties to the lower candidate),
 acceptance is lantern.export.accept_graphs.SamplingAcceptance, run in float64 by default: the

@@ -2,7 +2,8 @@
 
 Whole step (--engine DIR or --gpt GPT-B; the default section): real generations on one engine,
 each mode (ar, exact, lantern++; CFG), greedy and sampling (temperature 1, top-k --top-k; rows
-with "sampling": true), on ONNX Runtime CPU and on the torch backend on the CPU, each with the host step and the device step (torch: the whole step on the device,
+with "sampling": true), on ONNX Runtime CPU and on the torch backend on the CPU, each with the
+host step and the device step (torch: the whole step on the device,
 lantern.runtime.backends.torch_step; ONNX Runtime: the engine's acceptance graph fed the logits
 in place, the rest on the host; it has none for AR), side by side in one run. Per step: ms, host time (the
 loop's time outside engine work; the device step counts all of its work as engine time),
@@ -245,8 +246,9 @@ class RecordingBackend:
 
 
 def step_record(engine, recorder, path, mode, images, cfg, classes, sampling=False, top_k=0):
-    """One generation's per-step figures (greedy, or sampling with temperature 1 and top_k) on `path` (host or device; the plan is made
-    before the generation's clock starts). Crossings: the device path's from its first step on; the
+    """One generation's per-step figures (greedy, or sampling with temperature 1 and top_k) on
+    `path` (host or device; the plan is made before the generation's clock starts; the device
+    step's streams table, uploaded once per generation, is setup, not counted). Crossings: the device path's from its first step on; the
     host path's from the end of its first step (an observer marks it; the host path reads
     decisions anyway, the device path would read more), per later step."""
     run = Engine(engine.directory, backend=recorder, step=path)
