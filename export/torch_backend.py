@@ -2,7 +2,7 @@
 engine's source checkpoints (lantern.export.onnx_export.load_graph_modules), and the acceptance
 module the device step runs (lantern.export.accept_graphs). lantern.runtime never imports
 lantern.export, so this is where the two meet."""
-from lantern.export.accept_graphs import GreedyAcceptance
+from lantern.export.accept_graphs import KINDS
 from lantern.export.onnx_export import load_graph_modules
 from lantern.runtime import manifest as engine_format
 from lantern.runtime.backends.torch import TorchBackend
@@ -10,11 +10,13 @@ from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import read_manifest
 
 
-def open_torch_backend(directory, threads=None, device="cpu", manifest=None):
-    """The torch backend over an engine's graphs rebuilt from its source checkpoints."""
+def open_torch_backend(directory, threads=None, device="cpu", manifest=None, accept_precision="float64"):
+    """The torch backend over an engine's graphs rebuilt from its source checkpoints, with the
+    greedy and sampling acceptance modules for its device step."""
     manifest = manifest or read_manifest(directory)
     if (scheme := engine_format.quantization_scheme(manifest)) != "none":  # it would serve fp32 numerics
         raise LanternError(f"{directory} has {scheme}-quantized graphs, which the torch backend cannot run (it runs the "
                            f"fp32 modules); use --backend onnxruntime, or the fp32 engine for the torch reference")
     modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
-    return TorchBackend(modules, manifest, threads=threads, device=device, acceptance=GreedyAcceptance)
+    return TorchBackend(modules, manifest, threads=threads, device=device, acceptance=KINDS,
+                        accept_precision=accept_precision)

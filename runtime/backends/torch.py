@@ -13,9 +13,10 @@ In-place graphs (contracts with `aliases`): the modules return the updated cache
 (eager TensorScatter is out of place), which run() copies into the cache buffers, a whole-cache
 copy per call: this backend is the reference for in-place engines, not their fast path.
 
-Device step (lantern.runtime.backends.torch_step): with an acceptance module factory (open_torch_backend
-hands in lantern.export's GreedyAcceptance), `device_step(decoding)` runs a generation's whole
-step on the device, captured as one CUDA graph per plan on CUDA. default_step is the step path
+Device step (lantern.runtime.backends.torch_step): with the acceptance module factories
+(open_torch_backend hands in lantern.export's GreedyAcceptance and SamplingAcceptance),
+`device_step(decoding)` runs a generation's whole step on the device, greedy or sampling,
+captured as one CUDA graph per plan on CUDA. default_step is the step path
 generate() takes when none is asked for: host on the CPU (measured faster there:
 tools/bench/device_step.py), device on CUDA."""
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from lantern.runtime.errors import LanternError
 from lantern.runtime.contracts import graph_io
 from lantern.runtime.backends.torch_step import TorchDeviceStep, refusal
+from lantern.runtime.sampling import Greedy
 
 _TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -31,9 +33,13 @@ class TorchBackend:
     name = "torch"
     key = None  # runs the ONNX graphs (or their modules), no compiled plans
 
-    def __init__(self, modules, manifest, threads=None, device="cpu", cuda_graphs=True, acceptance=None):
+    def __init__(self, modules, manifest, threads=None, device="cpu", cuda_graphs=True, acceptance=None,
+                 accept_precision="float64"):
         """modules: {graph name: torch module}, inputs and outputs in the order of the graph's contract.
-        acceptance: (tree, columns, codes) -> the greedy acceptance module (for the device step)."""
+        acceptance: {"greedy": factory, "sampling": factory} (either may be absent), each
+        (tree, columns, codes) -> that acceptance module, for the device step.
+        accept_precision: the device step's sampling acceptance in float64 (the host's decisions)
+        or float32."""
         try:
             import torch
         except ImportError:
@@ -62,9 +68,12 @@ class TorchBackend:
             self.outputs[name] = list(io["outputs"])
             self.floats[name] = {k for k, (kind, _) in io["inputs"].items() if kind == "float"}
             self.aliases[name] = io["aliases"]
+        if accept_precision not in ("float64", "float32"):
+            raise LanternError(f"accept_precision must be float64 or float32, got {accept_precision!r}")
+        self.accept_precision = accept_precision
         self._bound = {}  # id(call) -> (call, static inputs, CUDA graph or None, graph outputs)
-        self.acceptance = acceptance
-        self.default_step = "device" if self.device.type == "cuda" and acceptance is not None else "host"
+        self.acceptance = dict(acceptance or {})
+        self.default_step = "device" if self.device.type == "cuda" and "greedy" in self.acceptance else "host"
         self._pinned = {}  # (shape, dtype) -> pinned host buffer for to_host on CUDA
         self._steps = {}  # id(plan) -> its TorchDeviceStep (tensors and CUDA graph), reused by its generations
 
@@ -180,8 +189,9 @@ class TorchBackend:
     # -- the device step ---------------------------------------------------------------------
     def device_step_refusal(self, plan, sampler):
         """Why the device step cannot run a generation of this plan and sampler, or None."""
-        if self.acceptance is None:
-            return ("this torch backend was opened without the acceptance module (open it with "
+        kind = "greedy" if isinstance(sampler, Greedy) else "sampling"
+        if kind not in self.acceptance:
+            return (f"this torch backend was opened without the {kind} acceptance module (open it with "
                     "lantern.export.torch_backend.open_torch_backend)")
         return refusal(plan, sampler)
 
@@ -193,7 +203,8 @@ class TorchBackend:
                 and step.backend is decoding.backend:
             step.load(decoding)  # the same tensors (and CUDA graph), refilled
             return step
-        step = self._steps[id(decoding.plan)] = TorchDeviceStep(decoding.backend, decoding, self.acceptance)
+        step = self._steps[id(decoding.plan)] = TorchDeviceStep(decoding.backend, decoding, self.acceptance,
+                                                                self.accept_precision)
         return step
 
     def to_device(self, array):

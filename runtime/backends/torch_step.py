@@ -22,21 +22,47 @@ Where the host loop writes only the entries it keeps, the step writes fixed-widt
 points the unneeded ones at a kept entry (the same value written twice) or at an invisible slot,
 so no scatter ever has two different values for one place.
 
-Greedy, plain (not in-place) caches only. Sampling needs more than SamplingAcceptance (which
-lantern.export.accept_graphs has): the children's draw without replacement and the images'
-uniforms (lantern.runtime.streams.table) on the device."""
+Sampling (temperature / top-k / top-p, every mode) reads the images' own random streams
+(lantern.runtime.streams) from a table on the device: `streams.table(chunk)` is uploaded when the
+generation starts, [N, chunk, block] float64, and each image's step counter (a device tensor)
+picks its block; chunk is every step the generation can take (image tokens - 1) unless that
+would pass TABLE_BYTES, then as many as fit, and the host uploads the next chunk when the step
+counter reaches it (a copy into the same tensor: a captured graph stays valid). One upload per
+generation for the shapes the project runs: GPT-B's 24x24 grid with mc_sim_7b_63 and 64
+candidates is 26 * 65 uniforms * 575 steps * 8 bytes = 7.8 MB per image, 62 MB for 8 images (the
+tests' 6x6 grid: 124 kB per image); a bigger table (Anole's 1024 tokens, wide trees, big
+batches) goes in chunks rather than holding device memory the caches need. The children of a node are
+drawn without replacement by the exponential race of lantern.runtime.sampling.Sampling.children
+(keys -log(u) / q in float64, the first `width` in a stable sort: ties to the lower candidate),
+acceptance is lantern.export.accept_graphs.SamplingAcceptance, run in float64 by default: the
+CFG combination is made in float32 first, as the host loop makes it, so float64 acceptance
+makes the decisions numpy makes (tests/test_device_step.py: token for token). float32
+(TorchBackend(accept_precision="float32"), what TensorRT would run) agrees up to rounding at the
+decisions' edges. The first token after prefill is drawn by the host loop's prefill, as for
+greedy (one draw per generation; prefill's logits are read there anyway).
+
+Plain (not in-place) caches only."""
 import numpy as np
 
+from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT
 from lantern.runtime.errors import LanternError
 from lantern.runtime.kvcache import InPlaceKVCache
 from lantern.runtime.sampling import Greedy
 
+TABLE_BYTES = 64 * 2**20  # the most the streams' table holds on the device at once
+
+
+def table_steps(images, steps, block):
+    """Steps of uniforms per upload of the streams' table: all `steps` when they fit TABLE_BYTES."""
+    return max(1, min(steps, TABLE_BYTES // max(8 * images * block, 1)))
+
 
 def refusal(plan, sampler):
     """Why the device step cannot run a generation of this plan and sampler, or None."""
-    if not isinstance(sampler, Greedy):
-        return ("it runs greedy decoding only (sampling there needs the children's draw and the images' random "
-                "streams on the device too: not yet)")
+    vocab = int(plan.calls["verify"].output_shapes["logits"][-1])
+    if not isinstance(sampler, Greedy) and ACCEPT_TOP_K_LIMIT < sampler.top_k < vocab:
+        return (f"its sampling acceptance serves top_k up to {ACCEPT_TOP_K_LIMIT} (or none), not "
+                f"{sampler.top_k}")
     if isinstance(plan.target_cache, InPlaceKVCache):
         return "it runs plain-cache engines only (this one updates its caches in place)"
     return None
@@ -51,7 +77,9 @@ class TorchDeviceStep:
 
     whole_step = True  # draft, verify, accept and commit: the generator only reads the report
 
-    def __init__(self, backend, decoding, acceptance_module):
+    def __init__(self, backend, decoding, acceptance_modules, accept_dtype="float64"):
+        """acceptance_modules: {"greedy": factory, "sampling": factory}, each (tree, columns,
+        codes) -> the acceptance module; accept_dtype: the sampling acceptance's precision."""
         torch = self.torch = backend.torch
         self.backend = b = backend
         d, plan = decoding, decoding.plan
@@ -60,10 +88,13 @@ class TorchDeviceStep:
         self.N, self.B, self.length = d.N, d.B, d.length
         self.depth = tree.depth
         self.key = self.key_of(decoding)
+        self.sampling = not isinstance(d.sampler, Greedy)
+        self.accept_dtype = getattr(torch, accept_dtype)
         dev = b.device
         up = self._up
         # constants of the plan
         self.batch_rows = torch.arange(d.B, device=dev)
+        self.image_index = torch.arange(d.N, device=dev)
         self.max_position = d.max_position
         self.depths = up(tree.depths, np.int64)
         view = d.view
@@ -78,14 +109,21 @@ class TorchDeviceStep:
             self.ancestors = {depth: up(extra) for depth, extra in plan.scratch_ancestors.items()}
             self.scratch_slots = {lv.depth: up(plan.scratch + lv.nodes - 1, np.int64) for lv in tree.levels[:-1]}
             self.levels = [dict(depth=lv.depth, nodes=up(lv.nodes, np.int64), slots=up(lv.slots, np.int64),
-                                ranks=up(lv.ranks, np.int64)) for lv in tree.levels]
+                                ranks=up(lv.ranks, np.int64), parents=up(np.unique(lv.parents), np.int64))
+                           for lv in tree.levels]
             self.widths = [lv.width for lv in tree.levels]
-            self.candidates = torch.zeros((d.N, tree.num_nodes, d.engine.manifest.candidates), dtype=torch.int64,
-                                          device=dev)
+        K = d.engine.manifest.candidates if tree.depth else 0  # AR: no drafts, no candidates
+        self.candidates = torch.zeros((d.N, tree.num_nodes, K), dtype=torch.int64, device=dev)
+        self.candidate_probs = torch.zeros((d.N, tree.num_nodes, K), dtype=torch.float32, device=dev)
+        self.first_candidate = torch.arange(K, device=dev) == 0  # a forced draft's q: all mass on rank 0
         self.cfg_interval_on = d.cfg and d.cfg_interval >= 0
         # acceptance: the exported module over this token space
-        self.accept_module = acceptance_module(tree, np.concatenate([view.start + np.arange(view.codes),
-                                                                     view.extra]), view.codes).to(dev).eval()
+        factory = acceptance_modules["sampling" if self.sampling else "greedy"]
+        self.accept_module = factory(tree, np.concatenate([view.start + np.arange(view.codes), view.extra]),
+                                     view.codes).to(dev).eval()
+        # the random streams' table: steps per upload (a constant of the plan, baked into the graph)
+        self.table_steps = table_steps(d.N, max(d.length - 1, 1), d.streams.block) if self.sampling else 0
+        self.steps_run = 0
         # the report: per image accepted, emitted tokens [depth + 1], invalid; decisions after it
         self.report = torch.zeros((d.N, tree.depth + 3 + tree.num_nodes), dtype=torch.int64, device=dev)
         self.graph = None
@@ -100,7 +138,8 @@ class TorchDeviceStep:
         a step of its own (and its own graph)."""
         view = decoding.view
         return (decoding.cfg and decoding.cfg_interval >= 0, tuple(view.extra.tolist()),
-                None if decoding.neighbors is None else decoding.neighbors.shape)
+                None if decoding.neighbors is None else decoding.neighbors.shape,
+                not isinstance(decoding.sampler, Greedy))
 
     def _up(self, x, dtype=None):
         return self.backend.to_device(np.ascontiguousarray(x) if dtype is None else np.asarray(x, dtype=dtype))
@@ -159,6 +198,21 @@ class TorchDeviceStep:
             neighbors=keep("neighbors", neighbors, np.int64), k=keep("k", [rule.k], np.int64),
             lam=keep("lam", [getattr(rule, "lam", 1.0)], np.float32),
             delta=keep("delta", [getattr(rule, "delta", 0.0)], np.float32))
+        self.steps_run = 0
+        if self.sampling:
+            # the rule's and filters' numbers in the acceptance's precision (float64: the host's
+            # Python floats exactly); the CFG combination is made here, so the module's is off
+            real = np.float64 if self.accept_dtype == torch.float64 else np.float32
+            sampler, a = d.sampler, self.accept_feeds
+            a.update(lam=keep("s/lam", [getattr(rule, "lam", 1.0)], real),
+                     delta=keep("s/delta", [getattr(rule, "delta", 0.0)], real),
+                     temperature=keep("s/temperature", [sampler.temperature], real),
+                     top_k=keep("s/top_k", [sampler.top_k], np.int64), top_p=keep("s/top_p", [sampler.top_p], real),
+                     plain_scale=keep("s/plain_scale", [1.0], np.float32),
+                     plain_interval=keep("s/plain_interval", [-1], np.int64))
+            self.streams = d.streams
+            self.table = keep("table", d.streams.table(self.table_steps), np.float64)  # [N, steps, block]
+            self.draws_taken = keep("draws_taken", np.zeros(d.N), np.int64)  # each image's step counter
 
     def _cache(self, name, cache):
         return dict(keys=cache.keys, values=cache.values, visible=self._keep(f"{name}/visible", cache.visible),
@@ -173,6 +227,9 @@ class TorchDeviceStep:
     def step(self, decisions=False):
         """Run one step; returns (accepted [N], emitted [N, depth + 1] vocabulary ids,
         invalid [N] bool, decisions [N, M] or None) read back in one transfer."""
+        if self.sampling and self.steps_run and self.steps_run % self.table_steps == 0:
+            self.table.copy_(self._up(self.streams.table(self.table_steps), np.float64))  # the next chunk
+        self.steps_run += 1
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -245,17 +302,41 @@ class TorchDeviceStep:
 
     def _take_candidates(self, out, nodes, cols):
         """The drafter's top-K (as columns) of the conditional rows at columns cols [N, n]."""
-        ids = out["topk_ids"][: self.N].gather(1, cols[..., None].expand(-1, -1, self.candidates.shape[2]))
-        self.candidates[:, nodes] = self.column_of_id[ids]
+        index = cols[..., None].expand(-1, -1, self.candidates.shape[2])
+        self.candidates[:, nodes] = self.column_of_id[out["topk_ids"][: self.N].gather(1, index)]
+        if self.sampling:
+            self.candidate_probs[:, nodes] = out["topk_probs"][: self.N].gather(1, index).float()
 
-    def _force_drafts(self, nodes, depth):
-        body = self.count - 1 + depth
+    def _children(self, nodes, width, race):
+        """The first `width` children (columns) of each parent at nodes [N, n, width]: greedy,
+        the drafter's top candidates in rank order; sampling, drawn without replacement in draw
+        order by the exponential race (lantern.runtime.sampling.Sampling.children) over the
+        race uniforms [N, n, K]."""
+        candidates = self.candidates[:, nodes]
+        if not self.sampling:
+            return candidates[..., :width]
+        keys = -self.torch.log(race) / self.candidate_probs[:, nodes].to(self.torch.float64)
+        first = self.torch.sort(keys, dim=-1, stable=True).indices[..., :width]
+        return candidates.gather(2, first)
+
+    def _force_drafts(self, level):
+        """As _Decoding.force_drafts: every draft at a forced body index is the forced token,
+        drawn by the drafter with probability 1 (its parents' candidates say so)."""
+        torch, nodes = self.torch, level["nodes"]
+        body = self.count - 1 + level["depth"]
         inside = (body >= 0) & (body < self.forced_column.shape[0])
-        column = self.torch.where(inside, self.forced_column[body.clamp(0, self.forced_column.shape[0] - 1)], -1)
+        column = torch.where(inside, self.forced_column[body.clamp(0, self.forced_column.shape[0] - 1)], -1)
+        is_forced = column >= 0
         forced = self._ids(column.clamp(min=0))[:, None]
-        self.node_tokens[:, nodes] = self.torch.where((column >= 0)[:, None], forced, self.node_tokens[:, nodes])
+        self.node_tokens[:, nodes] = torch.where(is_forced[:, None], forced, self.node_tokens[:, nodes])
+        if self.sampling:
+            parents = level["parents"]
+            here = is_forced[:, None, None]
+            self.candidates[:, parents] = torch.where(here, column[:, None, None], self.candidates[:, parents])
+            self.candidate_probs[:, parents] = torch.where(here, self.first_candidate.float(),
+                                                           self.candidate_probs[:, parents])
 
-    def _draft(self, active):
+    def _draft(self, active, race):
         torch = self.torch
         N, B, iob = self.N, self.B, self.image_of_row
         cache = self.drafter
@@ -268,13 +349,13 @@ class TorchDeviceStep:
         self._append(cache, out, self.pair_index[None, :].expand(B, -1), kept)
         last = self.pending - 1
         self._take_candidates(out, slice(0, 1), last[:, None])
-        parents = self.candidates[:, :1, : self.widths[0]]
+        parents = self._children(slice(0, 1), self.widths[0], race[:, :1] if self.sampling else None)
         hidden, parent_cols = out["hidden_out"], last[iob][:, None]
         root_slot = self.target["length"]
         for index, level in enumerate(self.levels):
             depth, nodes = level["depth"], level["nodes"]
             self.node_tokens[:, nodes] = self._ids(parents[:, level["slots"], level["ranks"]])
-            self._force_drafts(nodes, depth)
+            self._force_drafts(level)
             if depth == self.depth:
                 break
             regime = f"draft{depth}"
@@ -290,7 +371,7 @@ class TorchDeviceStep:
             cache["keys"][:, :, :, slots] = out["new_keys"]
             cache["values"][:, :, :, slots] = out["new_values"]
             self._take_candidates(out, nodes, torch.arange(T, device=nodes.device)[None, :].expand(N, T))
-            parents = self.candidates[:, nodes, : self.widths[index + 1]]
+            parents = self._children(nodes, self.widths[index + 1], race[:, nodes] if self.sampling else None)
             hidden = out["hidden_out"]
 
     def _step(self):
@@ -298,8 +379,14 @@ class TorchDeviceStep:
         N, iob, tree = self.N, self.image_of_row, self.tree
         active = self.count < self.length
         self.node_tokens[:, 0] = self.root
+        uniforms = race = None
+        if self.sampling:  # this step's block of every image's stream (finished images' advance unread)
+            M = self.tree.num_nodes
+            block = self.table[self.image_index, self.draws_taken % self.table_steps]  # [N, block]
+            uniforms, race = block[:, :M], block[:, M:].reshape(N, M, self.candidates.shape[2])
+            self.draws_taken += 1
         if self.depth:
-            self._draft(active)
+            self._draft(active, race)
         # verify
         feeds = self.feeds["verify"]
         feeds["input_ids"].copy_(self.node_tokens[iob])
@@ -308,9 +395,17 @@ class TorchDeviceStep:
         out = self._run("verify", "target")
         # accept
         a = self.accept_feeds
-        accepted, next_column, path, decisions, invalid = self.accept_module(
-            out["logits"], a["cond_rows"], a["uncond_rows"], a["cfg_scale"], a["cfg_interval"], self.count,
-            a["forced_columns"], self.column_of_id[self.node_tokens], a["neighbors"], a["k"], a["lam"], a["delta"])
+        tokens = self.column_of_id[self.node_tokens]
+        if self.sampling:
+            accepted, next_column, path, decisions, invalid = self.accept_module(
+                self._combined(out["logits"]).to(self.accept_dtype), a["cond_rows"], a["cond_rows"],
+                a["plain_scale"], a["plain_interval"], self.count, a["forced_columns"], tokens, self.candidates,
+                self.candidate_probs, uniforms, a["neighbors"], a["k"], a["lam"], a["delta"], a["temperature"],
+                a["top_k"], a["top_p"])
+        else:
+            accepted, next_column, path, decisions, invalid = self.accept_module(
+                out["logits"], a["cond_rows"], a["uncond_rows"], a["cfg_scale"], a["cfg_interval"], self.count,
+                a["forced_columns"], tokens, a["neighbors"], a["k"], a["lam"], a["delta"])
         # commit
         emitted = self.node_tokens.gather(1, torch.roll(path, -1, 1).clamp(min=0))
         emitted.scatter_(1, accepted[:, None], self._ids(next_column)[:, None])
@@ -329,6 +424,23 @@ class TorchDeviceStep:
         self.report[:, 1: D + 2] = emitted
         self.report[:, D + 2] = (invalid & active).to(torch.int64)
         self.report[:, D + 3:] = decisions
+
+    def _combined(self, logits):
+        """The CFG-combined verification logits [N, M, V] in float32, op for op as the host
+        loop's combined_logits ((cond - uncond) * scale + uncond; conditional only past
+        cfg_interval), so that float64 acceptance reads the numbers numpy reads."""
+        torch, N = self.torch, self.N
+        logits = logits.float()
+        cond = logits[:N]
+        if logits.shape[0] == N:  # no CFG
+            return cond
+        uncond = logits[N:]
+        a = self.accept_feeds
+        combined = (cond - uncond) * a["cfg_scale"] + uncond
+        if self.cfg_interval_on:
+            late = (self.count[:, None] + self.depths[None, :]) >= a["cfg_interval"]
+            combined = torch.where(late[..., None], cond, combined)
+        return combined
 
     def _set_pending(self, hidden, cols, tokens, counts):
         """draft0's feeds for the next step, as _Decoding.set_pending builds them on the host."""

@@ -1,8 +1,9 @@
 """Per step, host path vs device path, as JSON.
 
 Whole step (--engine DIR or --gpt GPT-B; the default section): real generations on one engine,
-each mode (ar, exact, lantern++; greedy, CFG) on ONNX Runtime CPU and on the torch backend on
-the CPU, each with the host step and the device step (torch: the whole step on the device,
+each mode (ar, exact, lantern++; CFG), greedy and sampling (temperature 1, top-k --top-k; rows
+with "sampling": true), on ONNX Runtime CPU and on the torch backend on the CPU, each with the
+host step and the device step (torch: the whole step on the device,
 lantern.runtime.backends.torch_step; ONNX Runtime: the engine's acceptance graph fed the logits
 in place, the rest on the host; it has none for AR), side by side in one run. Per step: ms, host time (the
 loop's time outside engine work; the device step counts all of its work as engine time),
@@ -244,14 +245,17 @@ class RecordingBackend:
         return out
 
 
-def step_record(engine, recorder, path, mode, images, cfg, classes):
-    """One greedy generation's per-step figures on `path` (host or device; the plan is made
-    before the generation's clock starts). Crossings: the device path's from its first step on; the
+def step_record(engine, recorder, path, mode, images, cfg, classes, sampling=False, top_k=0):
+    """One generation's per-step figures (greedy, or sampling with temperature 1 and top_k) on
+    `path` (host or device; the plan is made before the generation's clock starts; the device
+    step's streams table, uploaded once per generation, is setup, not counted). Crossings: the device path's from its first step on; the
     host path's from the end of its first step (an observer marks it; the host path reads
     decisions anyway, the device path would read more), per later step."""
     run = Engine(engine.directory, backend=recorder, step=path)
     k = min(100, run.manifest.neighbors.k) if mode == "lantern++" and run.manifest.neighbors else None
-    kw = dict(mode=mode, greedy=True, cfg_scale=cfg, classes=classes, k=k)
+    kw = dict(mode=mode, greedy=not sampling, cfg_scale=cfg, classes=classes, k=k)
+    if sampling:
+        kw.update(temperature=1.0, top_k=top_k, seed=list(range(len(classes))))
     marks = []
     observer = (lambda record: marks.append(len(recorder.events))) if path == "host" else None
     out = run.generate(observer=observer, **kw)
@@ -263,7 +267,7 @@ def step_record(engine, recorder, path, mode, images, cfg, classes):
     steps = max(s["steps"], 1)
     step_seconds = s["seconds"] - s["phase_seconds"]["prefill"]
     engine_seconds = s["engine_seconds"] - min(s["phase_seconds"]["prefill"], s["engine_seconds"])
-    return {"mode": mode, "step": s["step"], "images": len(classes), "steps": s["steps"],
+    return {"mode": mode, "sampling": sampling, "step": s["step"], "images": len(classes), "steps": s["steps"],
             "ms_per_step": round(1000 * step_seconds / steps, 3),
             "host_ms_per_step": round(1000 * max(step_seconds - engine_seconds, 0) / steps, 3),
             "bytes_device_to_host_per_step": round(counted["to_host"] / counted_steps),
@@ -274,8 +278,10 @@ def step_record(engine, recorder, path, mode, images, cfg, classes):
             "mean_accepted_length": round(s["mean_accepted_length"], 3)}
 
 
-def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), cfg=4.0, threads=2):
-    """Per step, host vs device, for each backend the CPU has: a list of records."""
+def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), cfg=4.0, threads=2,
+               samplings=(False, True), top_k=0):
+    """Per step, host vs device, for each backend the CPU has, greedy and sampling: a list of
+    records (a path that cannot run a generation: a record with "skipped" and why)."""
     from lantern.export.torch_backend import open_torch_backend
 
     manifest = read_manifest(engine_dir)
@@ -291,12 +297,14 @@ def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), c
                 continue
             for images in batches:
                 classes = [int(c) % num_classes for c in range(1, images + 1)]
-                for path in ("host", "device"):
-                    try:
-                        record = step_record(engine, recorder, path, mode, images, cfg, classes)
-                    except LanternError as e:  # e.g. ONNX Runtime's AR, or no acceptance graph
-                        record = {"mode": mode, "step": path, "images": images, "skipped": str(e)}
-                    results.append(dict(record, backend=name))
+                for sampling in samplings:
+                    for path in ("host", "device"):
+                        try:
+                            record = step_record(engine, recorder, path, mode, images, cfg, classes, sampling, top_k)
+                        except LanternError as e:  # e.g. ONNX Runtime's AR or sampling, no acceptance graph
+                            record = {"mode": mode, "sampling": sampling, "step": path, "images": images,
+                                      "skipped": str(e)}
+                        results.append(dict(record, backend=name))
     return results
 
 
@@ -306,12 +314,12 @@ def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact
     graphs per call for the host step, one per step for the device step, or none), per step
     path, mode and batch: ms per step, host share of the step time, and the speculative step in
     AR steps; greedy, CFG. Each generation runs once, after one warm-up of its plan (warmup)."""
-    from lantern.export.accept_graphs import GreedyAcceptance
+    from lantern.export.accept_graphs import KINDS
     from lantern.export.onnx_export import load_graph_modules
     manifest = read_manifest(engine_dir)
     modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
     backend = TorchBackend(modules, manifest, device=device, threads=threads, cuda_graphs=cuda_graphs,
-                           acceptance=GreedyAcceptance)
+                           acceptance=KINDS)
     num_classes = manifest.condition.num_classes or 1
     runs = []
     for path in ("host", "device"):
@@ -352,6 +360,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--sampling", choices=["both", "greedy", "only"], default="both",
+                   help="whole step: greedy rows, sampling rows, or both")
+    p.add_argument("--top-k", type=int, default=0, help="whole step's sampling rows: top-k (0 = off)")
     args = p.parse_args(argv)
     if args.acceptance:
         return acceptance_main(args)
@@ -362,7 +373,8 @@ def main(argv=None):
 
             engine_dir = export_gpt(tmp, args.gpt, "fp32")
             add_acceptance_graphs(engine_dir, kinds=("greedy",))  # ONNX Runtime's device step
-        results = whole_step(engine_dir, args.modes, args.batch, args.cfg_scale, args.threads)
+        samplings = {"both": (False, True), "greedy": (False,), "only": (True,)}[args.sampling]
+        results = whole_step(engine_dir, args.modes, args.batch, args.cfg_scale, args.threads, samplings, args.top_k)
     print(json.dumps({"benchmark": "device_step_whole", "engine": args.engine or f"{args.gpt} random fp32",
                       "cfg": args.cfg_scale, "threads": args.threads, "results": results}, indent=1))
     return 0
