@@ -142,7 +142,10 @@ def test_fp16_engine_passes_check_with_its_tolerance(sources, tmp_path):
 
 def test_bf16_ar_engine_checks_through_fp32_upcast(sources, tmp_path):
     out = tmp_path / "bf16"
-    onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]}, dtype="bf16")
+    manifest = onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]},
+                                         dtype="bf16")
+    # no drafter: an AR-only engine (test_generator's test_ar_only_engine runs one)
+    assert manifest.modes == ("ar",) and set(manifest.graphs) == {"condition", "target"} and manifest.drafter is None
     model = onnx.load(str(out / "target.onnx"))
     assert {v.type.tensor_type.elem_type for v in model.graph.input if v.name == "past_keys_0"} == {onnx.TensorProto.BFLOAT16}
     report = check_engine(out)
