@@ -7,8 +7,10 @@ import json
 import os
 
 from lantern.export import checkpoints
+from lantern.export import polygraphy_check as pg
 from lantern.export.families import family_of
 from lantern.runtime.errors import LanternError
+from lantern.runtime.manifest import read_manifest
 
 
 def add_model_options(parser):
@@ -66,9 +68,6 @@ def engine_listing(manifest):
 
 
 def inspect_engine(args):
-    from lantern.export import polygraphy_check as pg
-    from lantern.runtime.manifest import read_manifest
-
     manifest = read_manifest(args.checkpoint, verify=False)  # the graphs' structure only: no hashing of weights
     if not (args.graphs or args.plans):
         print("\n".join(engine_listing(manifest)))

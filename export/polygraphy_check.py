@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from lantern.export.tensorrt_build import load_tensorrt, normalise_compute_capability
+from lantern.runtime.backends.cuda import gpu_compute_capability
 from lantern.runtime.errors import LanternError
 from lantern.runtime.plan import Call
 
@@ -207,8 +208,6 @@ def plan_summary(plan_path, flavor, layers=False):
     """Polygraphy's `inspect model` text of a TensorRT plan: its bindings per profile and, with
     `layers`, the layers TensorRT built. Needs an NVIDIA GPU: TensorRT (RTX too) cannot
     deserialize a plan without one."""
-    from lantern.runtime.backends.cuda import gpu_compute_capability
-
     if gpu_compute_capability() is None:
         raise LanternError(f"{plan_path}: reading a TensorRT plan's bindings and layers needs an NVIDIA GPU ({flavor} "
                            "cannot deserialize a plan without one); `lantern-export inspect ENGINE` lists what the "
