@@ -1,8 +1,16 @@
-"""`lantern-export inspect CHECKPOINT`: what the loaders detect (format, family, config, size)."""
+"""`lantern-export inspect CHECKPOINT`: what the loaders detect (format, family, config, size).
+`lantern-export inspect ENGINE`: what an engine directory's manifest lists (graphs, modes, plans);
+with --graphs each ONNX graph as Polygraphy's `inspect model` prints it (inputs and outputs with
+their symbolic shapes, node counts, with --layers every node), on any machine; with --plans each
+TensorRT plan's bindings and layers, read back by Polygraphy, which needs an NVIDIA GPU."""
 import json
+import os
 
 from lantern.export import checkpoints
+from lantern.export import polygraphy_check as pg
 from lantern.export.families import family_of
+from lantern.runtime.errors import LanternError
+from lantern.runtime.manifest import read_manifest
 
 
 def add_model_options(parser):
@@ -25,9 +33,15 @@ def target_options(args):
 
 
 def add_parser(sub):
-    p = sub.add_parser("inspect", help="print what a checkpoint is (format, family, config, parameters, dtype)")
-    p.add_argument("checkpoint", help="a LlamaGen .pt, a LANTERN target or drafter directory, or a VQ .pt")
+    p = sub.add_parser("inspect", help="print what a checkpoint is (format, family, config, parameters, dtype) "
+                                       "or what an engine directory holds")
+    p.add_argument("checkpoint", help="a LlamaGen .pt, a LANTERN target or drafter directory, a VQ .pt, or an "
+                                      "engine directory (with manifest.json)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--graphs", action="store_true", help="engine: each ONNX graph as Polygraphy's inspect prints it")
+    p.add_argument("--plans", action="store_true", help="engine: each TensorRT plan's bindings, read back by "
+                                                        "Polygraphy (needs an NVIDIA GPU)")
+    p.add_argument("--layers", action="store_true", help="with --graphs or --plans: every node or layer too")
     add_model_options(p)
     p.set_defaults(func=run)
 
@@ -36,7 +50,48 @@ def inspect(path, fmt=None, **target_opts):
     return family_of(path, fmt).inspect(path, fmt, **target_opts)
 
 
+def is_engine_directory(path):
+    return os.path.isfile(os.path.join(path, "manifest.json"))
+
+
+def engine_listing(manifest):
+    """The manifest's own listing: one line per graph and per plan set."""
+    lines = [f"engine       {manifest.family} {manifest.dtype}, modes {', '.join(manifest.modes)}"]
+    for name, graph in manifest.graphs.items():
+        lines.append(f"graph        {name}: {graph.file} ({graph.dtype}), {len(graph.inputs)} inputs, "
+                     f"{len(graph.outputs)} outputs")
+    for key, plans in (manifest.tensorrt or {}).items():
+        for name, plan in plans.plans.items():
+            lines.append(f"plan         {key}/{name}: {plan.file}, {len(plan.profiles)} profiles, "
+                         f"{manifest.files[plan.file].size:,} bytes")
+    return lines
+
+
+def inspect_engine(args):
+    manifest = read_manifest(args.checkpoint, verify=False)  # the graphs' structure only: no hashing of weights
+    if not (args.graphs or args.plans):
+        print("\n".join(engine_listing(manifest)))
+        return 0
+    if args.graphs:
+        for name, graph in manifest.graphs.items():
+            print(f"==== graph {name} ({graph.file})")
+            print(pg.graph_summary(os.path.join(args.checkpoint, graph.file), layers=args.layers))
+    if args.plans:
+        if not manifest.tensorrt:
+            raise LanternError(f"{args.checkpoint} has no TensorRT plans (build them with `lantern-export trt`)")
+        for key, plans in manifest.tensorrt.items():
+            for name, plan in plans.plans.items():
+                print(f"==== plan {key}/{name} ({plan.file})")
+                print(pg.plan_summary(os.path.join(args.checkpoint, plan.file), plans.flavor, layers=args.layers))
+    return 0
+
+
 def run(args):
+    if is_engine_directory(args.checkpoint):
+        return inspect_engine(args)
+    if args.graphs or args.plans or args.layers:
+        raise LanternError(f"--graphs, --plans and --layers inspect an engine directory; {args.checkpoint} has no "
+                           "manifest.json")
     info = inspect(args.checkpoint, args.format, **target_options(args))
     if args.json:
         print(json.dumps(info, indent=2, default=str))

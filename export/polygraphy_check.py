@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from lantern.export.tensorrt_build import load_tensorrt, normalise_compute_capability
+from lantern.runtime.backends.cuda import gpu_compute_capability
 from lantern.runtime.errors import LanternError
 from lantern.runtime.plan import Call
 
@@ -178,3 +179,50 @@ def trt_feeds(feeds, engine):
             value = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32)).to(torch.bfloat16).cuda()
         out[name] = value
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# lantern-export inspect ENGINE --graphs / --plans: Polygraphy's `inspect model` text
+
+
+def graph_summary(onnx_path, layers=False):
+    """Polygraphy's `inspect model` text of an ONNX graph: its inputs and outputs with their
+    symbolic shapes, initializer and node counts, and with `layers` every node with its inputs,
+    outputs and attributes. Reads the graph's structure only (external weights stay on disk), so
+    it works on the CPU for graphs of any size."""
+    load_polygraphy()
+    import onnx
+    from polygraphy.backend.onnx import util
+
+    try:
+        model = onnx.load(os.fspath(onnx_path), load_external_data=False)
+    except FileNotFoundError:
+        raise LanternError(f"no such ONNX file: {onnx_path}") from None
+    except Exception as e:  # protobuf's DecodeError and friends: the file is not an ONNX model
+        raise LanternError(f"{onnx_path} is not a readable ONNX model ({type(e).__name__})") from None
+    with _quiet():
+        return util.str_from_onnx(model, show_layers=layers, show_attrs=layers, show_weights=False)
+
+
+def plan_summary(plan_path, flavor, layers=False):
+    """Polygraphy's `inspect model` text of a TensorRT plan: its bindings per profile and, with
+    `layers`, the layers TensorRT built. Needs an NVIDIA GPU: TensorRT (RTX too) cannot
+    deserialize a plan without one."""
+    if gpu_compute_capability() is None:
+        raise LanternError(f"{plan_path}: reading a TensorRT plan's bindings and layers needs an NVIDIA GPU ({flavor} "
+                           "cannot deserialize a plan without one); `lantern-export inspect ENGINE` lists what the "
+                           "manifest records of each plan (profiles, sizes) on any machine")
+    load_polygraphy(flavor)
+    load_tensorrt(flavor)
+    from polygraphy.backend.trt import EngineFromBytes, util
+    from polygraphy.exception import PolygraphyException
+
+    with open(plan_path, "rb") as f:
+        plan = f.read()
+    try:
+        with _quiet():
+            engine = EngineFromBytes(plan)()
+            context = engine.create_execution_context()
+            return util.str_from_engine(engine, context, show_layers=layers, show_attrs=layers)
+    except PolygraphyException as e:
+        raise LanternError(f"{plan_path}: Polygraphy could not read the plan: {' '.join(str(e).split())}") from None

@@ -409,27 +409,39 @@ class ToyModels:
         # the drafter is a noisy copy of the target, so drafts are often (not always) accepted
         self.q = [lp + rng.normal(scale=0.8, size=lp.shape) for lp in self.p]
 
-    def step(self, tree, context, rule, rng, table, filters, draft_filter):
-        """Draft the tree from the drafter (Gumbel top-k = without replacement, in rank order),
-        then accept. Returns the emitted tokens."""
-        n = tree.num_nodes
-        ctx = [tuple(context)] + [None] * (n - 1)
-        tokens = np.zeros(n, dtype=np.int64)
-        logits = np.empty((n, self.vocab))
-        q = np.zeros((n, self.vocab))
-        for i in range(n):
+    def draft_tables(self, draft_filter, longest):
+        """The drafter's filtered distribution for every context up to `longest` tokens, by length."""
+        return [np.apply_along_axis(draft_filter, -1, lq) for lq in self.q[:longest + 1]]
+
+    def steps(self, tree, context, rule, rng, table, filters, q_tables):
+        """One step for each row of context [N, c]: draft the tree from the drafter (Gumbel
+        top-k = without replacement, in rank order), then accept all rows in one batch call.
+        Returns the emitted tokens' first two per row ([N, 2], -1 where a row emitted one)."""
+        n, m, vocab = len(context), tree.num_nodes, self.vocab
+        ctx = [context] + [None] * (m - 1)  # each node's context: the step's plus its path
+        tokens = np.zeros((n, m), dtype=np.int64)
+        logits = np.empty((n, m, vocab))
+        q = np.zeros((n, m, vocab))
+        for i in range(m):  # parents come before their children
             if i:
-                ctx[i] = ctx[tree.parents[i]] + (int(tokens[i]),)
-            logits[i] = self.p[len(ctx[i])][ctx[i]]
+                ctx[i] = np.concatenate([ctx[tree.parents[i]], tokens[:, i:i + 1]], axis=1)
+            index = tuple(ctx[i].T)
+            logits[:, i] = self.p[ctx[i].shape[1]][index]
             kids = tree.children[i]
             if kids:
-                q[i] = draft_filter(self.q[len(ctx[i])][ctx[i]])
+                q[:, i] = q_tables[ctx[i].shape[1]][index]
                 with np.errstate(divide="ignore"):
-                    keys = np.log(q[i]) + rng.gumbel(size=self.vocab)
-                for child, token in zip(kids, np.argsort(-keys, kind="stable")):
-                    tokens[child] = token
-        got = accept_sampling(tree, tokens, logits, q, rule, rng, table, **filters)
-        return list(got.tokens) + [got.next_token]
+                    keys = np.log(q[:, i]) + rng.gumbel(size=(n, vocab))
+                ranked = np.argsort(-keys, axis=1, kind="stable")
+                for rank, child in enumerate(kids):
+                    tokens[:, child] = ranked[:, rank]
+        ids = np.broadcast_to(np.arange(vocab), (n, m, vocab))
+        out = accept_sampling_batch(tree, tokens, logits, ids, q, rule, rng.random((n, m)), table, **filters)
+        rows = np.arange(n)
+        drafts = [np.where(out.accepted > d, tokens[rows, np.maximum(out.path[:, d + 1], 0)], -1) for d in range(2)]
+        first = np.where(out.accepted > 0, drafts[0], out.next_token)
+        second = np.where(out.accepted > 1, drafts[1], np.where(out.accepted == 1, out.next_token, -1))
+        return np.stack([first, second], axis=1)
 
     def joint(self, target_filter):
         """Exact distribution of the first two emitted tokens."""
@@ -438,14 +450,16 @@ class ToyModels:
 
 
 def first_two(models, tree, rule, trials, seed, filters, table=None):
+    """Counts [V, V] of the first two tokens emitted from an empty context over `trials`
+    independent generations, all trials at once (accept_sampling_batch's rows are independent)."""
     rng = np.random.default_rng(seed)
-    draft_filter = lambda lg: ref_filter(lg, **filters)  # noqa: E731 - same filter as the target
+    # a node drafts from the step's context (at most one token) plus its path (at most depth - 1)
+    q_tables = models.draft_tables(lambda lg: ref_filter(lg, **filters), tree.depth)  # the target's filter
+    out = models.steps(tree, np.zeros((trials, 0), dtype=np.int64), rule, rng, table, filters, q_tables)
+    short = np.flatnonzero(out[:, 1] < 0)  # one token this step: the next step starts from it
+    out[short, 1] = models.steps(tree, out[short, :1], rule, rng, table, filters, q_tables)[:, 0]
     counts = np.zeros((models.vocab, models.vocab))
-    for _ in range(trials):
-        out = models.step(tree, (), rule, rng, table, filters, draft_filter)
-        if len(out) < 2:  # one token this step: the next step starts from it
-            out += models.step(tree, (out[0],), rule, rng, table, filters, draft_filter)
-        counts[out[0], out[1]] += 1
+    np.add.at(counts, (out[:, 0], out[:, 1]), 1)
     return counts
 
 

@@ -2,12 +2,15 @@
 the CLI/API, run on ONNX Runtime and compared with the PyTorch graph modules."""
 import json
 import os
+import pathlib
 import shutil
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import built_once
+from engines import build_engine
 from tiny import causal_mask, positions, tiny_drafter, tiny_target
 
 from lantern.export import checkpoints, cli
@@ -121,11 +124,18 @@ def test_t2i_engine_via_cli_passes_check(t2i_engine, capsys):
     assert "target     tree     logits" in printed and "check passed" in printed
 
 
-def test_fp16_engine_passes_check_with_its_tolerance(sources, tmp_path):
-    out = tmp_path / "fp16"
-    manifest = onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]},
-                                         drafter=sources["c2i_drafter"], tree="kary-2-2", dtype="fp16")
-    assert manifest.dtype == "fp16"
+@pytest.fixture(scope="module")
+def fp16_engine(tmp_path_factory):
+    """The c2i checkpoints exported in fp16 through the CLI without a VQ decoder: built once per
+    run under this name and shared with test_tensorrt_build, which builds it the same way."""
+    return built_once(tmp_path_factory, "c2i-fp16-novq",
+                      lambda root: build_engine(root, "c2i", with_vq=False, extra=["--dtype", "fp16"]))
+
+
+def test_fp16_engine_passes_check_with_its_tolerance(fp16_engine):
+    out = pathlib.Path(fp16_engine)
+    manifest = read_manifest(out)
+    assert manifest.dtype == "fp16" and set(manifest.graphs) == {"condition", "target", "drafter"}
     model = onnx.load(str(out / "target.onnx"))
     types = {v.name: v.type.tensor_type.elem_type for v in list(model.graph.input) + list(model.graph.output)}
     assert types["cond_embeds"] == types["hidden"] == types["past_keys_0"] == onnx.TensorProto.FLOAT16
@@ -142,7 +152,10 @@ def test_fp16_engine_passes_check_with_its_tolerance(sources, tmp_path):
 
 def test_bf16_ar_engine_checks_through_fp32_upcast(sources, tmp_path):
     out = tmp_path / "bf16"
-    onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]}, dtype="bf16")
+    manifest = onnx_export.export_engine(out, sources["c2i"], target_options={"config_file": sources["c2i_config"]},
+                                         dtype="bf16")
+    # no drafter: an AR-only engine (test_generator's test_ar_only_engine runs one)
+    assert manifest.modes == ("ar",) and set(manifest.graphs) == {"condition", "target"} and manifest.drafter is None
     model = onnx.load(str(out / "target.onnx"))
     assert {v.type.tensor_type.elem_type for v in model.graph.input if v.name == "past_keys_0"} == {onnx.TensorProto.BFLOAT16}
     report = check_engine(out)

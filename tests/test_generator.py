@@ -142,8 +142,9 @@ def test_sampling_is_reproducible_and_seed_dependent(c2i):
 
 @pytest.fixture(scope="module")
 def small_vocab(tmp_path_factory):
+    # no VQ decoder: ar and exact need none, and its export is most of a tiny engine's
     return build_engine(tmp_path_factory.mktemp("v16"), "c2i", tree="kary-3-2", block_size=4, vocab=16,
-                        extra=["--candidates", "8"])
+                        with_vq=False, extra=["--candidates", "8"])
 
 
 @pytest.mark.parametrize("mode", ["ar", "exact"])
@@ -240,8 +241,24 @@ def test_damaged_engine_directories_are_refused(c2i, tmp_path):
         Engine(d)
 
 
-def test_ar_only_engine(tmp_path):
-    d = build_engine(tmp_path, "c2i", drafter=False, with_vq=False)
+def test_ar_only_engine(c2i, tmp_path):
+    """An engine without a drafter: the c2i engine's condition and target graphs with the drafter
+    and VQ decoder struck from its manifest and removed (an AR-only export itself is
+    test_export's bf16 test)."""
+    import shutil
+
+    d = shutil.copytree(c2i, tmp_path / "ar")
+    m = json.loads((d / "manifest.json").read_text())
+    for key in ("drafter", "drafter_config", "tree", "candidates", "neighbors", "vq"):
+        m[key] = None
+    for graph in ("drafter", "vq_decoder"):
+        del m["graphs"][graph]
+    for name in [n for n in m["files"] if n.split(".")[0] in ("drafter", "vq_decoder", "neighbors")]:
+        del m["files"][name]
+        os.remove(d / name)
+    m["modes"], m["image"]["pixels"] = ["ar"], None
+    m["sources"] = {"target": m["sources"]["target"]}
+    (d / "manifest.json").write_text(json.dumps(m))
     engine = Engine(d, threads=2)
     assert engine.generate(mode="ar", greedy=True, classes=[1]).tokens.shape == (1, 36)
     from lantern.runtime.errors import LanternError

@@ -135,3 +135,40 @@ def test_check_against_polygraphy_on_gpu(c2i_engine, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["rows"] > 0 and report["ok"], report["failures"]
+
+
+def test_inspect_engine_prints_polygraphys_view_of_each_graph(c2i_engine, capsys):
+    """`lantern-export inspect ENGINE`: the manifest's listing; --graphs: each graph as Polygraphy's
+    `inspect model` prints it (symbolic shapes, node counts; --layers every node), on the CPU."""
+    import onnx
+
+    assert cli.main(["inspect", str(c2i_engine)]) == 0
+    listing = capsys.readouterr().out
+    assert "graph        target: target.onnx (fp32), 8 inputs, 4 outputs" in listing
+    assert "modes ar, exact, lantern, lantern++" in listing
+    assert cli.main(["inspect", str(c2i_engine), "--graphs"]) == 0
+    printed = capsys.readouterr().out
+    sections = dict(part.split("\n", 1) for part in printed.split("==== graph ")[1:])
+    manifest = read_manifest(c2i_engine)
+    assert list(sections) == [f"{g} ({e.file})" for g, e in manifest.graphs.items()]
+    for name, entry in manifest.graphs.items():
+        text = sections[f"{name} ({entry.file})"]
+        graph = onnx.load(os.path.join(c2i_engine, entry.file), load_external_data=False).graph
+        assert f"---- {len(graph.node)} Node(s) ----" in text and f"---- {len(entry.inputs)} Graph Input(s)" in text
+    assert "attention_mask [dtype=bool, shape=('B', 1, 'T', 'P+T')]" in sections["target (target.onnx)"]
+    assert cli.main(["inspect", str(c2i_engine), "--graphs", "--layers"]) == 0
+    layers = capsys.readouterr().out
+    condition = onnx.load(os.path.join(c2i_engine, "condition.onnx")).graph
+    assert all(f"| {n.name} [Op: {n.op_type}]" in layers for n in condition.node)
+    assert cli.main(["inspect", str(c2i_engine), "--plans"]) == 2  # no plans built here
+    assert "has no TensorRT plans" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the no-GPU message; a GPU is present")
+def test_inspect_plans_without_gpu_is_one_line(tmp_path):
+    from lantern.export.polygraphy_check import plan_summary
+    from lantern.runtime.errors import LanternError
+
+    with pytest.raises(LanternError) as err:
+        plan_summary(tmp_path / "target.plan", "tensorrt-rtx")
+    assert "\n" not in str(err.value) and "needs an NVIDIA GPU" in str(err.value)

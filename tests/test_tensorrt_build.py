@@ -12,6 +12,7 @@ import pytest
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'lantern[tensorrt-rtx]')")
 
+from conftest import built_once  # noqa: E402
 from engines import build_engine, captions  # noqa: E402
 from lantern.export import cli, trt_export  # noqa: E402
 from lantern.export import tensorrt_build as tb  # noqa: E402
@@ -31,8 +32,11 @@ FULL_TRT_REFUSES = "builds for the GPU it runs on" if "tensorrt" in tb.available
 
 @pytest.fixture(scope="module")
 def fp16_engine(tmp_path_factory):
-    """The one engine these tests export themselves: fp16 graphs (the session fixtures are fp32)."""
-    return build_engine(tmp_path_factory.mktemp("fp16"), "c2i", with_vq=False, extra=["--dtype", "fp16"])
+    """The c2i checkpoints exported in fp16 without a VQ decoder (the session fixtures are fp32):
+    built once per run under this name and shared with test_export's fp16 check, which builds
+    it the same way."""
+    return built_once(tmp_path_factory, "c2i-fp16-novq",
+                      lambda root: build_engine(root, "c2i", with_vq=False, extra=["--dtype", "fp16"]))
 
 
 def _copy(engine, tmp_path, name="engine"):
@@ -335,7 +339,9 @@ def test_trt_builds_are_atomic_and_keyed(c2i_engine, tmp_path):
         assert words in _one_line(err)
         assert _listing(d) == before
 
-    # one build per key; a second key is added beside the first; --force replaces one
+    # one build per key; a second key is added beside the first; --force replaces one (on the
+    # engine's AR graphs: the keys are what is tested, and each build is then two graphs, not four)
+    _strike_drafter(d)
     trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=False)
     with pytest.raises(LanternError, match="already has plans/tensorrt-rtx-SM89; pass --force"):
         trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[2])
@@ -349,18 +355,27 @@ def test_trt_builds_are_atomic_and_keyed(c2i_engine, tmp_path):
     assert sorted(os.listdir(d / "plans")) == ["tensorrt-rtx-SM120", "tensorrt-rtx-SM89"]  # no leftovers
     assert [n for n in os.listdir(d) if n.startswith(".")] == [".lantern.lock"]  # the writers' lock, nothing staged
     # the engine still runs on ONNX Runtime, plans or not
-    Engine(d, threads=1).generate(classes=[1], mode="exact", greedy=True)
+    Engine(d, threads=1).generate(classes=[1], mode="ar", greedy=True)
+
+
+def _strike_drafter(directory):
+    """Make an engine copy AR-only: its drafter and VQ decoder struck from the manifest and removed."""
+    m = json.loads((directory / "manifest.json").read_text())
+    for key in ("drafter", "drafter_config", "tree", "candidates", "neighbors", "vq"):
+        m[key] = None
+    del m["graphs"]["drafter"], m["graphs"]["vq_decoder"]
+    for name in [n for n in m["files"] if n.split(".")[0] in ("drafter", "vq_decoder", "neighbors")]:
+        del m["files"][name]
+        os.remove(directory / name)
+    m["modes"], m["image"]["pixels"] = ["ar"], None
+    m["sources"] = {"target": m["sources"]["target"]}
+    (directory / "manifest.json").write_text(json.dumps(m))
 
 
 def test_ar_engine_builds_ar_plans(c2i_engine, tmp_path):
     """An engine without a drafter (the c2i fixture with its drafter struck from the manifest)."""
     d = _copy(c2i_engine, tmp_path)
-    m = json.loads((d / "manifest.json").read_text())
-    for key in ("drafter", "drafter_config", "tree", "candidates", "neighbors"):
-        m[key] = None
-    del m["graphs"]["drafter"], m["graphs"]["vq_decoder"], m["files"]["drafter.onnx"]
-    m["modes"] = ["ar"]
-    (d / "manifest.json").write_text(json.dumps(m))
+    _strike_drafter(d)
     _, entry, _ = trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=False)
     assert entry.trees == () and set(entry.plans) == {"condition", "target"}
     assert [p.serves for p in entry.plans["target"].profiles] == [("prefill n1",), ("verify n1 ar",)]

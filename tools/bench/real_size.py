@@ -62,26 +62,31 @@ DISK_PER_PARAM = {"write": 2.2, "export": 2.2, "trt": 4.5}
 # Shapes and random checkpoints
 
 
-def shapes(config, layers=None):
-    """{family, model config object, target parameters (counted from the shapes), layers, full_layers}."""
+def shapes(config, layers=None, count=True):
+    """{family, model config object, layers, full_layers, and with count the target parameters
+    (counted from the shapes on the meta device: the first count in a process costs seconds, since
+    meta normal_ imports torch._dynamo, so the writer, which needs only the config, skips it)}."""
     if config.startswith("gpt-xl"):
         from lantern.export import llamagen
 
         args = llamagen.make_config("GPT-XL", model_type=config[-3:])
-        full = args.n_layer
+        full = args
         if layers is not None:
             args = llamagen.make_config("GPT-XL", model_type=config[-3:], n_layer=layers)
-        return {"family": "llamagen", "args": args, "layers": args.n_layer, "full_layers": full,
-                "parameters": _llamagen_parameters(args), "full_parameters": _llamagen_parameters(
-                    llamagen.make_config("GPT-XL", model_type=config[-3:]))}
+        out = {"family": "llamagen", "args": args, "layers": args.n_layer, "full_layers": full.n_layer}
+        if count:
+            out.update(parameters=_llamagen_parameters(args), full_parameters=_llamagen_parameters(full))
+        return out
     from lantern.export import chameleon_checkpoints as ck
 
     family = "anole" if config == "anole-7b" else "lumina_mgpt"
     real = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008)
     full = ck.tiny_config(family=family, num_hidden_layers=32, **real)
     cfg = ck.tiny_config(family=family, num_hidden_layers=layers or 32, **real)
-    return {"family": family, "args": cfg, "layers": cfg.num_hidden_layers, "full_layers": 32,
-            "parameters": _chameleon_parameters(cfg), "full_parameters": _chameleon_parameters(full)}
+    out = {"family": family, "args": cfg, "layers": cfg.num_hidden_layers, "full_layers": 32}
+    if count:
+        out.update(parameters=_chameleon_parameters(cfg), full_parameters=_chameleon_parameters(full))
+    return out
 
 
 def _parameters(build):
@@ -108,7 +113,7 @@ def write_sources(config, layers, root, with_vq=True):
     """Random checkpoints in the real layouts: {target, drafter, vq (None without), export options}."""
     import torch
 
-    shape = shapes(config, layers)
+    shape = shapes(config, layers, count=False)
     os.makedirs(root, exist_ok=True)
     if shape["family"] == "llamagen":
         from lantern.export import checkpoints, llamagen, vq
