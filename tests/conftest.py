@@ -82,6 +82,16 @@ def t2i_engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def fp16_engine(tmp_path_factory):
+    """The c2i checkpoints exported in fp16 without a VQ decoder (the other session engines are
+    fp32): test_export's fp16 check and test_tensorrt_build's fp16 plans."""
+    from engines import build_engine
+
+    return built_once(tmp_path_factory, "c2i-fp16-novq",
+                      lambda root: build_engine(root, "c2i", with_vq=False, extra=["--dtype", "fp16"]))
+
+
+@pytest.fixture(scope="session")
 def chameleon_engines(tmp_path_factory):
     """Tiny Anole and Lumina-mGPT engines ({family: directory}), exported through the real CLI."""
     from engines import build_chameleon_engines

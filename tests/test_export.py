@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import built_once
-from engines import build_engine
 from tiny import causal_mask, positions, tiny_drafter, tiny_target
 
 from lantern.export import checkpoints, cli
@@ -122,14 +120,6 @@ def test_t2i_engine_via_cli_passes_check(t2i_engine, capsys):
     assert cli.main(["check", t2i_engine]) == 0
     printed = capsys.readouterr().out
     assert "target     tree     logits" in printed and "check passed" in printed
-
-
-@pytest.fixture(scope="module")
-def fp16_engine(tmp_path_factory):
-    """The c2i checkpoints exported in fp16 through the CLI without a VQ decoder: built once per
-    run under this name and shared with test_tensorrt_build, which builds it the same way."""
-    return built_once(tmp_path_factory, "c2i-fp16-novq",
-                      lambda root: build_engine(root, "c2i", with_vq=False, extra=["--dtype", "fp16"]))
 
 
 def test_fp16_engine_passes_check_with_its_tolerance(fp16_engine):

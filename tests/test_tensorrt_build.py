@@ -12,8 +12,7 @@ import pytest
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'lantern[tensorrt-rtx]')")
 
-from conftest import built_once  # noqa: E402
-from engines import build_engine, captions  # noqa: E402
+from engines import captions  # noqa: E402
 from lantern.export import cli, trt_export  # noqa: E402
 from lantern.export import tensorrt_build as tb  # noqa: E402
 from lantern.runtime.backends.cuda import gpu_compute_capability  # noqa: E402
@@ -28,15 +27,6 @@ FLAVOR = "tensorrt-rtx"
 HAS_GPU = gpu_compute_capability() is not None
 # Full TensorRT either is not installed, or refuses named compute capabilities.
 FULL_TRT_REFUSES = "builds for the GPU it runs on" if "tensorrt" in tb.available_flavors() else "tensorrt is not installed"
-
-
-@pytest.fixture(scope="module")
-def fp16_engine(tmp_path_factory):
-    """The c2i checkpoints exported in fp16 without a VQ decoder (the session fixtures are fp32):
-    built once per run under this name and shared with test_export's fp16 check, which builds
-    it the same way."""
-    return built_once(tmp_path_factory, "c2i-fp16-novq",
-                      lambda root: build_engine(root, "c2i", with_vq=False, extra=["--dtype", "fp16"]))
 
 
 def _copy(engine, tmp_path, name="engine"):

@@ -405,6 +405,8 @@ def main(argv=None):
     unknown = [s for s in stages if s not in STAGES]
     if unknown or not stages or stages[0] != "write":
         p.error(f"--stages must start with write and name only {','.join(STAGES)}")
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     rows = []
     for config in args.config:
         for dtype in args.dtype:
