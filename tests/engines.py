@@ -1,6 +1,7 @@
 """Tiny engine directories exported through the real CLI from checkpoints in the real formats."""
 import json
 import os
+import pathlib
 
 import numpy as np
 import torch
@@ -108,3 +109,21 @@ def captions(n, cls=6, dim=24, seed=1):
 def manifest(directory):
     with open(os.path.join(directory, "manifest.json")) as f:
         return json.load(f)
+
+
+def strike_drafter(directory):
+    """Make an engine copy AR-only in place: its drafter, tree, neighbors and VQ decoder struck
+    from the manifest and their files removed (the engine an AR-only export gives, without an
+    export)."""
+    directory = pathlib.Path(directory)
+    m = manifest(directory)
+    for key in ("drafter", "drafter_config", "tree", "candidates", "neighbors", "vq"):
+        m[key] = None
+    del m["graphs"]["drafter"], m["graphs"]["vq_decoder"]
+    for name in [n for n in m["files"] if n.split(".")[0] in ("drafter", "vq_decoder", "neighbors")]:
+        del m["files"][name]
+        os.remove(directory / name)
+    m["modes"], m["image"]["pixels"] = ["ar"], None
+    m["sources"] = {"target": m["sources"]["target"]}
+    (directory / "manifest.json").write_text(json.dumps(m))
+    return directory

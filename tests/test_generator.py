@@ -1,6 +1,7 @@
 """The decoding loop end to end on real ONNX Runtime engines (tiny models) and the torch backend."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -9,11 +10,12 @@ import pytest
 import torch
 from scipy import stats
 
-from engines import build_engine, captions
+from engines import build_engine, captions, strike_drafter
 from lantern.export import checkpoints
 from lantern.export.torch_backend import open_torch_backend
 from lantern.runtime import accept as acceptance
 from lantern.runtime.cli import main as run_main
+from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.tree import build_tree
 
@@ -214,9 +216,6 @@ def test_cli_bad_input_writes_nothing(c2i, t2i, tmp_path, capsys):
 
 
 def test_damaged_engine_directories_are_refused(c2i, tmp_path):
-    import shutil
-    from lantern.runtime.errors import LanternError
-
     def copy():
         d = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
         shutil.copytree(c2i, d)
@@ -245,23 +244,9 @@ def test_ar_only_engine(c2i, tmp_path):
     """An engine without a drafter: the c2i engine's condition and target graphs with the drafter
     and VQ decoder struck from its manifest and removed (an AR-only export itself is
     test_export's bf16 test)."""
-    import shutil
-
-    d = shutil.copytree(c2i, tmp_path / "ar")
-    m = json.loads((d / "manifest.json").read_text())
-    for key in ("drafter", "drafter_config", "tree", "candidates", "neighbors", "vq"):
-        m[key] = None
-    for graph in ("drafter", "vq_decoder"):
-        del m["graphs"][graph]
-    for name in [n for n in m["files"] if n.split(".")[0] in ("drafter", "vq_decoder", "neighbors")]:
-        del m["files"][name]
-        os.remove(d / name)
-    m["modes"], m["image"]["pixels"] = ["ar"], None
-    m["sources"] = {"target": m["sources"]["target"]}
-    (d / "manifest.json").write_text(json.dumps(m))
+    d = strike_drafter(shutil.copytree(c2i, tmp_path / "ar"))
     engine = Engine(d, threads=2)
     assert engine.generate(mode="ar", greedy=True, classes=[1]).tokens.shape == (1, 36)
-    from lantern.runtime.errors import LanternError
     with pytest.raises(LanternError, match="serves modes ar, not 'exact'"):
         engine.generate(mode="exact", classes=[1])
 

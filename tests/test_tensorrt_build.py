@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'lantern[tensorrt-rtx]')")
 
-from engines import captions  # noqa: E402
+from engines import captions, strike_drafter  # noqa: E402
 from lantern.export import cli, trt_export  # noqa: E402
 from lantern.export import tensorrt_build as tb  # noqa: E402
 from lantern.runtime.backends.cuda import gpu_compute_capability  # noqa: E402
@@ -331,7 +331,7 @@ def test_trt_builds_are_atomic_and_keyed(c2i_engine, tmp_path):
 
     # one build per key; a second key is added beside the first; --force replaces one (on the
     # engine's AR graphs: the keys are what is tested, and each build is then two graphs, not four)
-    _strike_drafter(d)
+    strike_drafter(d)
     trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=False)
     with pytest.raises(LanternError, match="already has plans/tensorrt-rtx-SM89; pass --force"):
         trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[2])
@@ -348,24 +348,10 @@ def test_trt_builds_are_atomic_and_keyed(c2i_engine, tmp_path):
     Engine(d, threads=1).generate(classes=[1], mode="ar", greedy=True)
 
 
-def _strike_drafter(directory):
-    """Make an engine copy AR-only: its drafter and VQ decoder struck from the manifest and removed."""
-    m = json.loads((directory / "manifest.json").read_text())
-    for key in ("drafter", "drafter_config", "tree", "candidates", "neighbors", "vq"):
-        m[key] = None
-    del m["graphs"]["drafter"], m["graphs"]["vq_decoder"]
-    for name in [n for n in m["files"] if n.split(".")[0] in ("drafter", "vq_decoder", "neighbors")]:
-        del m["files"][name]
-        os.remove(directory / name)
-    m["modes"], m["image"]["pixels"] = ["ar"], None
-    m["sources"] = {"target": m["sources"]["target"]}
-    (directory / "manifest.json").write_text(json.dumps(m))
-
-
 def test_ar_engine_builds_ar_plans(c2i_engine, tmp_path):
     """An engine without a drafter (the c2i fixture with its drafter struck from the manifest)."""
     d = _copy(c2i_engine, tmp_path)
-    _strike_drafter(d)
+    strike_drafter(d)
     _, entry, _ = trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=False)
     assert entry.trees == () and set(entry.plans) == {"condition", "target"}
     assert [p.serves for p in entry.plans["target"].profiles] == [("prefill n1",), ("verify n1 ar",)]
