@@ -24,8 +24,8 @@ so no scatter ever has two different values for one place.
 
 Sampling (temperature / top-k / top-p, every mode) reads the images' own random streams
 (lantern.runtime.streams) from a table on the device: `streams.table(chunk)` is uploaded when the
-generation starts, [N, chunk, block] float64, and each image's step counter (a device tensor)
-picks its block; chunk is every step the generation can take (image tokens - 1) unless that
+generation starts, [N, chunk, block] float64, and the step counter (a device tensor; every
+image's stream advances each step) picks its block; chunk is every step the generation can take (image tokens - 1) unless that
 would pass TABLE_BYTES, then as many as fit, and the host uploads the next chunk when the step
 counter reaches it (a copy into the same tensor: a captured graph stays valid). One upload per
 generation for the shapes the project runs: GPT-B's 24x24 grid with mc_sim_7b_63 and 64
@@ -94,7 +94,6 @@ class TorchDeviceStep:
         up = self._up
         # constants of the plan
         self.batch_rows = torch.arange(d.B, device=dev)
-        self.image_index = torch.arange(d.N, device=dev)
         self.max_position = d.max_position
         self.depths = up(tree.depths, np.int64)
         view = d.view
@@ -212,7 +211,8 @@ class TorchDeviceStep:
                      plain_interval=keep("s/plain_interval", [-1], np.int64))
             self.streams = d.streams
             self.table = keep("table", d.streams.table(self.table_steps), np.float64)  # [N, steps, block]
-            self.draws_taken = keep("draws_taken", np.zeros(d.N), np.int64)  # each image's step counter
+            # the step counter every image's stream is read at (all advance each step, finished or not)
+            self.draws_taken = keep("draws_taken", 0, np.int64)
 
     def _cache(self, name, cache):
         return dict(keys=cache.keys, values=cache.values, visible=self._keep(f"{name}/visible", cache.visible),
@@ -382,7 +382,7 @@ class TorchDeviceStep:
         uniforms = race = None
         if self.sampling:  # this step's block of every image's stream (finished images' advance unread)
             M = self.tree.num_nodes
-            block = self.table[self.image_index, self.draws_taken % self.table_steps]  # [N, block]
+            block = self.table[:, self.draws_taken % self.table_steps]  # [N, block]
             uniforms, race = block[:, :M], block[:, M:].reshape(N, M, self.candidates.shape[2])
             self.draws_taken += 1
         if self.depth:
