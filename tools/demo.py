@@ -115,7 +115,7 @@ def run(args):
     # which step path ran (Engine(step=...)): the demo samples on ONNX Runtime on the CPU, where
     # the host step is the measured faster one (tools/bench/device_step.py)
     print(f"      {results['exact'].stats['step']} step on {engine.backend.name} (the device step runs on the torch "
-          f"backend, greedy: lantern-run generate --backend torch --step device --greedy)")
+          f"backend: lantern-run generate --backend torch --step device)")
     # One image per call, the setting of the paper's speedups: medians over a few classes.
     single, single_trees = {}, {}
     for mode, extra in runs:
