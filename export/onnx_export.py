@@ -46,6 +46,7 @@ import torch
 
 from lantern.export import placement
 from lantern.export.families import DTYPES, FAMILIES, family_of
+from lantern.export.graph_cache import fetch_graph, graph_key, store_graph
 from lantern.export.cache_forms import ATTENTION_FORMS
 from lantern.export.inspect_cmd import add_model_options, target_options
 from lantern.export.neighbors import nearest_neighbors
@@ -168,13 +169,21 @@ def _weight_bytes(module):
     return total
 
 
-def export_graph(module, io_spec, path, opset=DEFAULT_OPSET, deferred=None):
+def export_graph(module, io_spec, path, opset=DEFAULT_OPSET, deferred=None, cache=None):
     """Export one graph module to `path` (plus `path`.data when its weights are large).
     deferred: the DeferredWeights (lantern.export.streaming) whose placeholders the module holds;
-    their real values are read one by one while the file is written. Returns the file names written."""
+    their real values are read one by one while the file is written. cache: a graph cache
+    directory (lantern.export.graph_cache) to copy an identical earlier export from and to keep
+    this one in. Returns the file names written."""
     inputs, outputs = list(io_spec["inputs"]), list(io_spec["outputs"])
     streamed = deferred is not None and any(deferred.load_of(p) is not None for p in module.parameters())
     external = streamed or _weight_bytes(module) > EXTERNAL_DATA_BYTES
+    key = None
+    if cache is not None and not streamed:
+        key = graph_key(module, io_spec, os.path.basename(path), opset, external)
+        cached = key and fetch_graph(cache, key, path)
+        if cached:
+            return cached
     with _quiet_exporter(), torch.no_grad():
         # streamed: the optimizer runs after the placeholders became lazy tensors (it would fold each
         # weight's Transpose into an in-memory copy otherwise)
@@ -191,6 +200,8 @@ def export_graph(module, io_spec, path, opset=DEFAULT_OPSET, deferred=None):
     names = [os.path.basename(path)]
     if os.path.exists(path + ".data"):
         names.append(os.path.basename(path) + ".data")
+    if key:
+        store_graph(cache, key, path, names)
     return names
 
 
@@ -249,10 +260,13 @@ def _tool_versions():
 
 def export_engine(out, target, *, target_format=None, target_options=None, drafter=None, vq=None, tree=None,
                   dtype="fp32", candidates=None, opset=None, neighbors_k=None, attention="plain",
-                  max_tree_nodes=None, max_prompt_tokens=None, force=False, progress=False, quantize=None):
+                  max_tree_nodes=None, max_prompt_tokens=None, force=False, progress=False, quantize=None,
+                  graph_cache=None):
     """Build the engine directory `out` from checkpoints and return its manifest.
     quantize: a lantern.export.quantize.QuantizeOptions to quantize the target and drafter
     graphs (weight-only int8 / int4) before the manifest is written; None keeps them float.
+    graph_cache: a directory of earlier exports' graphs (lantern.export.graph_cache) to copy
+    unchanged graphs from instead of tracing them again; None traces every graph.
 
     attention: 'plain' or 'inplace' (module docstring); max_tree_nodes / max_prompt_tokens size a
     in-place engine's static caches (default: the export tree's nodes / 128 prompt tokens).
@@ -308,7 +322,8 @@ def export_engine(out, target, *, target_format=None, target_options=None, draft
     job = _Export(family=family, target=target, target_format=target_format, target_options=target_options,
                   drafter=drafter, vq=vq, draft_tree=draft_tree, dtype=dtype, candidates=candidates, opset=opset,
                   neighbors_k=neighbors_k, attention=attention, tree_nodes=tree_nodes,
-                  max_prompt_tokens=max_prompt_tokens, quantize=quantize)
+                  max_prompt_tokens=max_prompt_tokens, quantize=quantize,
+                  graph_cache=None if graph_cache is None else os.path.abspath(os.fspath(graph_cache)))
     try:
         return _build(placement.engine_directory(out, force), bar, job)
     finally:
@@ -334,6 +349,7 @@ class _Export:
     tree_nodes: Optional[int]  # static cache tree slots (in-place form)
     max_prompt_tokens: Optional[int]
     quantize: object = None  # a QuantizeOptions, or None
+    graph_cache: Optional[str] = None  # a lantern.export.graph_cache directory, or None
 
 
 def _inplace_cache(family, models, tree_nodes, max_prompt_tokens):
@@ -393,7 +409,7 @@ def _build(staging, bar, job):
                 dims["S"] = inplace_cache.drafter if name == "drafter" else inplace_cache.target
             io_spec = resolved_io(contract, dims, DTYPE_NAMES[graph_dtype], layers=family.layers(name, models))
             path = os.path.join(tmp, engine_format.GRAPH_FILES[name])
-            written = export_graph(module, io_spec, path, job.opset, deferred)
+            written = export_graph(module, io_spec, path, job.opset, deferred, job.graph_cache)
             files += written
             graph_entries[name] = engine_format.Graph(
                 file=written[0], contract=contract, dtype=graph_dtype,
@@ -511,6 +527,11 @@ def add_parser(sub):
     add_quantize_options(p)
     p.add_argument("--out", required=True, help="engine directory to create, e.g. engines/NAME")
     p.add_argument("--force", action="store_true", help="replace an existing engine directory")
+    p.add_argument("--graph-cache", default=os.environ.get("LANTERN_GRAPH_CACHE") or None, metavar="DIR",
+                   help="keep each exported graph in DIR under a key of everything it was exported from, and copy "
+                        "it from there when an export would trace the same graph again (re-exports with another "
+                        "tree, drafter or --neighbors-k skip the unchanged graphs; default: $LANTERN_GRAPH_CACHE, "
+                        "else no cache)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -522,7 +543,8 @@ def run(args):
                              candidates=args.candidates, opset=args.opset, neighbors_k=args.neighbors_k,
                              attention=args.attention, max_tree_nodes=args.max_tree_nodes,
                              max_prompt_tokens=args.max_prompt_tokens, force=args.force,
-                             progress=not args.no_progress, quantize=quantize_options(args))
+                             progress=not args.no_progress, quantize=quantize_options(args),
+                             graph_cache=args.graph_cache)
     size = sum(f.size for f in manifest.files.values())
     print(f"engine {args.out}: {', '.join(manifest.graphs)} ({manifest.dtype}, opset {manifest.opset}, "
           f"{manifest.attention} attention, {size / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f}s")

@@ -49,6 +49,24 @@ def built_once(tmp_path_factory, name, build):
         return paths[""] if "" in paths else paths
 
 
+@pytest.fixture(scope="session", autouse=True)
+def graph_cache(tmp_path_factory):
+    """One graph cache for the run (`lantern-export onnx --graph-cache`, whose default is
+    $LANTERN_GRAPH_CACHE), shared by the workers: a graph many tests export from the same
+    weights (the tiny VQ decoders, the condition graphs, test_export's re-exports) is traced once
+    per run. Exports that call export_engine themselves, or whose exporter a test replaces, trace
+    as before."""
+    base = tmp_path_factory.getbasetemp()
+    cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "graph-cache"
+    before = os.environ.get("LANTERN_GRAPH_CACHE")
+    os.environ["LANTERN_GRAPH_CACHE"] = str(cache)
+    yield cache
+    if before is None:
+        os.environ.pop("LANTERN_GRAPH_CACHE", None)
+    else:
+        os.environ["LANTERN_GRAPH_CACHE"] = before
+
+
 @pytest.fixture(scope="session")
 def c2i_engine(tmp_path_factory):
     """A tiny class-conditional engine (mc_sim_7b_63 tree), exported through the real CLI."""

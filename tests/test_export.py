@@ -276,7 +276,7 @@ def _no_graphs(monkeypatch):
 
     empty = onnx.helper.make_model(onnx.helper.make_graph([], "empty", [], [])).SerializeToString()
 
-    def write(module, io_spec, path, opset=18, deferred=None):
+    def write(module, io_spec, path, opset=18, deferred=None, cache=None):
         with open(path, "wb") as f:
             f.write(empty)
         return [os.path.basename(path)]
@@ -336,10 +336,10 @@ def test_failure_mid_export_leaves_nothing(sources, tmp_path, monkeypatch):
     out = tmp_path / "engines" / "half"
     real = onnx_export.export_graph
 
-    def fail_on_target(module, io_spec, path, opset=onnx_export.DEFAULT_OPSET, deferred=None):
+    def fail_on_target(module, io_spec, path, opset=onnx_export.DEFAULT_OPSET, deferred=None, cache=None):
         if path.endswith("target.onnx"):
             raise RuntimeError("exporter blew up")
-        return real(module, io_spec, path, opset, deferred)
+        return real(module, io_spec, path, opset, deferred, cache)
 
     monkeypatch.setattr(onnx_export, "export_graph", fail_on_target)
     with pytest.raises(RuntimeError, match="blew up"):

@@ -20,7 +20,7 @@ CHILD = textwrap.dedent(r"""
     import os, sys, time
     from lantern.export import cli, onnx_export
     release = sys.argv[1]
-    def blocking(module, io_spec, path, opset=18, deferred=None):
+    def blocking(module, io_spec, path, opset=18, deferred=None, cache=None):
         open(path, "wb").close()
         print("exporting", flush=True)
         while not os.path.exists(release):
@@ -46,8 +46,11 @@ def target(tmp_path_factory):
 
 @pytest.fixture
 def empty_graphs(monkeypatch):
-    monkeypatch.setattr(onnx_export, "export_graph", lambda module, io_spec, path, opset=18, deferred=None: (
-        open(path, "wb").close() or [os.path.basename(path)]))
+    def empty(module, io_spec, path, opset=18, deferred=None, cache=None):
+        open(path, "wb").close()
+        return [os.path.basename(path)]
+
+    monkeypatch.setattr(onnx_export, "export_graph", empty)
 
 
 def export(target, out, *extra):
@@ -67,7 +70,7 @@ def one_line(capsys):
 def test_a_folder_that_appears_at_out_during_the_export_is_kept(target, tmp_path, monkeypatch, capsys):
     out = tmp_path / "engine"
 
-    def meanwhile(module, io_spec, path, opset=18, deferred=None):
+    def meanwhile(module, io_spec, path, opset=18, deferred=None, cache=None):
         if not out.exists():  # a user's folder appears at --out while the graphs are exported
             out.mkdir()
             (out / "precious.txt").write_text("keep")
