@@ -532,6 +532,8 @@ def add_parser(sub):
                         "it from there when an export would trace the same graph again (re-exports with another "
                         "tree, drafter or --neighbors-k skip the unchanged graphs; default: $LANTERN_GRAPH_CACHE, "
                         "else no cache)")
+    p.add_argument("--no-graph-cache", dest="graph_cache", action="store_const", const=None,
+                   help="trace every graph, even with $LANTERN_GRAPH_CACHE set (timing an export)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 

@@ -107,3 +107,4 @@ def test_the_option_defaults_to_the_variable(value, expected, monkeypatch):
     argv = ["onnx", "--target", "t.pt", "--out", "e"]
     assert cli.build_parser().parse_args(argv).graph_cache == expected
     assert cli.build_parser().parse_args(argv + ["--graph-cache", "d"]).graph_cache == "d"
+    assert cli.build_parser().parse_args(argv + ["--no-graph-cache"]).graph_cache is None

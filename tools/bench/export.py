@@ -73,7 +73,7 @@ def main(argv=None):
         target, drafter, parameters = build_checkpoints(args.model, workdir, args.image_size, not args.no_drafter)
         build_s = round(time.perf_counter() - start, 1)
         out = os.path.join(workdir, "engine")
-        cmd = ["onnx", "--target", target, "--out", out, "--dtype", args.dtype, "--no-progress"]
+        cmd = ["onnx", "--target", target, "--out", out, "--dtype", args.dtype, "--no-progress", "--no-graph-cache"]
         if drafter:
             cmd += ["--drafter", drafter]
         export_s, proc = _child(cmd)

@@ -184,7 +184,8 @@ def stage_export(spec):
     with open(os.path.join(spec["src"], "sources.json")) as f:
         src = json.load(f)
     argv = ["onnx", "--target", src["target"], *src["options"], "--drafter", src["drafter"],
-            *(["--vq", src["vq"]] if src["vq"] else []), "--dtype", spec["dtype"], "--out", spec["engine"], "--no-progress"]
+            *(["--vq", src["vq"]] if src["vq"] else []), "--dtype", spec["dtype"], "--out", spec["engine"], "--no-progress",
+            "--no-graph-cache"]  # the export is what this stage times
     code = cli.main(argv)
     if code:
         raise RuntimeError(f"lantern-export onnx exited {code}")
