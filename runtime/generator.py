@@ -477,6 +477,9 @@ class _Decoding:
         else:
             outcome = acceptor.accept(self, active, draws.accept)
         t3 = time.perf_counter()
+        if acceptor is not None:  # the acceptance graph's call is engine work, as the other graphs' are
+            self.times["engine"] += t3 - t2
+            self.engine_calls += 1
         self.commit(active, outcome, out)
         t4 = time.perf_counter()
         for key, dt in zip(("draft", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
