@@ -216,6 +216,8 @@ def test_onnxruntime_sampling_graph_equals_host_on_most_images(ort_sampling):
         logits = (2 if cfg > 1 else 1) * n * device_engine.tree.num_nodes * device_engine.manifest.vocabulary.size * 4
         reads = [size for kind, size in backend.events[backend.start:] if kind == "to_host"]
         assert host_reads >= logits and reads and max(reads) < logits, mode  # only the drafts' top-K cross
+        # the acceptance graph is one more engine call per step
+        assert device.stats["engine_calls_per_step"] == host.stats["engine_calls_per_step"] + 1
         same += int((device.tokens == host.tokens).all(axis=1).sum())
         images += n
         drafts.append(device.stats["mean_accepted_drafts"])
