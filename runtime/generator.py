@@ -19,8 +19,9 @@ Every call's shapes and buffers come from a StepPlan made once per (tree, prefix
 Where the step runs (Engine(step=...)): "host" is the loop above, with acceptance in numpy over
 logits read back to the host; "device" hands the step to the backend (backend.device_step): the
 torch backend's runs the whole step, draft -> verify -> accept -> commit, on its device and reads
-back a few integers per image; ONNX Runtime's runs acceptance only, the engine's acceptance graph
-(`lantern-export accept`) fed the verification logits where the target left them, and the host
+back a few integers per image; ONNX Runtime's runs acceptance only (greedy or sampling), the
+engine's acceptance graph (`lantern-export accept`) fed the verification logits where the target
+left them and, sampling, the same draws of the images' streams the host step reads, and the host
 does the rest. None takes the backend's default_step (host where a backend has none). The same
 loop drives every path; stats["step"] says which ran.
 """
@@ -474,8 +475,11 @@ class _Decoding:
         if acceptor is None:
             outcome = self.accept(active, out, draws.accept)
         else:
-            outcome = acceptor.accept(self, active)
+            outcome = acceptor.accept(self, active, draws.accept)
         t3 = time.perf_counter()
+        if acceptor is not None:  # the acceptance graph's call is engine work, as the other graphs' are
+            self.times["engine"] += t3 - t2
+            self.engine_calls += 1
         self.commit(active, outcome, out)
         t4 = time.perf_counter()
         for key, dt in zip(("draft", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):

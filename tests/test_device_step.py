@@ -1,7 +1,8 @@
 """The device step against the host step: the torch backend's whole step on the device
 (runtime/backends/torch_step.py) on the CPU, and ONNX Runtime's acceptance graph fed the
-verification logits in place. The same tokens, token for token, over modes, CFG, batch sizes and
-a forced-token (Lumina-mGPT) engine; batch invariance; and, through a backend that records every
+verification logits in place (greedy and sampling graphs). The same tokens, token for token,
+over modes, CFG, batch sizes and a forced-token (Lumina-mGPT) engine (ONNX Runtime's float32
+sampling graph: on most images); batch invariance; and, through a backend that records every
 host crossing, a torch step that moves only a few integers per image and nothing that grows with
 the vocabulary, the cache or the tree, and an ONNX Runtime step whose logits never cross."""
 import json
@@ -154,6 +155,107 @@ def test_onnxruntime_acceptance_graph_equals_host_and_keeps_the_logits(c2i_accep
     assert host_reads >= logits  # the host path reads the verification logits every step ...
     reads = [size for kind, size in backend.events[backend.start:] if kind == "to_host"]
     assert reads and max(reads) < logits  # ... the device path never (the drafts' top-K ids and probs only)
+
+
+# -- ONNX Runtime's sampling acceptance graph ----------------------------------------------------
+@pytest.fixture(scope="module")
+def c2i_sampling_engine(c2i_accept_engine, tmp_path_factory):
+    """The acceptance engine with its tree's sampling graph too: a private copy with both graphs
+    exported (`lantern-export accept`), unless the session's engine has it already."""
+    import shutil
+
+    from lantern.export.accept_graphs import add_acceptance_graphs
+    from lantern.runtime.manifest import read_manifest
+
+    manifest = read_manifest(c2i_accept_engine)
+    if all(e.sampling is not None for e in manifest.acceptance.values()):
+        return c2i_accept_engine
+    out = shutil.copytree(c2i_accept_engine, tmp_path_factory.mktemp("ort-sampling") / "engine")
+    add_acceptance_graphs(out, force=True)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def ort_sampling(c2i_sampling_engine):
+    """A recording ONNX Runtime backend and one host and one device engine on it."""
+    from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from lantern.runtime.manifest import read_manifest
+
+    directory = c2i_sampling_engine
+    backend = RecordingBackend(OnnxRuntimeBackend(directory, read_manifest(directory), threads=2))
+    return backend, Engine(directory, backend=backend, step="host"), Engine(directory, backend=backend, step="device")
+
+
+# exact / lantern / lantern++, CFG on (with and without an interval) and off, batch 1 and 3, the filters
+ORT_SAMPLED = [("exact", 4.0, 3, dict(temperature=0.8, top_k=20, cfg_interval=5)),
+               ("exact", 1.0, 1, dict(temperature=1.0)),
+               ("lantern", 1.0, 3, dict(temperature=1.2, top_p=0.9, delta=0.2, k=8)),
+               ("lantern", 4.0, 1, dict(top_k=30, delta=0.1, k=8)),
+               ("lantern++", 4.0, 3, dict(top_k=30, top_p=0.95, lam=3.0, k=8, cfg_interval=7)),
+               ("lantern++", 1.0, 1, dict(temperature=0.9, top_p=0.9, lam=3.0, k=8))]
+
+
+def test_onnxruntime_sampling_graph_equals_host_on_most_images(ort_sampling):
+    """ONNX Runtime's device step with the sampling acceptance graph against the host step, over
+    the cases above (12 images). The graph computes in float32 (the host's numpy in float64, from
+    the same float32-combined logits and the same draws of the images' streams), so a decision at
+    its edge may flip and the image goes its own way from there: at least 9 of the 12 images must
+    equal the host's token for token (the disagreement rate is printed: pytest -s); wrong draws
+    (another stream block, fresh numbers) or a wrong rule part differ on nearly all of them. And
+    the verification logits never cross to the host on the device path, as they do on the host's."""
+    backend, host_engine, device_engine = ort_sampling
+    same, images, drafts = 0, 0, []
+    for mode, cfg, n, extra in ORT_SAMPLED:
+        seeds = [21 + 5 * i for i in range(n)]
+        kw = dict(mode=mode, greedy=False, cfg_scale=cfg, classes=list(range(1, n + 1)), seed=seeds, **extra)
+        begin = len(backend.events)
+        host = host_engine.generate(**kw)
+        host_reads = max(size for kind, size in backend.events[begin:] if kind == "to_host")
+        device = device_engine.generate(**kw)
+        assert (host.stats["step"], device.stats["step"]) == ("host", "device")
+        logits = (2 if cfg > 1 else 1) * n * device_engine.tree.num_nodes * device_engine.manifest.vocabulary.size * 4
+        reads = [size for kind, size in backend.events[backend.start:] if kind == "to_host"]
+        assert host_reads >= logits and reads and max(reads) < logits, mode  # only the drafts' top-K cross
+        # the acceptance graph is one more engine call per step
+        assert device.stats["engine_calls_per_step"] == host.stats["engine_calls_per_step"] + 1
+        same += int((device.tokens == host.tokens).all(axis=1).sum())
+        images += n
+        drafts.append(device.stats["mean_accepted_drafts"])
+    print(f"onnxruntime float32 sampling acceptance: {images - same} of {images} images differ from the float64 "
+          f"host ({(images - same) / images:.0%})")
+    assert same >= 9
+    assert min(drafts) > 0  # every case accepted drafts: the children's draw and acceptance really ran
+
+
+def test_onnxruntime_sampling_refusals(ort_sampling, c2i_accept_engine, monkeypatch):
+    """What the ONNX Runtime device step still refuses for sampling, in one line each."""
+    import dataclasses
+
+    from lantern.runtime.backends import onnxruntime as ort_backend
+    from lantern.runtime.manifest import read_manifest
+    from lantern.runtime.sampling import Sampling
+
+    backend, _, device_engine = ort_sampling
+    directory = device_engine.directory
+    kw = dict(greedy=False, cfg_scale=4.0, classes=[1], seed=[3])
+    with pytest.raises(LanternError, match="device step cannot run.*AR has no acceptance graph"):
+        device_engine.generate(mode="ar", **kw)
+    monkeypatch.setattr(ort_backend, "ACCEPT_TOP_K_LIMIT", 10)  # the tiny model's 64 codes are under the real one
+    with pytest.raises(LanternError, match=r"serves top_k up to 10 \(or none\), not 20; use step='host'"):
+        device_engine.generate(mode="exact", top_k=20, **kw)
+    plan = device_engine._plan
+    codes = device_engine.manifest.vocabulary.codes
+    assert backend.device_step_refusal(plan, Sampling(top_k=codes)) is None  # top-k over every column: no filter
+    assert backend.device_step_refusal(plan, Sampling(top_k=10)) is None
+    manifest = read_manifest(directory)
+    greedy_only = manifest.replace(acceptance={n: dataclasses.replace(e, sampling=None)
+                                               for n, e in manifest.acceptance.items()})
+    inner = backend.inner
+    monkeypatch.setattr(inner, "manifest", greedy_only)
+    assert backend.device_step_refusal(plan, Sampling()).startswith(
+        f"the engine has no sampling acceptance graph for tree 'mc_sim_7b_63'; add it with `lantern-export accept "
+        f"{directory}`")
+    assert backend.device_step_refusal(plan, ort_backend.Greedy()) is None  # greedy still runs
 
 
 # -- sampling on the device step: the host path is the specification --------------------------

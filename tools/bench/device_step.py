@@ -4,9 +4,10 @@ Whole step (--engine DIR or --gpt GPT-B; the default section): real generations 
 each mode (ar, exact, lantern++; CFG), greedy and sampling (temperature 1, top-k --top-k; rows
 with "sampling": true), on ONNX Runtime CPU and on the torch backend on the CPU, each with the
 host step and the device step (torch: the whole step on the device,
-lantern.runtime.backends.torch_step; ONNX Runtime: the engine's acceptance graph fed the logits
-in place, the rest on the host; it has none for AR), side by side in one run. Per step: ms, host time (the
-loop's time outside engine work; the device step counts all of its work as engine time),
+lantern.runtime.backends.torch_step; ONNX Runtime: the engine's acceptance graph, greedy or
+sampling, fed the logits in place, the rest on the host; it has none for AR), side by side in
+one run. Per step: ms, host time (the loop's time outside engine work; the device step counts
+all of its work as engine time),
 engine launches, and, through RecordingBackend, the bytes that cross the host boundary each way
 and the synchronisations. On a CPU "device" and host are the same memory, so the bytes are what
 a GPU would move.
@@ -372,7 +373,7 @@ def main(argv=None):
             from lantern.export.accept_graphs import add_acceptance_graphs
 
             engine_dir = export_gpt(tmp, args.gpt, "fp32")
-            add_acceptance_graphs(engine_dir, kinds=("greedy",))  # ONNX Runtime's device step
+            add_acceptance_graphs(engine_dir)  # ONNX Runtime's device step, greedy and sampling
         samplings = {"both": (False, True), "greedy": (False,), "only": (True,)}[args.sampling]
         results = whole_step(engine_dir, args.modes, args.batch, args.cfg_scale, args.threads, samplings, args.top_k)
     print(json.dumps({"benchmark": "device_step_whole", "engine": args.engine or f"{args.gpt} random fp32",
