@@ -77,15 +77,15 @@ def c2i_engine(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def c2i_accept_engine(c2i_engine, tmp_path_factory):
-    """A copy of the c2i engine with its default tree's greedy acceptance graph (`lantern-export
-    accept`): what ONNX Runtime's device step runs."""
+    """A copy of the c2i engine with its default tree's acceptance graphs, greedy and sampling
+    (`lantern-export accept`): what ONNX Runtime's device step runs."""
     import shutil
 
     from lantern.export.accept_graphs import add_acceptance_graphs
 
     def build(root):
         out = shutil.copytree(c2i_engine, root / "engine")
-        add_acceptance_graphs(out, kinds=("greedy",))
+        add_acceptance_graphs(out)
         return str(out)
 
     return built_once(tmp_path_factory, "c2i-accept", build)

@@ -159,29 +159,13 @@ def test_onnxruntime_acceptance_graph_equals_host_and_keeps_the_logits(c2i_accep
 
 # -- ONNX Runtime's sampling acceptance graph ----------------------------------------------------
 @pytest.fixture(scope="module")
-def c2i_sampling_engine(c2i_accept_engine, tmp_path_factory):
-    """The acceptance engine with its tree's sampling graph too: a private copy with both graphs
-    exported (`lantern-export accept`), unless the session's engine has it already."""
-    import shutil
-
-    from lantern.export.accept_graphs import add_acceptance_graphs
-    from lantern.runtime.manifest import read_manifest
-
-    manifest = read_manifest(c2i_accept_engine)
-    if all(e.sampling is not None for e in manifest.acceptance.values()):
-        return c2i_accept_engine
-    out = shutil.copytree(c2i_accept_engine, tmp_path_factory.mktemp("ort-sampling") / "engine")
-    add_acceptance_graphs(out, force=True)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def ort_sampling(c2i_sampling_engine):
-    """A recording ONNX Runtime backend and one host and one device engine on it."""
+def ort_sampling(c2i_accept_engine):
+    """A recording ONNX Runtime backend over the engine with both acceptance graphs, and one host
+    and one device engine on it."""
     from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
     from lantern.runtime.manifest import read_manifest
 
-    directory = c2i_sampling_engine
+    directory = c2i_accept_engine
     backend = RecordingBackend(OnnxRuntimeBackend(directory, read_manifest(directory), threads=2))
     return backend, Engine(directory, backend=backend, step="host"), Engine(directory, backend=backend, step="device")
 
