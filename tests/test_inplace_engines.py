@@ -459,3 +459,17 @@ def test_inplace_device_step_refusals(inplace_torch, inplace_c2i):
                                            "acceptance module") as e:
         Engine(inplace_c2i, backend=greedy_only, step="device").generate(mode="exact", classes=[1])
     assert "\n" not in str(e.value)
+
+
+def test_inplace_device_step_on_left_padded_prompts(inplace_anole):
+    """Prompts of two lengths, left-padded to the static cache's prompt budget: the device step
+    reads the padding's invisible slots and position offsets as the host step does."""
+    from lantern.export.torch_backend import open_torch_backend
+
+    backend = open_torch_backend(inplace_anole, threads=2)
+    kw = dict(mode="lantern++", lam=4.0, k=8, greedy=True, prompt=["a red cat", "a dog on a mat"], grid=(4, 4),
+              cfg_scale=3.0)
+    host = Engine(inplace_anole, backend=backend, step="host").generate(**kw)
+    device = Engine(inplace_anole, backend=backend, step="device").generate(**kw)
+    assert device.stats["step"] == "device" and device.stats["mean_accepted_drafts"] > 0
+    np.testing.assert_array_equal(device.body, host.body)
