@@ -67,9 +67,9 @@ def add_generation_options(p, tree=True):
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
     p.add_argument("--step", choices=("host", "device"), default=None,
                    help="where each decoding step runs: host (acceptance in numpy over logits read back) or device "
-                        "(torch: the whole step on its device, plain caches; onnxruntime: acceptance, greedy or "
-                        "sampling, by the graphs `lantern-export accept` writes, the rest on the host); default: the "
-                        "backend's (device on torch CUDA, else host)")
+                        "(torch: the whole step on its device, plain or in-place engines; onnxruntime: acceptance, "
+                        "greedy or sampling, by the graphs `lantern-export accept` writes, the rest on the host); "
+                        "default: the backend's (device on torch CUDA, else host)")
 
 
 def generation_settings(args):

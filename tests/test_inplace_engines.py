@@ -380,3 +380,96 @@ def test_trt_command_builds_a_inplace_engines_plans_commit_included(inplace_fp16
     depth = build_tree(read_manifest(engine).tree).depth
     commit = [p.shapes["src_slots"]["opt"] for p in plans["commit"].profiles]
     assert sorted(map(tuple, commit)) == [(2, depth + 1), (4, depth + 1)]  # without and with CFG rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The torch backend's device step on an in-place engine (lantern.runtime.backends.torch_step):
+# write indices, masks and the commit graph as device ops; the host step is the specification.
+# (Without the commit graph's move the lantern++ cases differ in ~15% of their tokens.)
+
+
+@pytest.fixture(scope="module")
+def inplace_torch(inplace_c2i):
+    """One torch backend over the in-place engine, a host and a device engine on it: cases with
+    the same tree and batch reuse the plan, and the device engine its step."""
+    from lantern.export.torch_backend import open_torch_backend
+
+    backend = open_torch_backend(inplace_c2i, threads=2)
+    return backend, Engine(inplace_c2i, backend=backend, step="host"), Engine(inplace_c2i, backend=backend, step="device")
+
+
+# every mode, CFG off and on, batch 1 and 3, greedy then sampling (same seeds); exact once (on
+# the tiny model it accepts few drafts: many steps). The lantern case follows the exact one on
+# the same plan and key, so its device step is the exact one's, refilled
+DEVICE_CASES = [("exact", 4.0, 3, {"cfg_interval": 5}),
+                ("lantern", 4.0, 3, {"delta": 0.2, "k": 8, "cfg_interval": 7}),
+                ("lantern++", 1.0, 3, {"lam": 3.0, "k": 8}), ("lantern++", 4.0, 1, {"lam": 3.0, "k": 8}),
+                ("lantern", 4.0, 3, dict(greedy=False, temperature=0.8, top_k=20, delta=0.2, k=8, cfg_interval=5)),
+                ("lantern++", 1.0, 1, dict(greedy=False, temperature=1.0, top_p=0.95, lam=3.0, k=8)),
+                ("ar", 1.0, 1, {})]
+
+
+@pytest.mark.parametrize("mode, cfg, images, extra", DEVICE_CASES)
+def test_inplace_device_step_equals_the_host_step(inplace_torch, mode, cfg, images, extra):
+    backend, host_engine, device_engine = inplace_torch
+    kw = dict(dict(mode=mode, greedy=True, cfg_scale=cfg, classes=list(range(1, images + 1)),
+                   seed=[11 + 7 * i for i in range(images)]), **extra)
+    reused = backend._steps.get(id(device_engine._plan))
+    host, device = host_engine.generate(**kw), device_engine.generate(**kw)
+    assert (host.stats["step"], device.stats["step"]) == ("host", "device")
+    np.testing.assert_array_equal(device.tokens, host.tokens)
+    for key in ("steps_per_image", "mean_accepted_length", "accepted_histogram"):
+        assert device.stats[key] == host.stats[key], key
+    if mode == "lantern" and kw["greedy"]:
+        assert reused is not None and backend._steps[id(device_engine._plan)] is reused
+    if mode in ("lantern", "lantern++"):  # drafts accepted: the commit graph moved paths
+        assert device.stats["mean_accepted_drafts"] > 0
+
+
+def test_inplace_device_step_moves_a_few_integers_per_image(inplace_torch, inplace_c2i):
+    from lantern.tools.bench.device_step import RecordingBackend
+
+    backend = RecordingBackend(inplace_torch[0])
+    engine = Engine(inplace_c2i, backend=backend, step="device")
+    out = engine.generate(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, classes=[1, 2, 3])
+    events = backend.events[backend.start:]
+    report = 3 * (engine.tree.depth + 3) * 8  # per image: accepted, depth + 1 tokens, invalid (int64)
+    assert {kind for kind, _ in events} == {"to_host", "sync"}  # no launches from the host, nothing up
+    reads = [size for kind, size in events if kind == "to_host"]
+    assert reads == [report] * len(reads) and len(reads) == out.stats["steps"]
+
+
+def test_inplace_device_step_refusals(inplace_torch, inplace_c2i):
+    """The device step serves in-place plans, greedy and sampling; what it cannot serve is still
+    refused in one line."""
+    from lantern.export.accept_graphs import GreedyAcceptance
+    from lantern.runtime.backends.torch import TorchBackend
+    from lantern.runtime.kvcache import InPlaceKVCache
+    from lantern.runtime.sampling import Greedy, Sampling
+
+    backend = inplace_torch[0]
+    engine = Engine(inplace_c2i, backend=backend, step="device")
+    settings = dict(cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0)
+    plan = StepPlan(engine.manifest, backend, engine.tree, engine.condition.prefix(False, classes=[1]), settings)
+    assert isinstance(plan.target_cache, InPlaceKVCache)
+    assert backend.device_step_refusal(plan, Greedy()) is None
+    assert backend.device_step_refusal(plan, Sampling(top_k=20)) is None
+    greedy_only = TorchBackend(backend.modules, read_manifest(inplace_c2i), acceptance={"greedy": GreedyAcceptance})
+    with pytest.raises(LanternError, match="the device step cannot run this generation: .* without the sampling "
+                                           "acceptance module") as e:
+        Engine(inplace_c2i, backend=greedy_only, step="device").generate(mode="exact", classes=[1])
+    assert "\n" not in str(e.value)
+
+
+def test_inplace_device_step_on_left_padded_prompts(inplace_anole):
+    """Prompts of two lengths, left-padded to the static cache's prompt budget: the device step
+    reads the padding's invisible slots and position offsets as the host step does."""
+    from lantern.export.torch_backend import open_torch_backend
+
+    backend = open_torch_backend(inplace_anole, threads=2)
+    kw = dict(mode="lantern++", lam=4.0, k=8, greedy=True, prompt=["a red cat", "a dog on a mat"], grid=(4, 4),
+              cfg_scale=3.0)
+    host = Engine(inplace_anole, backend=backend, step="host").generate(**kw)
+    device = Engine(inplace_anole, backend=backend, step="device").generate(**kw)
+    assert device.stats["step"] == "device" and device.stats["mean_accepted_drafts"] > 0
+    np.testing.assert_array_equal(device.body, host.body)

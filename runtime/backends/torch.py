@@ -11,7 +11,8 @@ eagerly on the same static buffers, for comparison.
 
 In-place graphs (contracts with `aliases`): the modules return the updated caches as new tensors
 (eager TensorScatter is out of place), which run() copies into the cache buffers, a whole-cache
-copy per call: this backend is the reference for in-place engines, not their fast path.
+copy per call (the device step's calls too): this backend is the reference for in-place engines,
+not their fast path.
 
 Device step (lantern.runtime.backends.torch_step): with the acceptance module factories
 (open_torch_backend hands in lantern.export's GreedyAcceptance and SamplingAcceptance),

@@ -41,7 +41,14 @@ makes the decisions numpy makes (tests/test_device_step.py: token for token). fl
 decisions' edges. The first token after prefill is drawn by the host loop's prefill, as for
 greedy (one draw per generation; prefill's logits are read there anyway).
 
-Plain (not in-place) caches only."""
+Both cache forms (lantern.runtime.kvcache). Plain caches: the step copies the entries it keeps
+into them (_Cache). In-place engines (`--attention inplace`): the graphs write their new K/V into
+the static caches themselves, at write_index, and attend over the whole cache, so the step
+writes each call's write_index (the cache's lengths, or the plan's fixed scratch slot) and puts
+the call's block into its mask at those slots; after verification the plan's commit graph, run
+over every row, moves the accepted path to the slots after the committed ones (_InPlaceCache).
+The torch modules return the updated caches as new tensors, copied into the cache buffers (a
+device copy per call, as TorchBackend.run makes it): this is the in-place engines' reference."""
 import numpy as np
 
 from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT
@@ -63,8 +70,6 @@ def refusal(plan, sampler):
     if not isinstance(sampler, Greedy) and ACCEPT_TOP_K_LIMIT < sampler.top_k < vocab:
         return (f"its sampling acceptance serves top_k up to {ACCEPT_TOP_K_LIMIT} (or none), not "
                 f"{sampler.top_k}")
-    if isinstance(plan.target_cache, InPlaceKVCache):
-        return "it runs plain-cache engines only (this one updates its caches in place)"
     return None
 
 
@@ -100,6 +105,11 @@ class TorchDeviceStep:
         self.codes, self.start, self.plain_view = view.codes, view.start, view.plain
         self.vocab = int(plan.calls["verify"].output_shapes["logits"][-1])
         self.node_tokens = torch.zeros((d.N, tree.num_nodes), dtype=torch.int64, device=dev)
+        self.inplace = isinstance(plan.target_cache, InPlaceKVCache)
+        # each call's block (its new tokens among themselves) and, for the in-place form, where it
+        # writes: draft0's block is state (_set_pending), the others are constants of the plan
+        self.blocks = {"verify": up(tree.mask)}
+        self.first_slots = {}
         if tree.depth:
             W = tree.depth + 1
             self.pair_index = torch.arange(W, device=dev)
@@ -111,6 +121,10 @@ class TorchDeviceStep:
                                 ranks=up(lv.ranks, np.int64), parents=up(np.unique(lv.parents), np.int64))
                            for lv in tree.levels]
             self.widths = [lv.width for lv in tree.levels]
+            for lv in tree.levels[:-1]:
+                call = plan.calls[f"draft{lv.depth}"]
+                self.blocks[call.regime] = up(np.eye(call.tokens, dtype=bool))
+                self.first_slots[call.regime] = torch.full((d.B,), call.first_slot, dtype=torch.int64, device=dev)
         K = d.engine.manifest.candidates if tree.depth else 0  # AR: no drafts, no candidates
         self.candidates = torch.zeros((d.N, tree.num_nodes, K), dtype=torch.int64, device=dev)
         self.candidate_probs = torch.zeros((d.N, tree.num_nodes, K), dtype=torch.float32, device=dev)
@@ -169,12 +183,14 @@ class TorchDeviceStep:
         self.extra = keep("extra", view.extra if len(view.extra) else np.zeros(1), np.int64)
         self.forced_column = keep("forced_column", view.forced_column, np.int64)
         # caches: K/V live on the device already; what each row sees and how much it holds
-        self.target = self._cache("target", plan.target_cache)
-        self.drafter = self._cache("drafter", plan.drafter_cache) if self.depth else None
+        cache_type = _InPlaceCache if self.inplace else _Cache
+        self.target = cache_type(self, "target", plan.target_cache)
+        self.drafter = cache_type(self, "drafter", plan.drafter_cache) if self.depth else None
         # each call's feeds as device tensors (float ones are the plan's device buffers already)
         self.feeds = {}
         cfg_pair = keep("cfg_pair", plan.settings["cfg_pair"]) if self.depth else None
-        for regime in ["verify"] + [f"draft{i}" for i in range(self.depth)]:
+        regimes = ["verify"] + [f"draft{i}" for i in range(self.depth)] + ["commit"] * ("commit" in plan.calls)
+        for regime in regimes:
             feeds = {}
             for name, buf in plan.calls[regime].feeds.items():
                 if isinstance(buf, torch.Tensor):
@@ -186,6 +202,7 @@ class TorchDeviceStep:
             self.feeds[regime] = feeds
         if self.depth:
             self.cfg_pair, self.cfg_partners = cfg_pair, keep("cfg_partners", plan.cfg_partners)
+            self.blocks["draft0"] = keep("draft0/block", plan.calls["draft0"].block)  # the prefill's pair
         rule = d.rule
         neighbors = d.neighbors if d.neighbors is not None else np.zeros((view.size, 1), dtype=np.int64)
         cond_rows = np.arange(d.N)
@@ -213,10 +230,6 @@ class TorchDeviceStep:
             self.table = keep("table", d.streams.table(self.table_steps), np.float64)  # [N, steps, block]
             # the step counter every image's stream is read at (all advance each step, finished or not)
             self.draws_taken = keep("draws_taken", 0, np.int64)
-
-    def _cache(self, name, cache):
-        return dict(keys=cache.keys, values=cache.values, visible=self._keep(f"{name}/visible", cache.visible),
-                    length=self._keep(f"{name}/length", cache.length, np.int64), capacity=cache.capacity)
 
     @property
     def report_width(self):
@@ -267,8 +280,10 @@ class TorchDeviceStep:
         b = self.backend
         feeds = self.feeds[regime]
         out = b.modules[graph](*(feeds[name] for name in b.inputs[graph]))
-        out = out if isinstance(out, tuple) else (out,)
-        return dict(zip(b.outputs[graph], out))
+        out = dict(zip(b.outputs[graph], out if isinstance(out, tuple) else (out,)))
+        if b.aliases[graph]:  # in-place graphs: their updated caches into the cache buffers
+            out = b._update_in_place(graph, out, feeds)
+        return out
 
     def _positions(self, slots):
         return (slots - self.offset[:, None]).clamp(0, self.max_position)
@@ -279,26 +294,8 @@ class TorchDeviceStep:
         extra = self.extra[(columns - self.codes).clamp(min=0) % self.extra.shape[0]]
         return self.torch.where(columns < self.codes, columns + self.start, extra)
 
-    def _append(self, cache, out, src, counts):
-        """Row b keeps the call's entries src[b, :counts[b]] after its committed ones; the block's
-        other columns repeat the last kept entry (or, with none kept, write an invisible slot)."""
-        torch = self.torch
-        W = src.shape[1]
-        last = (counts - 1).clamp(min=0)[:, None]
-        j = torch.minimum(torch.arange(W, device=src.device)[None, :], last)
-        s = src.gather(1, j)
-        dst = (cache["length"][:, None] + j).clamp(max=cache["capacity"] - 1)
-        r = self.batch_rows[:, None].expand(-1, W)
-        cache["keys"][:, r, :, dst] = out["new_keys"][:, r, :, s]
-        cache["values"][:, r, :, dst] = out["new_values"][:, r, :, s]
-        cache["visible"][r, dst] = cache["visible"][r, dst] | (counts > 0)[:, None]
-        cache["length"] += counts
-
-    def _mask_cache(self, regime, cache, extra=None):
-        visible = cache["visible"][:, None, :]
-        if extra is not None:
-            visible = visible | extra[None]
-        self.feeds[regime]["attention_mask"][:, 0, :, : cache["capacity"]] = visible
+    def _mask(self, regime, cache, start, extra=None):
+        cache.mask(self.feeds[regime], self.blocks[regime], start, extra)
 
     def _take_candidates(self, out, nodes, cols):
         """The drafter's top-K (as columns) of the conditional rows at columns cols [N, n]."""
@@ -343,15 +340,15 @@ class TorchDeviceStep:
         if self.cfg_interval_on:  # past the interval an image's rows are their own CFG partners
             late = (self.count >= self.accept_feeds["cfg_interval"])[iob]  # a tensor: the graph reads its value
             self.cfg_pair.copy_(torch.where(late, self.batch_rows, self.cfg_partners))
-        self._mask_cache("draft0", cache)
+        self._mask("draft0", cache, cache.length)
         out = self._run("draft0", "drafter")
         kept = torch.where(active[iob], self.pending[iob], torch.zeros_like(self.pending[iob]))
-        self._append(cache, out, self.pair_index[None, :].expand(B, -1), kept)
+        cache.append(out, self.pair_index[None, :].expand(B, -1), kept)
         last = self.pending - 1
         self._take_candidates(out, slice(0, 1), last[:, None])
         parents = self._children(slice(0, 1), self.widths[0], race[:, :1] if self.sampling else None)
         hidden, parent_cols = out["hidden_out"], last[iob][:, None]
-        root_slot = self.target["length"]
+        root_slot = self.target.length
         for index, level in enumerate(self.levels):
             depth, nodes = level["depth"], level["nodes"]
             self.node_tokens[:, nodes] = self._ids(parents[:, level["slots"], level["ranks"]])
@@ -365,11 +362,9 @@ class TorchDeviceStep:
             feeds["target_hidden"].copy_(hidden[self.batch_rows[:, None], cols])
             feeds["input_ids"].copy_(self.node_tokens[:, nodes][iob])
             feeds["position_ids"].copy_(self._positions((root_slot + depth)[:, None].expand(B, T)))
-            self._mask_cache(regime, cache, self.ancestors[depth])
+            self._mask(regime, cache, self.first_slots[regime], self.ancestors[depth])
             out = self._run(regime, "drafter")
-            slots = self.scratch_slots[depth]
-            cache["keys"][:, :, :, slots] = out["new_keys"]
-            cache["values"][:, :, :, slots] = out["new_values"]
+            cache.write(out, self.scratch_slots[depth])
             self._take_candidates(out, nodes, torch.arange(T, device=nodes.device)[None, :].expand(N, T))
             parents = self._children(nodes, self.widths[index + 1], race[:, nodes] if self.sampling else None)
             hidden = out["hidden_out"]
@@ -390,8 +385,8 @@ class TorchDeviceStep:
         # verify
         feeds = self.feeds["verify"]
         feeds["input_ids"].copy_(self.node_tokens[iob])
-        feeds["position_ids"].copy_(self._positions(self.target["length"][:, None] + self.depths[None, :]))
-        self._mask_cache("verify", self.target)
+        feeds["position_ids"].copy_(self._positions(self.target.length[:, None] + self.depths[None, :]))
+        self._mask("verify", self.target, self.target.length)
         out = self._run("verify", "target")
         # accept
         a = self.accept_feeds
@@ -411,7 +406,7 @@ class TorchDeviceStep:
         emitted.scatter_(1, accepted[:, None], self._ids(next_column)[:, None])
         emit = torch.where(active, torch.minimum(accepted + 1, self.length - self.count), torch.zeros_like(accepted))
         cols = path.clamp(min=0)[iob]
-        self._append(self.target, out, cols, emit[iob])
+        self.target.append(out, cols, emit[iob])
         if self.depth:
             counts = torch.where(active, emit.clamp(min=1), torch.ones_like(emit))
             tokens = torch.where(active[:, None], emitted, torch.zeros_like(emitted))
@@ -450,11 +445,97 @@ class TorchDeviceStep:
         real = self.pair_index[None, :] < counts[:, None]  # [N, W]
         feeds["target_hidden"].copy_(hidden[self.batch_rows[:, None], cols])
         feeds["input_ids"].copy_(torch.where(real, tokens, torch.zeros_like(tokens))[iob])
-        first = self.target["length"] - counts[iob] + 1
+        first = self.target.length - counts[iob] + 1
         feeds["position_ids"].copy_(self._positions(first[:, None] + self.pair_index[None, :]))
         block = (self.pair_block[None] & real[iob][:, None, :]) | self.pair_self[None]
-        feeds["attention_mask"][:, 0, :, self.drafter["capacity"]:] = block
+        self.blocks["draft0"].copy_(block)
         self.pending.copy_(counts)
+
+
+class _Cache:
+    """A plain KV cache as the step keeps it: the plan's K/V buffers, and which slots each row
+    sees and how many it holds as device tensors (state, refilled by load). A call reads the
+    cache and returns its new tokens' K/V; append and write copy the entries kept."""
+
+    def __init__(self, step, name, cache):
+        self.torch, self.rows = step.torch, step.batch_rows
+        self.keys, self.values, self.capacity = cache.keys, cache.values, cache.capacity
+        self.visible = step._keep(f"{name}/visible", cache.visible)
+        self.length = step._keep(f"{name}/length", cache.length, np.int64)
+
+    def mask(self, feeds, block, start, extra=None):
+        """The call's mask: the rows' visible slots (| extra [T, capacity]), then its block
+        [B or 1, T, T] in the new tokens' columns (start: where the in-place form writes them)."""
+        visible = self.visible[:, None, :]
+        mask = feeds["attention_mask"][:, 0]
+        mask[:, :, : self.capacity] = visible if extra is None else visible | extra[None]
+        mask[:, :, self.capacity:] = block
+
+    def _kept(self, counts, W):
+        """Rows, entry indices and slots [B, W] of a W-wide block of which row b keeps its first
+        counts[b]; the other columns repeat the last kept entry (with none kept: slot length,
+        left invisible), so no scatter ever has two different values for one place."""
+        torch = self.torch
+        last = (counts - 1).clamp(min=0)[:, None]
+        j = torch.minimum(torch.arange(W, device=counts.device)[None, :], last)
+        dst = (self.length[:, None] + j).clamp(max=self.capacity - 1)
+        return self.rows[:, None].expand(-1, W), j, dst
+
+    def _advance(self, r, dst, counts):
+        self.visible[r, dst] = self.visible[r, dst] | (counts > 0)[:, None]
+        self.length += counts
+
+    def append(self, out, src, counts):
+        """Row b keeps the call's entries src[b, :counts[b]] after its committed ones."""
+        r, j, dst = self._kept(counts, src.shape[1])
+        s = src.gather(1, j)
+        self.keys[:, r, :, dst] = out["new_keys"][:, r, :, s]
+        self.values[:, r, :, dst] = out["new_values"][:, r, :, s]
+        self._advance(r, dst, counts)
+
+    def write(self, out, slots):
+        """The call's entries to fixed slots [T] of every row (the drafter's scratch)."""
+        self.keys[:, :, :, slots] = out["new_keys"]
+        self.values[:, :, :, slots] = out["new_values"]
+
+
+class _InPlaceCache(_Cache):
+    """A static cache the graphs update in place (lantern.runtime.kvcache.InPlaceKVCache): a
+    call writes its new entry j of row b at slot write_index[b] + j and attends over the whole
+    cache, so its mask places the block at those slots; append only moves what is not where it
+    belongs (the target's accepted path, with the plan's commit graph)."""
+
+    def __init__(self, step, name, cache):
+        super().__init__(step, name, cache)
+        self.step = step
+        self.moves = cache.commit is not None  # the target's cache of a plan that drafts
+
+    def mask(self, feeds, block, start, extra=None):
+        torch = self.torch
+        feeds["write_index"].copy_(start)
+        mask = feeds["attention_mask"][:, 0]  # [B, T, capacity]
+        visible = self.visible[:, None, :]
+        mask.copy_((visible if extra is None else visible | extra[None]).expand_as(mask))
+        B, T = mask.shape[:2]
+        slots = (start[:, None] + torch.arange(T, device=start.device))[:, None, :].expand(B, T, T)
+        mask.scatter_(2, slots, block.expand(B, T, T))
+
+    def append(self, out, src, counts):
+        """Entry src[b, j] was written at slot length + src[b, j]; for j < counts[b] it belongs
+        at length + j. The commit graph moves every row's block at once (the other columns copy
+        their slot onto itself); where there is none (the drafter's pairs, AR) src is j already."""
+        torch, W = self.torch, src.shape[1]
+        if self.moves:
+            j = torch.arange(W, device=src.device)[None, :]
+            feeds = self.step.feeds["commit"]
+            feeds["write_index"].copy_(self.length)
+            feeds["src_slots"].copy_(self.length[:, None] + torch.where(j < counts[:, None], src, j))
+            self.step._run("commit", "commit")
+        r, _, dst = self._kept(counts, W)
+        self._advance(r, dst, counts)
+
+    def write(self, out, slots):
+        pass  # the call wrote its fixed slots itself
 
 
 def check_report(invalid, active):

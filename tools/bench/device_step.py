@@ -10,7 +10,9 @@ one run. Per step: ms, host time (the loop's time outside engine work; the devic
 all of its work as engine time),
 engine launches, and, through RecordingBackend, the bytes that cross the host boundary each way
 and the synchronisations. On a CPU "device" and host are the same memory, so the bytes are what
-a GPU would move.
+a GPU would move. DIR may be an in-place engine (`lantern-export onnx --attention inplace`): the
+torch device step runs it as it runs a plain one (ONNX Runtime's device step needs the
+acceptance graphs `lantern-export accept` adds; without them its rows say skipped).
 
 Acceptance only (--acceptance): on GPT-B shapes (vocabulary 16384, a 1000-wide neighbor table):
 the host path copies the verification logits ([rows, nodes, V] float32) to the host and runs the
