@@ -1,6 +1,7 @@
 """The greedy acceptance graph (lantern.export.accept_graphs) against the numpy specification
 (lantern.runtime.accept.accept_greedy_batch) on random cases with ties, -inf entries, forced
 tokens, CFG and every rule; the same module exported to ONNX and run on ONNX Runtime."""
+import zlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,6 +21,11 @@ torch.set_num_threads(1)  # tiny tensors: more threads only contend for the shar
 
 START, CODES, VOCAB = 3, 40, 48  # ids 0..2 and 43..47 are not image codes; 44 and 46 can be forced
 FORCED_IDS = (44, 46)
+
+
+def stable_seed(*parts):
+    """A seed of its parts that every process agrees on (hash() of a string changes per process)."""
+    return zlib.crc32("/".join(map(str, parts)).encode())
 
 
 def view_for(forced):
@@ -103,7 +109,7 @@ RULES = [acceptance.Exact(), acceptance.LanternPP(k=4, lam=1.0), acceptance.Lant
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.name}-{r.k}")
 def test_the_graph_equals_the_numpy_rules(tree_name, rule):
     tree = build_tree(tree_name)
-    rng = np.random.default_rng(hash((tree_name, rule.name, rule.k)) % 2**32)
+    rng = np.random.default_rng(stable_seed(tree_name, rule.name, rule.k))
     checked = long_paths = 0
     for case in range(40):
         cfg, forced = case % 2 == 1, case % 4 >= 2
@@ -298,9 +304,11 @@ SAMPLING_RULES = [acceptance.Exact(), acceptance.LanternPP(k=3, lam=2.0), accept
 @pytest.mark.parametrize("rule", SAMPLING_RULES, ids=lambda r: f"{r.name}-{r.k}")
 def test_the_sampling_module_in_float64_equals_the_numpy_rules(tree_name, rule):
     tree = build_tree(tree_name)
-    rng = np.random.default_rng(hash((tree_name, rule.name, rule.k, "sampling")) % 2**32)
+    rng = np.random.default_rng(stable_seed(tree_name, rule.name, rule.k, "sampling"))
     checked = long_paths = 0
-    for case in range(10):
+    for case in range(40):  # 10 cases, more until one accepted two drafts (exact on random logits rarely does)
+        if case >= 10 and long_paths:
+            break
         feeds, want, view = sampling_case(rng, tree, rule, FILTERS[case % 4], cfg=case % 2 == 1, forced=case % 3 == 2)
         if len(view.extra) not in (0, len(FORCED_IDS)):
             continue
