@@ -421,9 +421,10 @@ def acceptance_file(tree, kind):
 
 
 def write_acceptance_graphs(directory, tree, vocabulary, condition, image, candidates, kinds=tuple(KINDS),
-                            opset=18):
+                            opset=18, keep=None):
     """Export the acceptance graphs of `tree` into `directory` (a staging copy of the engine):
-    (AcceptanceGraphs, [files written])."""
+    (AcceptanceGraphs, [files written]). keep: {kind: Graph} of the tree's entry the entry keeps
+    for the kinds not exported here (an entry always has its greedy graph)."""
     forced = engine_forced_ids(condition, image)
     columns = np.concatenate([np.arange(vocabulary.image_start, vocabulary.image_end), np.array(forced, dtype=np.int64)])
     enginedir.make_dirs(directory, "accept")
@@ -436,7 +437,7 @@ def write_acceptance_graphs(directory, tree, vocabulary, condition, image, candi
                              inputs={k: TensorSpec(v["dtype"], tuple(v["shape"])) for k, v in io_spec["inputs"].items()},
                              outputs={k: TensorSpec(v["dtype"], tuple(v["shape"])) for k, v in io_spec["outputs"].items()})
         files.append(name)
-    return AcceptanceGraphs(tree=tree.to_json(), forced_ids=forced, **graphs), files
+    return AcceptanceGraphs(tree=tree.to_json(), forced_ids=forced, **{**(keep or {}), **graphs}), files
 
 
 def engine_trees(manifest, directory, specs=()):
@@ -483,8 +484,15 @@ def add_acceptance_graphs(directory, specs=(), kinds=tuple(KINDS), force=False, 
     enginedir.check_writable(directory, "lantern-export accept")
     enginedir.inside(directory, "accept")  # a planted link is refused before any work
     with enginedir.staging(directory, "accept") as stage:
-        built = [write_acceptance_graphs(stage, t, manifest.vocabulary, manifest.condition, manifest.image,
-                                         manifest.candidates, kinds, opset) for t in trees]
+        built = []
+        for t in trees:
+            # the tree's other kinds stay as they are; a tree without a greedy graph gets one (an
+            # entry always has it)
+            old = manifest.acceptance_for(t)
+            keep = {k: getattr(old, k) for k in KINDS if old is not None and k not in kinds and getattr(old, k)}
+            todo = tuple(k for k in KINDS if k in kinds or (k == "greedy" and "greedy" not in keep))
+            built.append(write_acceptance_graphs(stage, t, manifest.vocabulary, manifest.condition, manifest.image,
+                                                 manifest.candidates, todo, opset, keep))
         with enginedir.locked(directory, "lantern-export accept"):
             current = read_manifest(directory, verify=True)
             enginedir.make_dirs(directory, "accept")

@@ -167,3 +167,20 @@ def test_the_manifest_takes_plans_of_acceptance_graphs(accept_engine, tmp_path):
         json.dump(data, f)
     with pytest.raises(LanternError, match="accept_greedy@chain-4 is a plan for a graph the engine does not have"):
         read_manifest(copy)
+
+
+def test_one_kind_at_a_time_keeps_the_others(c2i_engine, tmp_path):
+    """add_acceptance_graphs(kinds=...) exports the kinds asked for and keeps the tree's others; a
+    tree with no graphs gets its greedy one as well (an entry always has it)."""
+    from lantern.export.accept_graphs import add_acceptance_graphs
+
+    out = str(shutil.copytree(c2i_engine, tmp_path / "engine"))
+    tree = build_tree(read_manifest(out).tree)
+    first = add_acceptance_graphs(out, kinds=("sampling",)).acceptance_for(tree)
+    assert first.greedy is not None and first.sampling is not None
+    greedy_bytes = open(os.path.join(out, first.greedy.file), "rb").read()
+    again = add_acceptance_graphs(out, kinds=("sampling",), force=True).acceptance_for(tree)
+    assert again.greedy == first.greedy and again.sampling.file == first.sampling.file
+    assert open(os.path.join(out, again.greedy.file), "rb").read() == greedy_bytes
+    m = read_manifest(out, verify=True)  # every recorded file is there with its hash
+    assert {first.greedy.file, first.sampling.file} <= set(m.files)
