@@ -441,7 +441,7 @@ class _Decoding:
         rows = np.flatnonzero(active[self.image_of_row])
         slot = np.searchsorted(a, self.image_of_row[rows])  # each active row's image among the active ones
         cols = np.maximum(path[slot], 0)
-        self.plan.target_cache.append(self.plan.calls["verify"], out, rows, cols, emit[slot])
+        self.engine_calls += self.plan.target_cache.append(self.plan.calls["verify"], out, rows, cols, emit[slot])
         if self.tree.depth:
             counts = np.ones(self.N, dtype=np.int64)  # finished images keep a dummy pair, never committed
             counts[a] = np.maximum(emit, 1)

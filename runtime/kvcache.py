@@ -60,7 +60,8 @@ class KVCache:
 
     def append(self, call, out, rows, src, counts, visible=None):
         """Row rows[i] keeps the call's new entries src[i, :counts[i]] in its next free slots.
-        visible [len(rows), max count]: which of them later tokens may see (default: all)."""
+        visible [len(rows), max count]: which of them later tokens may see (default: all).
+        Returns the engine calls it made (the in-place form's commit graph; none here)."""
         counts = np.asarray(counts, dtype=np.int64)
         keep = np.arange(src.shape[1])[None, :] < counts[:, None]
         r = np.repeat(rows, counts)
@@ -69,6 +70,7 @@ class KVCache:
         self.backend.commit(self.values, out["new_values"], r, src[keep], dst)
         self.visible[r, dst] = True if visible is None else visible[keep]
         self.length[rows] += counts
+        return 0
 
     def write(self, call, out, rows, src, slots):
         """Entries (rows[i], src[i]) to fixed slots[i], visibility unchanged (the drafter's
@@ -116,10 +118,12 @@ class InPlaceKVCache(KVCache):
         j = np.nonzero(keep)[1]
         written = call.feeds["write_index"][r] + src[keep]
         dst = self.length[r] + j
-        if not np.array_equal(written, dst):
+        moved = not np.array_equal(written, dst)
+        if moved:
             self._move(r, j, written)
         self.visible[r, dst] = True if visible is None else visible[keep]
         self.length[rows] += counts
+        return int(moved)
 
     def write(self, call, out, rows, src, slots):
         if not np.array_equal(call.feeds["write_index"][rows] + src, slots):
