@@ -61,9 +61,13 @@ def fetch_graph(cache, key, path):
     the file names written, or None when the cache has no such entry."""
     entry = os.path.join(cache, key)
     name = os.path.basename(path)
-    if not os.path.isfile(os.path.join(entry, name)):
+
+    def real_file(p):  # a planted link (to a file outside the cache) is no entry
+        return os.path.isfile(p) and not os.path.islink(p)
+
+    if os.path.islink(entry) or not real_file(os.path.join(entry, name)):
         return None
-    names = [name] + ([name + ".data"] if os.path.isfile(os.path.join(entry, name + ".data")) else [])
+    names = [name] + ([name + ".data"] if real_file(os.path.join(entry, name + ".data")) else [])
     for n in names:
         shutil.copyfile(os.path.join(entry, n), os.path.join(os.path.dirname(path), n))
     return names
@@ -73,7 +77,7 @@ def store_graph(cache, key, path, names):
     """Put the files `names` written beside `path` into the cache as entry `key` (copies: the
     engine's files may be quantized in place afterwards). An entry already there is kept."""
     entry = os.path.join(cache, key)
-    if os.path.isdir(entry):
+    if os.path.lexists(entry):
         return
     os.makedirs(cache, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{key[:16]}-", dir=cache)

@@ -51,6 +51,17 @@ def test_a_cached_graph_is_the_file_the_exporter_writes(tmp_path, monkeypatch):
     graph_cache.store_graph(str(cache), os.listdir(cache)[0], str(tmp_path / "fresh" / "condition.onnx"),
                             ["condition.onnx"])
     assert len(os.listdir(cache)) == 1
+    # a link planted in the cache (an entry, or a file in one, pointing elsewhere) is a miss: traced again
+    monkeypatch.undo()
+    key = os.listdir(cache)[0]
+    elsewhere = tmp_path / "elsewhere"
+    os.rename(cache / key, elsewhere)
+    os.symlink(elsewhere, cache / key)
+    assert graph_cache.fetch_graph(str(cache), key, str(tmp_path / "copied" / "condition.onnx")) is None
+    os.unlink(cache / key)
+    (cache / key).mkdir()
+    os.symlink(elsewhere / "condition.onnx", cache / key / "condition.onnx")
+    assert graph_cache.fetch_graph(str(cache), key, str(tmp_path / "copied" / "condition.onnx")) is None
 
 
 def test_the_key_follows_what_the_graph_is_exported_from():
