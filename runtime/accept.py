@@ -417,12 +417,14 @@ def filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
     p = np.exp(z - m)
     p /= p.sum(axis=-1, keepdims=True)
     if top_p < 1.0:
-        for row in p.reshape(-1, vocab):
-            kept = np.flatnonzero(row)  # sort only what top-k left
-            order = kept[np.argsort(-row[kept], kind="stable")]  # stable: equal probabilities by id
-            before = np.concatenate(([0.0], np.cumsum(row[order])[:-1]))  # mass strictly above
-            row[order[before >= top_p]] = 0.0
-            row /= row.sum()
+        order = np.argsort(-p, axis=-1, kind="stable")  # stable: equal probabilities by id; zeros last
+        ranked = np.take_along_axis(p, order, axis=-1)
+        before = np.zeros_like(ranked)  # mass strictly above each entry
+        np.cumsum(ranked[..., :-1], axis=-1, out=before[..., 1:])
+        drop = np.zeros(p.shape, dtype=bool)
+        np.put_along_axis(drop, order, before >= top_p, axis=-1)
+        p[drop] = 0.0
+        p /= p.sum(axis=-1, keepdims=True)
     return p
 
 
