@@ -325,3 +325,45 @@ def test_float32_sampling_acceptance_distribution(torch_c2i):
     print(f"float32 sampling acceptance: {different:.1%} of 8 images differ from the float64 host")
     assert different <= 0.25
     assert chi_square_p(device.tokens.ravel(), host.tokens.ravel()) > 1e-3
+
+
+# -- ONNX Runtime's acceptance graphs with forced tokens (Lumina-mGPT) --------------------------
+@pytest.fixture(scope="module")
+def ort_lumina(chameleon_engines, tmp_path_factory):
+    """A copy of the tiny Lumina-mGPT engine with its tree's acceptance graphs (their token space
+    holds the forced line-break and end-of-image ids as extra columns), on a recording ONNX
+    Runtime backend."""
+    import shutil
+
+    from lantern.export.accept_graphs import add_acceptance_graphs
+    from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from lantern.runtime.manifest import read_manifest
+
+    directory = shutil.copytree(chameleon_engines["lumina_mgpt"], tmp_path_factory.mktemp("ort-lumina") / "engine")
+    add_acceptance_graphs(directory)
+    manifest = read_manifest(directory)
+    assert all(e.forced_ids for e in manifest.acceptance.values())  # the graphs carry the forced ids
+    return directory, RecordingBackend(OnnxRuntimeBackend(directory, manifest, threads=2))
+
+
+def test_onnxruntime_forced_tokens_on_the_device(ort_lumina):
+    """Greedy: ONNX Runtime's acceptance graph gives the host's tokens on a forced-token engine,
+    line breaks and end of image included; sampling (float32 graph): the same tokens on at least
+    one of the two images, drafts accepted, and the logits never cross."""
+    directory, backend = ort_lumina
+    common = dict(mode="lantern++", lam=4.0, k=8, prompt=["a red cat", "a dog on a mat"], grid=(4, 4), cfg_scale=3.0)
+    for kw in (dict(greedy=True), dict(greedy=False, temperature=1.0, top_k=50, seed=[5, 9])):
+        host = Engine(directory, backend=backend, step="host").generate(**common, **kw)
+        device = Engine(directory, backend=backend, step="device").generate(**common, **kw)
+        assert (host.stats["step"], device.stats["step"]) == ("host", "device")
+        engine = Engine(directory, backend=backend)
+        logits = 2 * 2 * engine.tree.num_nodes * engine.manifest.vocabulary.size * 4  # CFG rows x nodes x vocab
+        reads = [size for kind, size in backend.events[backend.start:] if kind == "to_host"]
+        assert reads and max(reads) < logits
+        same = (device.body == host.body).all(axis=1)
+        if kw["greedy"]:
+            assert same.all()
+        else:
+            print(f"onnxruntime float32 sampling acceptance, forced tokens: {int((~same).sum())} of 2 images differ")
+            assert same.any()
+        assert device.stats["mean_accepted_drafts"] > 0
