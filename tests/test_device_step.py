@@ -352,12 +352,12 @@ def test_onnxruntime_forced_tokens_on_the_device(ort_lumina):
     one of the two images, drafts accepted, and the logits never cross."""
     directory, backend = ort_lumina
     common = dict(mode="lantern++", lam=4.0, k=8, prompt=["a red cat", "a dog on a mat"], grid=(4, 4), cfg_scale=3.0)
+    host_engine, device_engine = Engine(directory, backend=backend, step="host"), Engine(directory, backend=backend,
+                                                                                     step="device")
+    logits = 2 * 2 * device_engine.tree.num_nodes * device_engine.manifest.vocabulary.size * 4  # CFG rows x nodes x V
     for kw in (dict(greedy=True), dict(greedy=False, temperature=1.0, top_k=50, seed=[5, 9])):
-        host = Engine(directory, backend=backend, step="host").generate(**common, **kw)
-        device = Engine(directory, backend=backend, step="device").generate(**common, **kw)
+        host, device = host_engine.generate(**common, **kw), device_engine.generate(**common, **kw)
         assert (host.stats["step"], device.stats["step"]) == ("host", "device")
-        engine = Engine(directory, backend=backend)
-        logits = 2 * 2 * engine.tree.num_nodes * engine.manifest.vocabulary.size * 4  # CFG rows x nodes x vocab
         reads = [size for kind, size in backend.events[backend.start:] if kind == "to_host"]
         assert reads and max(reads) < logits
         same = (device.body == host.body).all(axis=1)
