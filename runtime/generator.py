@@ -465,7 +465,8 @@ class _Decoding:
     def host_step(self, active, acceptor=None):
         """One step on the host: draft, verify, accept, commit; returns the Outcome of the
         active images. acceptor: a backend's acceptance where the logits are (a device step
-        that is not whole: ONNX Runtime's acceptance graph), else numpy's."""
+        that is not whole: ONNX Runtime's acceptance graph, TensorRT's acceptance plan), else
+        numpy's."""
         t0 = time.perf_counter()
         draws = self.streams.step()
         self.draft(active, draws.race)

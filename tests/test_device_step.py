@@ -215,16 +215,16 @@ def test_onnxruntime_sampling_refusals(ort_sampling, c2i_accept_engine, monkeypa
     """What the ONNX Runtime device step still refuses for sampling, in one line each."""
     import dataclasses
 
-    from lantern.runtime.backends import onnxruntime as ort_backend
+    from lantern.runtime.backends import graph_acceptance
     from lantern.runtime.manifest import read_manifest
-    from lantern.runtime.sampling import Sampling
+    from lantern.runtime.sampling import Greedy, Sampling
 
     backend, _, device_engine = ort_sampling
     directory = device_engine.directory
     kw = dict(greedy=False, cfg_scale=4.0, classes=[1], seed=[3])
     with pytest.raises(LanternError, match="device step cannot run.*AR has no acceptance graph"):
         device_engine.generate(mode="ar", **kw)
-    monkeypatch.setattr(ort_backend, "ACCEPT_TOP_K_LIMIT", 10)  # the tiny model's 64 codes are under the real one
+    monkeypatch.setattr(graph_acceptance, "ACCEPT_TOP_K_LIMIT", 10)  # the tiny model's 64 codes are under the real one
     with pytest.raises(LanternError, match=r"serves top_k up to 10 \(or none\), not 20; use step='host'"):
         device_engine.generate(mode="exact", top_k=20, **kw)
     plan = device_engine._plan
@@ -239,7 +239,34 @@ def test_onnxruntime_sampling_refusals(ort_sampling, c2i_accept_engine, monkeypa
     assert backend.device_step_refusal(plan, Sampling()).startswith(
         f"the engine has no sampling acceptance graph for tree 'mc_sim_7b_63'; add it with `lantern-export accept "
         f"{directory}`")
-    assert backend.device_step_refusal(plan, ort_backend.Greedy()) is None  # greedy still runs
+    assert backend.device_step_refusal(plan, Greedy()) is None  # greedy still runs
+
+
+def test_tensorrt_acceptance_call_is_what_trt_builds_for(ort_sampling):
+    """TensorRT's device step binds the acceptance graph as one more call (graph_acceptance.
+    acceptance_call: the inputs as a generation feeds them, the verify call's logits buffer):
+    its inputs and shapes are those of the exact profile `lantern-export trt` lays out for the
+    generation's batch and CFG, greedy and sampling, so the plans built on a CPU serve it on a
+    GPU (where the TensorRT backend itself runs: no GPU here)."""
+    from lantern.export import trt_export
+    from lantern.runtime.backends import graph_acceptance
+    from lantern.runtime.backends.tensorrt_plans import call_shapes
+
+    backend, _, device_engine = ort_sampling
+    m = device_engine.manifest
+    for greedy, images, cfg in [(True, 1, 1.0), (False, 3, 4.0)]:
+        device_engine.generate(mode="lantern++", greedy=greedy, cfg_scale=cfg, classes=list(range(images)), lam=3.0,
+                               k=8, seed=list(range(images)))
+        io, plan = backend.last_step.io, device_engine._plan
+        assert io.label == f"accept_{'greedy' if greedy else 'sampling'}@{plan.tree.name}"
+        shapes = call_shapes(graph_acceptance.acceptance_call(io, plan.calls["verify"].outputs["logits"]))
+        assert set(shapes) == set(m.all_graphs()[io.label].inputs)
+        jobs = dict(trt_export.acceptance_jobs(m, (images,), (cfg > 1,), [plan.tree]))
+        [(labels, profile)] = jobs[io.label]
+        assert labels == (f"accept n{images}{' cfg' if cfg > 1 else ''} {plan.tree.name}",)
+        for name, (low, opt, high) in profile.items():
+            assert low == opt == high == shapes[name], name
+        assert shapes["logits"] == (2 * images if cfg > 1 else images, plan.tree.num_nodes, m.vocabulary.size)
 
 
 # -- sampling on the device step: the host path is the specification --------------------------

@@ -448,3 +448,27 @@ def test_tensorrt_t2i(t2i_engine, tmp_path):
     kw = dict(caption=caption, caption_mask=mask, greedy=True, mode="exact", cfg_scale=2.0)
     got = Engine(d, backend="tensorrt", device="cuda").generate(**kw)
     np.testing.assert_array_equal(got.tokens, Engine(d, threads=2).generate(**kw).tokens)
+
+
+@pytest.mark.skipif(GPU is None or _flavor_for_gpu() is None,
+                    reason="needs an NVIDIA GPU and a TensorRT flavor that targets it (full TensorRT, or TensorRT-RTX "
+                           "on an RTX-class GPU)")
+def test_tensorrt_device_step_equals_the_host_step(c2i_accept_engine, tmp_path):
+    """The acceptance plans on the logits where verification left them (step='device'): the
+    host step's tokens, greedy, CFG on and off, batch 1 and 3; sampling on most images (float32
+    acceptance against numpy's float64)."""
+    d = shutil.copytree(c2i_accept_engine, tmp_path / "engine")
+    trt_export.build_engine_plans(d, flavor=_flavor_for_gpu(), compute_capabilities=["current"], batches=[1, 3])
+    host = Engine(d, backend="tensorrt", device="cuda", step="host")
+    device = Engine(d, backend="tensorrt", device="cuda", step="device")
+    for images in (1, 3):
+        for kw in (dict(mode="exact", cfg_scale=3.0), dict(mode="lantern++", lam=3.0, k=4),
+                   dict(mode="lantern++", lam=3.0, k=4, cfg_scale=4.0, cfg_interval=5)):
+            kw = dict(classes=list(range(1, images + 1)), greedy=True, **kw)
+            got, want = device.generate(**kw), host.generate(**kw)
+            assert (got.stats["step"], want.stats["step"]) == ("device", "host")
+            np.testing.assert_array_equal(got.tokens, want.tokens)
+    kw = dict(classes=[1, 2, 3], mode="lantern++", lam=3.0, k=4, cfg_scale=4.0, temperature=1.0, top_k=20,
+              seed=[4, 5, 6])
+    got, want = device.generate(**kw), host.generate(**kw)
+    assert (got.tokens == want.tokens).all(axis=1).sum() >= 2

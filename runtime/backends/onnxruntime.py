@@ -15,10 +15,9 @@ import os
 
 import numpy as np
 
+from lantern.runtime.backends import graph_acceptance
+from lantern.runtime.contracts import graph_io
 from lantern.runtime.errors import LanternError
-from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT, graph_io
-from lantern.runtime.accept import Outcome
-from lantern.runtime.sampling import Greedy
 
 _NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -119,24 +118,9 @@ class OnnxRuntimeBackend:
     def device_step_refusal(self, plan, sampler):
         """Why this backend's device step (the engine's acceptance graph fed the verification
         logits in place, IOBinding) cannot run a generation of this plan and sampler, or None."""
-        if not plan.tree.depth:
-            return "AR has no acceptance graph (its step is the host's)"
-        if not self.io_binding:
+        if plan.tree.depth and not self.io_binding:
             return "it needs IOBinding (io_binding=False)"
-        entry = self.manifest.acceptance_for(plan.tree)
-        if entry is None:
-            return (f"the engine has no acceptance graph for tree {plan.tree.name!r}; add it with "
-                    f"`lantern-export accept {self.directory} --tree ...`")
-        if isinstance(sampler, Greedy):
-            return None
-        if entry.sampling is None:
-            return (f"the engine has no sampling acceptance graph for tree {plan.tree.name!r}; add it with "
-                    f"`lantern-export accept {self.directory}`")
-        columns = self.manifest.vocabulary.codes + len(entry.forced_ids)  # the graph's token space
-        if ACCEPT_TOP_K_LIMIT < sampler.top_k < columns:
-            return (f"its sampling acceptance graph serves top_k up to {ACCEPT_TOP_K_LIMIT} (or none), not "
-                    f"{sampler.top_k}")
-        return None
+        return graph_acceptance.refusal(self.manifest, self.directory, plan, sampler)
 
     def device_step(self, decoding):
         """The acceptance of each step run by the engine's graph (greedy or sampling) on the
@@ -179,84 +163,39 @@ class OnnxRuntimeBackend:
 
 
 class OrtGraphAcceptance:
-    """One generation's acceptance on the engine's acceptance graph (greedy, or sampling with
-    temperature / top-k / top-p), bound once: its logits input is the verify call's bound logits
-    output (no copy), the small inputs are host buffers the loop refills each step (count and
-    node tokens; sampling adds the drafter's candidates and probabilities and the step's
-    acceptance uniforms, the very draws of the images' streams the host path reads), the outcome
-    comes back into preallocated buffers. ONNX Runtime has no device ops for the step's
-    bookkeeping without more graphs, so drafting (with its draw of each node's children), masks
-    and commits stay on the host. whole_step False: the generator's host step runs with this
-    acceptance in place of numpy's.
-
-    The sampling graph computes in float32 (the engine's acceptance graphs are fp32) where the
-    host path's numpy computes in float64: the same decisions but at their edges, where rounding
-    may flip one (tests/test_device_step.py measures how often)."""
+    """One generation's acceptance on the engine's acceptance graph (graph_acceptance), bound
+    once: its logits input is the verify call's bound logits output (no copy), its other inputs
+    the host buffers AcceptanceIO refills each step, its outputs AcceptanceIO's buffers. ONNX
+    Runtime has no device ops for the step's bookkeeping without more graphs, so drafting, masks
+    and commits stay on the host (whole_step False)."""
 
     whole_step = False
 
     def __init__(self, backend, decoding):
-        d, plan = decoding, decoding.plan
-        view = d.view
-        entry = backend.manifest.acceptance_for(plan.tree)
-        if tuple(entry.forced_ids) != tuple(int(i) for i in view.extra):
-            raise LanternError(f"the acceptance graph of tree {plan.tree.name!r} serves forced ids "
-                               f"{list(entry.forced_ids)}, this generation forces {view.extra.tolist()}; use "
-                               f"step='host'")
-        self.sampling = not isinstance(d.sampler, Greedy)
-        self.session = session = backend.acceptance_session(entry.sampling if self.sampling else entry.greedy)
-        self.view, self.N = view, d.N
-        rule = d.rule
-        neighbors = d.neighbors if d.neighbors is not None else np.zeros((view.size, 1), dtype=np.int64)
-        cond_rows = np.arange(d.N)
-        M = plan.tree.num_nodes
-        self.feeds = dict(
-            cond_rows=cond_rows, uncond_rows=cond_rows + d.N if d.cfg else cond_rows.copy(),
-            cfg_scale=np.array([d.cfg_scale if d.cfg else 1.0], np.float32),
-            cfg_interval=np.array([d.cfg_interval if d.cfg else -1], np.int64),
-            count=np.zeros(d.N, np.int64), forced_columns=view.forced_column.astype(np.int64),
-            tokens=np.zeros((d.N, M), np.int64), neighbors=np.ascontiguousarray(neighbors, np.int64),
-            k=np.array([rule.k], np.int64), lam=np.array([getattr(rule, "lam", 1.0)], np.float32),
-            delta=np.array([getattr(rule, "delta", 0.0)], np.float32))
-        if self.sampling:
-            sampler = d.sampler
-            self.feeds.update(
-                draft_ids=np.zeros(d.cand_ids.shape, np.int64), draft_probs=np.zeros(d.cand_probs.shape, np.float32),
-                uniforms=np.zeros((d.N, M), np.float32), temperature=np.array([sampler.temperature], np.float32),
-                top_k=np.array([sampler.top_k], np.int64), top_p=np.array([sampler.top_p], np.float32))
-        verify = plan.calls["verify"]
-        logits = backend._values[id(verify)]["logits"]  # the verify call's output, bound in place
+        self.io = io = graph_acceptance.AcceptanceIO(backend.manifest, decoding)
+        self.session = session = backend.acceptance_session(io.graph)
+        logits = backend._values[id(decoding.plan.calls["verify"])]["logits"]  # bound in place
         self.binding = binding = session.io_binding()
         binding.bind_ortvalue_input("logits", logits)
         self._values = [logits]
-        for name, value in self.feeds.items():
-            ort_value = backend.ort.OrtValue.ortvalue_from_numpy(value)
+        OrtValue = backend.ort.OrtValue
+        # the generation's constants (the neighbor table above all) where the session runs, once;
+        # on the CPU every value shares its host buffer
+        on_gpu = backend.providers[0] == "CUDAExecutionProvider"
+        constants = io.constants()
+        for name, value in io.feeds.items():
+            ort_value = OrtValue.ortvalue_from_numpy(value, "cuda", 0) if on_gpu and name in constants \
+                else OrtValue.ortvalue_from_numpy(value)
             self._values.append(ort_value)
             binding.bind_ortvalue_input(name, ort_value)
-        D = plan.tree.depth
-        self.outputs = dict(accepted=np.zeros(d.N, np.int64), next_token=np.zeros(d.N, np.int64),
-                            path=np.zeros((d.N, D + 1), np.int64), decisions=np.zeros((d.N, M), np.int64),
-                            invalid=np.zeros(d.N, np.bool_))
-        for name, value in self.outputs.items():
-            ort_value = backend.ort.OrtValue.ortvalue_from_numpy(value)
+        for name, value in io.outputs.items():
+            ort_value = OrtValue.ortvalue_from_numpy(value)
             self._values.append(ort_value)
             binding.bind_ortvalue_output(name, ort_value)
 
     def accept(self, decoding, active, uniforms):
         """The Outcome of the active images (as lantern.runtime.accept's); uniforms [N, M]: the
         step's acceptance draws of every image (lantern.runtime.streams; greedy reads none)."""
-        self.feeds["count"][:] = decoding.count
-        self.feeds["tokens"][:] = self.view.columns(decoding.node_tokens)
-        if self.sampling:
-            self.feeds["draft_ids"][:] = decoding.cand_ids
-            self.feeds["draft_probs"][:] = decoding.cand_probs
-            self.feeds["uniforms"][:] = uniforms  # float64 -> float32, what the graph takes
+        self.io.refill(decoding, uniforms)
         self.session.run_with_iobinding(self.binding)
-        out = self.outputs
-        bad = np.flatnonzero(out["invalid"] & active)
-        if bad.size:
-            raise LanternError(f"target logits of image {int(bad[0])} contain NaN or +inf, or are all -inf "
-                               f"(acceptance graph)")
-        a = np.flatnonzero(active)
-        return Outcome(path=out["path"][a].copy(), accepted=out["accepted"][a].copy(),
-                       next_token=out["next_token"][a].copy(), decisions=out["decisions"][a].astype(np.int8))
+        return self.io.outcome(active, "acceptance graph")

@@ -34,6 +34,10 @@ On the device, without kernels of our own:
           in one call (pitches: a slot row; slices: a layer), so a step's commit is 2 to
           2 x (depth + 1) x rows copy calls and never leaves the GPU.
   numpy   a device-to-host copy and a stream synchronize (logits, top-K).
+Device step (step="device"; the default stays the host step until a GPU measures both: tools/
+gpu_check's step_paths): the engine's acceptance plan (`lantern-export accept`, then `trt`) runs
+as one more bound call on the verification logits where the verify call left them, and only the
+outcome comes back (TensorRTGraphAcceptance); drafting, masks and commits stay the host loop's.
 The price of copies over kernels is API calls: a few microseconds each on the host. In-place
 engines (--attention inplace) commit with their commit graph instead, one launch, and their
 present_* outputs are bound to the past_* cache buffers they update (untested on a GPU so far).
@@ -41,11 +45,13 @@ present_* outputs are bound to the past_* cache buffers they update (untested on
 import importlib
 import os
 
+from lantern.runtime.backends import graph_acceptance
 from lantern.runtime.backends.cuda import CudaArrays, DeviceArray, _host_values
 from lantern.runtime.backends.tensorrt_plans import (FLAVOR_MODULES, assign_profiles, call_shapes, find_profile,
                                                      installed_versions, rebuild_command, select_plans, uncovered_call)
 from lantern.runtime.contracts import graph_io
 from lantern.runtime.errors import LanternError
+from lantern.runtime.sampling import Greedy
 
 _TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
                "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
@@ -79,7 +85,7 @@ class _Bound:
 
 class TensorRTBackend(CudaArrays):
     name = "tensorrt"
-    default_step = "host"
+    default_step = "host"  # the device step (acceptance plans) has not yet run on a GPU: no measurement says faster
 
     def __init__(self, directory, manifest, threads=None, device="cuda", flavor=None, plans=None, cuda_graphs=True):
         """threads: unused (the GPU runs the graphs). device: cuda or cuda:N. flavor / plans:
@@ -96,6 +102,7 @@ class TensorRTBackend(CudaArrays):
         self.cuda_graphs = bool(cuda_graphs)
         self.logger = error_logger(trt)
         self.runtime = trt.Runtime(self.logger)
+        self.graph_entries = manifest.all_graphs()  # the engine's graphs and its acceptance graphs
         self.engines = {}
         for graph, plan_file in self.plans.plans.items():
             self.engines[graph] = self._deserialize(graph, plan_file)
@@ -105,6 +112,7 @@ class TensorRTBackend(CudaArrays):
         self.contexts = {}  # (graph, profile) -> execution context
         self.owner = {}  # (graph, profile) -> the _Bound whose addresses the context holds
         self._bound = {}  # id(call) -> _Bound
+        self._acceptance = {}  # id(plan) -> its last generation's TensorRTGraphAcceptance
 
     # -- opening ---------------------------------------------------------------------------------
     def _deserialize(self, graph, plan_file):
@@ -117,7 +125,7 @@ class TensorRTBackend(CudaArrays):
                                f"rebuild it with `{rebuild_command(self.directory, self.plans.flavor, self.gpu)}`")
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         inputs = {n for n in names if engine.get_tensor_mode(n) == self.trt.TensorIOMode.INPUT}
-        entry = self.manifest.all_graphs()[graph]  # acceptance plans too (accept_<kind>@TREE)
+        entry = self.graph_entries[graph]  # acceptance plans too (accept_<kind>@TREE)
         if inputs != set(entry.inputs) or set(names) - inputs != set(entry.outputs) \
                 or engine.num_optimization_profiles != len(plan_file.profiles):
             raise LanternError(f"{path}: the plan's inputs, outputs or profiles differ from the manifest's; rebuild it "
@@ -176,7 +184,7 @@ class TensorRTBackend(CudaArrays):
                 raise LanternError(f"{call.graph} input {name}: TensorRT refuses shape {list(shapes[name])} "
                                    f"({self.logger.first_error()})")
         outputs = {}
-        entry = self.manifest.graphs[call.graph]
+        entry = self.graph_entries[call.graph]
         aliases = graph_io(entry.contract, max(entry.layers, 1))["aliases"]
         for name in entry.outputs:
             shape = tuple(context.get_tensor_shape(name))
@@ -219,18 +227,41 @@ class TensorRTBackend(CudaArrays):
             self._bound[id(call)] = bound
 
     def device_step_refusal(self, plan, sampler):
-        return "the tensorrt backend has no device step yet (the torch backend has one)"
+        """Why this backend's device step (the engine's acceptance plan fed the verification
+        logits where they are) cannot run a generation of this plan and sampler, or None."""
+        why = graph_acceptance.refusal(self.manifest, self.directory, plan, sampler)
+        if why is not None:
+            return why
+        label = graph_acceptance.graph_label(self.manifest, plan.tree, not isinstance(sampler, Greedy))
+        if label not in self.plans.plans:
+            return (f"plans/{self.key} have no {label} plan; rebuild them with "
+                    f"`{rebuild_command(self.directory, self.plans.flavor, self.gpu)}`")
+        return None
 
     def device_step(self, decoding):
-        raise LanternError(self.device_step_refusal(decoding.plan, decoding.sampler))
+        """The acceptance of each step run by the engine's acceptance plan on the verification
+        logits in their device buffer; the rest of the step stays the host's."""
+        plan = decoding.plan
+        previous = self._acceptance.pop(id(plan), None)
+        if previous is not None:  # the plan's last generation's: its buffers go, its context is reused
+            self._unbind(previous.call)
+        acceptor = TensorRTGraphAcceptance(self, decoding)
+        self._acceptance[id(plan)] = acceptor
+        return acceptor
+
+    def _unbind(self, call):
+        bound = self._bound.pop(id(call), None)
+        if bound is not None and self.owner.get(bound.context_key) is bound:
+            self._forget_context(bound.context_key)
 
     def release(self, plan):
         """Forget a plan's bindings and graphs (the engine keeps one plan at a time)."""
         self.synchronize()
+        acceptor = self._acceptance.pop(id(plan), None)
+        if acceptor is not None:
+            self._unbind(acceptor.call)
         for call in plan.calls.values():
-            bound = self._bound.pop(id(call), None)
-            if bound is not None and self.owner.get(bound.context_key) is bound:
-                self._forget_context(bound.context_key)
+            self._unbind(call)
 
     # -- running ---------------------------------------------------------------------------------
     def _enqueue(self, bound):
@@ -303,6 +334,59 @@ class TensorRTBackend(CudaArrays):
                 cases.append((name if point == "opt" else f"{name} {point}",
                               {n: tuple(r[point]) for n, r in profile.shapes.items()}))
         return cases
+
+
+class TensorRTGraphAcceptance:
+    """One generation's acceptance on the engine's acceptance plan (graph_acceptance; built by
+    `lantern-export trt` beside the step's plans, one exact profile per batch and CFG setting),
+    bound once as one more call of the step: its logits input is the verify call's logits output
+    buffer (the same device address: nothing copied); the generation's constants (the neighbor
+    table, the rule's and filters' numbers, the forced columns) are uploaded once into device
+    buffers; the inputs AcceptanceIO refills each step (counts, node tokens; sampling: the
+    drafts' candidates and the step's uniforms) are staged from the host inside the call's CUDA
+    graph, as every call's host feeds are; its outputs come back into pinned buffers with one
+    synchronisation: a few integers per image where the host step copies [rows, nodes,
+    vocabulary] logits. Drafting,
+    masks and commits stay on the host (whole_step False). Not yet run on a GPU: no machine
+    here has full TensorRT, and TensorRT for RTX runs plans only on a GPU."""
+
+    whole_step = False
+
+    def __init__(self, backend, decoding):
+        self.backend = backend
+        self.io = io = graph_acceptance.AcceptanceIO(backend.manifest, decoding)
+        verify = decoding.plan.calls["verify"]
+        self.constants = {}  # name -> (its device buffer, the host values it was copied from)
+        for name, value in io.constants().items():
+            values = _host_values(value, backend._tensor_dtype(io.label, name))
+            device = backend._empty(value.shape, backend._tensor_dtype(io.label, name))
+            backend.cuda.memcpy(device.ptr, values.ctypes.data, device.nbytes, "cudaMemcpyHostToDevice")
+            self.constants[name] = device, values
+        backend.synchronize()
+        self.call = call = graph_acceptance.acceptance_call(io, verify.outputs["logits"],
+                                                            {n: d for n, (d, _) in self.constants.items()})
+        shapes = call_shapes(call)
+        profile = find_profile(backend.plans.plans[io.label], shapes)
+        if profile is None:
+            raise uncovered_call(backend.directory, backend.key, backend.plans, io.label, "accept", shapes, backend.gpu,
+                                 decoding.plan)
+        bound, call.outputs = backend._prepare(call, profile)
+        backend._bound[id(call)] = bound
+        # name -> (pinned host array, its allocation: kept alive with it)
+        self.read_back = {name: backend._pinned(array.shape, array.dtype) for name, array in call.outputs.items()}
+
+    def accept(self, decoding, active, uniforms):
+        """The Outcome of the active images (as lantern.runtime.accept's)."""
+        b = self.backend
+        self.io.refill(decoding, uniforms)
+        b.run(self.call)
+        for name, (host, _) in self.read_back.items():
+            device = self.call.outputs[name]
+            b.cuda.memcpy(host.ctypes.data, device.ptr, device.nbytes, "cudaMemcpyDeviceToHost")
+        b.synchronize()
+        for name, (host, _) in self.read_back.items():
+            self.io.outputs[name][...] = host
+        return self.io.outcome(active, "acceptance plan")
 
 
 def error_logger(trt):
