@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from lantern.runtime.manifest import read_manifest
 from lantern.tools import gpu_check
 
 
@@ -44,8 +45,9 @@ def test_without_a_gpu_the_runbook_builds_rtx_plans_and_lists_what_it_skipped(c2
                     "onnxruntime-cuda"):
         assert data[f"{label}/{backend}"]["skipped"], backend
     rtx = data[f"{label}/tensorrt-rtx"]
-    assert rtx["plans"] == "tensorrt-rtx-SM89" and set(rtx["plan_bytes"]) == {"condition", "target", "drafter",
-                                                                              "vq_decoder"}
+    # the engine's graphs and the greedy acceptance plan the device step runs (added to the copy)
+    assert rtx["plans"] == "tensorrt-rtx-SM89" and set(rtx["plan_bytes"]) == {
+        "condition", "target", "drafter", "vq_decoder", "accept_greedy@mc_sim_7b_63"}
     assert all(size > 0 for size in rtx["plan_bytes"].values())
     assert rtx["run"].startswith("skipped: no NVIDIA GPU")
     assert f"{label}/tensorrt-rtx/run" in data["skipped"] and f"{label}/torch-cuda-graphs" in data["skipped"]
@@ -62,3 +64,26 @@ def test_the_device_step_section_measures_both_paths_on_the_cpu(c2i_engine):
     assert runs["host", "lantern++"]["steps"] == runs["device", "lantern++"]["steps"]  # the same greedy tokens
     assert all(0 <= r["host_share"] <= 1 and r["ms_per_step"] > 0 for r in data["runs"])
     assert runs["device", "lantern++"]["step_in_ar_steps"] > 0
+
+
+def test_step_paths_table_on_the_cpu_backends(c2i_accept_engine):
+    """tools/bench/device_step.whole_step (gpu_check's step_paths for TensorRT, the bench's
+    default table): host and device rows per backend, the same tokens on both paths (greedy),
+    a skipped row where a path cannot run (ONNX Runtime has no device step for AR), and the
+    device path reading the outcome where the host path reads the logits."""
+    from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from lantern.tools.bench.device_step import whole_step
+
+    manifest = read_manifest(c2i_accept_engine)
+    backends = {"ort": OnnxRuntimeBackend(c2i_accept_engine, manifest, threads=2)}
+    rows = whole_step(c2i_accept_engine, modes=("ar", "lantern++"), batches=(1,), samplings=(False,), backends=backends)
+    by = {(r["mode"], r["step"]): r for r in rows}
+    assert set(by) == {(m, p) for m in ("ar", "lantern++") for p in ("host", "device")}
+    assert "AR has no acceptance graph" in by["ar", "device"]["skipped"]
+    host, device = by["lantern++", "host"], by["lantern++", "device"]
+    assert host["tokens_sha1"] == device["tokens_sha1"] and host["steps"] == device["steps"]
+    logits_bytes = 2 * 26 * manifest.vocabulary.size * 4  # CFG's two rows, mc_sim_7b_63's 26 nodes, float32
+    assert host["bytes_device_to_host_per_step"] >= logits_bytes  # the host path reads them every step
+    # the device path reads the outcome where the host path reads the logits (both read the drafts' top-K)
+    assert host["bytes_device_to_host_per_step"] - device["bytes_device_to_host_per_step"] > logits_bytes // 2
+    assert all(r["backend"] == "ort" and r["ms_per_step"] > 0 for r in (host, device, by["ar", "host"]))

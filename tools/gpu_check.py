@@ -14,7 +14,11 @@ Engines: the bundled demo model (--demo), a random-weight LlamaGen of --gpt's sh
   tensorrt / tensorrt-rtx                full TensorRT and TensorRT for RTX: plans built here for
                                          this GPU (`lantern-export trt`), run with CUDA graphs on
                                          and off, and checked by Polygraphy (`check --against
-                                         polygraphy-trt`, in a process of its own per flavor)
+                                         polygraphy-trt`, in a process of its own per flavor);
+                                         step_paths: the host step against the device step (the
+                                         greedy acceptance plan on the logits where they are) per
+                                         mode and batch: ms, host ms, bytes each way, syncs, and
+                                         tokens_sha1 (equal on both paths)
 each measuring
   exactness       greedy `exact` == greedy `ar` token for token (CFG on), and token agreement
                   with ONNX Runtime on the CPU
@@ -40,6 +44,7 @@ import tempfile
 import time
 
 import numpy as np
+from lantern.export.accept_graphs import add_acceptance_graphs
 from lantern.export.check import _compare_float, check_cases
 from lantern.export.tensorrt_build import available_flavors
 from lantern.export.trt_export import build_engine_plans
@@ -49,10 +54,15 @@ from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.generator import Engine
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.plan import Call
-from lantern.tools.bench.device_step import device_acceptance, step_timing
+from lantern.tools.bench.device_step import device_acceptance, step_timing, whole_step
 from lantern.tools.latency import default_condition, verify_latency
 
 from lantern.tools.bench.device_step import export_gpt
+
+
+def one_line(e):
+    """An exception as the one line the report keeps."""
+    return " ".join(f"{type(e).__name__}: {e}".split())[:2000]
 
 
 class Skip(Exception):
@@ -86,7 +96,7 @@ class Report:
         except Skip as e:
             value = {"skipped": str(e)}
         except Exception as e:  # a broken backend must not hide the others' results
-            value = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:2000]}
+            value = {"error": one_line(e)}
         self.emit(key, value)
         return value
 
@@ -227,7 +237,7 @@ def measure(engine_dir, engine, cpu, tokens, batches, repeats, numerics_too=True
         try:
             out[name] = fn()
         except Exception as e:
-            out[name] = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:2000]}
+            out[name] = {"error": one_line(e)}
     return out
 
 
@@ -269,6 +279,7 @@ def _plan_copy(engine_dir, flavor, workdir, batches):
     copy = os.path.join(workdir, f"{os.path.basename(os.path.normpath(engine_dir))}-{flavor}")
     if not os.path.isdir(copy):
         shutil.copytree(engine_dir, copy)
+        add_acceptance_graphs(copy, kinds=("greedy",))  # the device step's plan (kept if the engine has its own)
         start = time.perf_counter()
         build_engine_plans(copy, flavor=flavor, compute_capabilities=cc, batches=tuple(batches))
         seconds = time.perf_counter() - start
@@ -296,7 +307,12 @@ def tensorrt(engine_dir, cpu, opts, flavor, workdir):
             engine = Engine(copy, backend="tensorrt", flavor=flavor, cuda_graphs=graphs)
             out[label] = measure(copy, engine, cpu, *opts, numerics_too=graphs)
         except Exception as e:
-            out[label] = {"error": " ".join(f"{type(e).__name__}: {e}".split())[:2000]}
+            out[label] = {"error": one_line(e)}
+    try:  # host step vs the acceptance plan on the logits where they are (greedy, CFG 4): same tokens_sha1
+        backend = Engine(copy, backend="tensorrt", flavor=flavor).backend
+        out["step_paths"] = whole_step(copy, batches=opts[1], samplings=(False,), backends={flavor: backend})
+    except Exception as e:
+        out["step_paths"] = {"error": one_line(e)}
     out["polygraphy"] = polygraphy_check(copy)
     out["polygraphy_inspect"] = inspect_plans(copy, flavor)
     return out

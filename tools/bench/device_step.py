@@ -27,6 +27,7 @@ outcome crosses back (ONNX Runtime CPU here).
 What it does not measure: any GPU (tools/gpu_check.py has the device step's CUDA section).
 """
 import argparse
+import hashlib
 import json
 import os
 import tempfile
@@ -191,6 +192,7 @@ class RecordingBackend:
         self.inner = inner
         self.events = []
         self.start = 0
+        self.last_step = None  # the inner backend's device step of the last generation
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -237,6 +239,9 @@ class RecordingBackend:
 
     def device_step(self, decoding):
         step = self.inner.device_step(decoding)
+        if not step.whole_step:  # the backend's acceptance call: its crossings are counted too
+            step = _RecordedAcceptance(step, self.events)
+        self.last_step = step
         self.start = len(self.events)
         return step
 
@@ -245,6 +250,24 @@ class RecordingBackend:
         out = dict(to_device=0, to_host=0, sync=0, launch=0)
         for kind, size in self.events[start:]:
             out[kind] += size if kind.startswith("to_") else 1
+        return out
+
+
+class _RecordedAcceptance:
+    """A backend's acceptance graph call (graph_acceptance) as RecordingBackend counts it: the
+    inputs refilled each step go up, one launch, the outcome comes back after one sync (the
+    generation's constants go up once, at setup: not counted)."""
+
+    whole_step = False
+
+    def __init__(self, inner, events):
+        self.inner, self.events, self.io = inner, events, inner.io
+
+    def accept(self, decoding, active, uniforms):
+        out = self.inner.accept(decoding, active, uniforms)
+        io = self.io
+        self.events += [("to_device", sum(io.feeds[n].nbytes for n in io.feeds if n not in io.constants())),
+                        ("launch", 0), ("to_host", sum(a.nbytes for a in io.outputs.values())), ("sync", 0)]
         return out
 
 
@@ -261,7 +284,11 @@ def step_record(engine, recorder, path, mode, images, cfg, classes, sampling=Fal
         kw.update(temperature=1.0, top_k=top_k, seed=list(range(len(classes))))
     marks = []
     observer = (lambda record: marks.append(len(recorder.events))) if path == "host" else None
-    out = run.generate(observer=observer, **kw)
+    try:
+        out = run.generate(observer=observer, **kw)
+    finally:  # the backend is shared by every row: the plan's buffers (and graphs) go with the row
+        if run._plan is not None:
+            recorder.release(run._plan)
     s = out.stats
     if path == "host":
         counted, counted_steps = recorder.totals(marks[0]), max(s["steps"] - 1, 1)
@@ -278,19 +305,22 @@ def step_record(engine, recorder, path, mode, images, cfg, classes, sampling=Fal
             "syncs_per_step": round(counted["sync"] / counted_steps, 2),
             "host_launches_per_step": round(counted["launch"] / counted_steps, 2),
             "engine_calls_per_step": s["engine_calls_per_step"],
-            "mean_accepted_length": round(s["mean_accepted_length"], 3)}
+            "mean_accepted_length": round(s["mean_accepted_length"], 3),
+            "tokens_sha1": hashlib.sha1(np.ascontiguousarray(out.tokens, np.int64).tobytes()).hexdigest()[:12]}
 
 
 def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), cfg=4.0, threads=2,
-               samplings=(False, True), top_k=0):
-    """Per step, host vs device, for each backend the CPU has, greedy and sampling: a list of
-    records (a path that cannot run a generation: a record with "skipped" and why). Each
-    backend and path runs one untimed generation first, so no row carries first-run costs."""
+               samplings=(False, True), top_k=0, backends=None):
+    """Per step, host vs device, for each backend (default: those the CPU has; else {name:
+    opened backend}), greedy and sampling: a list of records (a path that cannot run a
+    generation: a record with "skipped" and why). Each backend and path runs one untimed
+    generation first, so no row carries first-run costs."""
     from lantern.export.torch_backend import open_torch_backend
 
     manifest = read_manifest(engine_dir)
-    backends = {"onnxruntime-cpu": OnnxRuntimeBackend(engine_dir, manifest, threads=threads),
-                "torch-cpu": open_torch_backend(engine_dir, threads=threads, manifest=manifest)}
+    if backends is None:
+        backends = {"onnxruntime-cpu": OnnxRuntimeBackend(engine_dir, manifest, threads=threads),
+                    "torch-cpu": open_torch_backend(engine_dir, threads=threads, manifest=manifest)}
     num_classes = manifest.condition.num_classes or 1
     warm_mode = next((m for m in modes if m != "ar" and m in manifest.modes), modes[0])
     results = []
