@@ -27,7 +27,12 @@ def test_demo_exports_checks_generates_and_reports(demo):
     for key in ("step_cost_vs_ar", "step_cost_vs_ar_batch1", "verify_cost_vs_ar", "verify_cost_vs_ar_batch1"):
         assert rows["ar"][key] == pytest.approx(1.0) and rows["lantern++"][key] > 1
     assert rows["lantern++"]["engine_calls_per_step_batch1"] > rows["ar"]["engine_calls_per_step_batch1"]
-    assert "compute per verified token" in report["reading"] and "call overhead" in report["reading"]
+    on = report["generated_on"]  # README's command: --device auto
+    if on["device"] == "cpu":
+        assert on == {"backend": "onnxruntime", "device": "cpu", "step": "host"}
+        assert "compute per verified token" in report["reading"] and "call overhead" in report["reading"]
+    else:  # a suite run where torch sees a CUDA device: the torch backend's device step
+        assert on == {"backend": "torch", "device": "cuda", "step": "device"} and "On cuda" in report["reading"]
     assert report["reading"] in (demo / "report" / "report.md").read_text()
     rates = rows["exact"]["acceptance_per_depth"]
     assert len(rates) == report["tree"]["depth"] and all(0 <= r <= 1 for r in rates)
@@ -140,3 +145,24 @@ def test_quality_defaults_are_the_short_sweep():
     assert names == ["ar", "exact", "lantern++ k=20 lam=5"]
     assert args.schemes == ["int8", "int4"] and args.per_class == 6
     assert run_cli.build_parser().parse_args(["quality", "e", "--schemes", "none"]).schemes == []
+
+
+def test_demo_device_choice(tmp_path, capsys):
+    """--device auto takes CUDA where torch sees it (the torch backend, the whole step on the
+    device), else ONNX Runtime on the CPU; --device cuda without CUDA is one line, before
+    anything is written."""
+    import torch
+
+    from lantern.tools import export_cli
+    from lantern.tools.demo import demo_backend
+
+    assert demo_backend("cpu") == ("onnxruntime", "cpu")
+    if torch.cuda.is_available():
+        assert demo_backend("auto") == demo_backend("cuda") == ("torch", "cuda")
+        return
+    assert demo_backend("auto") == ("onnxruntime", "cpu")
+    out = tmp_path / "demo"
+    assert export_cli.main(["demo", "--device", "cuda", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "torch sees no CUDA device" in err[0] and "--device cpu" in err[0]
+    assert not out.exists()

@@ -2,9 +2,11 @@
 
 Exports the shipped checkpoints (real LlamaGen / LANTERN / VQ formats, see demo_model/MODEL_CARD.md)
 to engines/demo, checks every graph against PyTorch, generates the same grid of images with `ar`,
-`exact` and `lantern++` on ONNX Runtime CPU, tunes the draft tree for this machine (`lantern-run
-tune`, small: see TUNE) and runs lantern++ with the tuned tree beside the preset, prints a table
-and writes the images and a report (report.json, report.md with plots) to engines/demo/report/.
+`exact` and `lantern++` (on ONNX Runtime CPU; with --device auto, the default, on the torch
+backend's device step where torch sees a CUDA GPU: it says which it used), tunes the draft tree
+for this machine (`lantern-run tune`, small: see TUNE) and runs lantern++ with the tuned tree
+beside the preset, prints a table and writes the images and a report (report.json, report.md
+with plots) to engines/demo/report/.
 
 Beside it, a quantized engine (--quantize, default int8) made from the exported one in a second or
 two (`lantern-export quantize`, to engines/demo-int8): checked against PyTorch at its scheme's
@@ -54,6 +56,10 @@ def add_parser(sub):
     p.add_argument("--cfg-scale", type=float, default=DEFAULTS["cfg_scale"])
     p.add_argument("--per-class", type=int, default=DEFAULTS["per_class"], help="images per class in the grid")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where to generate: cuda runs the torch backend on the GPU with the whole step on the device "
+                        "(one CUDA graph per step); cpu runs ONNX Runtime on the CPU; auto (default): cuda where "
+                        "torch sees a CUDA device, else cpu")
     p.add_argument("--threads", type=int, default=1,
                    help="ONNX Runtime intra-op threads (default 1: the demo model is too small to gain from more)")
     p.add_argument("--no-tune", action="store_true", help="skip tuning the draft tree for this machine")
@@ -73,9 +79,38 @@ def demo_sources(model_dir):
     return paths
 
 
+def demo_backend(device):
+    """(backend, device) the demo generates on: ("torch", "cuda") where torch sees a CUDA device
+    (the torch backend's whole step on the device, one CUDA graph per step), else
+    ("onnxruntime", "cpu"); device "auto", "cpu" or "cuda" (a LanternError where there is none)."""
+    if device == "cpu":
+        return "onnxruntime", "cpu"
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if cuda:
+        return "torch", "cuda"
+    if device == "cuda":
+        raise LanternError("--device cuda: torch sees no CUDA device here (a CUDA build of torch and an NVIDIA driver "
+                           "are needed); use --device cpu")
+    return "onnxruntime", "cpu"
+
+
+def open_demo_engine(out, backend, device, threads):
+    if backend == "torch":
+        from lantern.export.torch_backend import open_torch_backend
+
+        return Engine(out, backend=open_torch_backend(out, device=device))
+    return Engine(out, threads=threads)
+
+
 def run(args):
 
     start = time.perf_counter()
+    backend, device = demo_backend(args.device)  # before anything is written
     src = demo_sources(args.model_dir)
     out = os.path.abspath(args.out)
     check_engine_destination(out, force=True)  # replaces an engine, never anything else
@@ -91,7 +126,7 @@ def run(args):
         raise LanternError(f"check failed: {report['failures'][0]}")
     print(f"      check passed ({len(report['results'])} outputs compared, worst abs error {worst:.2e})")
 
-    engine = Engine(out, threads=args.threads)
+    engine = open_demo_engine(out, backend, device, args.threads)
     with open(os.path.join(args.model_dir, "classifier.json")) as f:
         class_names = json.load(f)["class_names"]
     classes = [c for c in range(len(class_names)) for _ in range(args.per_class)]
@@ -99,8 +134,8 @@ def run(args):
                   seed=args.seed)
     tuned = None
     if not args.no_tune:
-        tuned = _tune(engine, out, args, steps)
-        engine = Engine(out, threads=args.threads)  # reopened: generate now finds the tuned trees
+        tuned = _tune(engine, out, args, steps, device)
+        engine = open_demo_engine(out, backend, device, args.threads)  # reopened: generate finds the tuned trees
     # the preset rows name their tree, so a tree tuned for the same settings does not replace it
     runs = [("ar", {}), ("exact", {"tree": args.tree}), ("lantern++", dict(lam=args.lam, k=args.k, tree=args.tree))]
     if tuned is not None:
@@ -112,10 +147,11 @@ def run(args):
     results = {}
     for mode, extra in runs:
         results[mode] = engine.generate(mode=mode.split()[0], **common, **extra)
-    # which step path ran (Engine(step=...)): the demo samples on ONNX Runtime on the CPU, where
-    # the host step is the measured faster one (tools/bench/device_step.py)
-    print(f"      {results['exact'].stats['step']} step on {engine.backend.name} (the device step runs on the torch "
-          f"backend: lantern-run generate --backend torch --step device)")
+    # which step path ran (Engine(step=...)): on ONNX Runtime on the CPU the host step, the
+    # measured faster one there (tools/bench/device_step.py); on torch CUDA the device step
+    print(f"      {results['exact'].stats['step']} step on {engine.backend.name} ({device})"
+          + (" (the device step runs on the torch backend: lantern-run generate --backend torch --step device)"
+             if results['exact'].stats['step'] == "host" else ""))
     # One image per call, the setting of the paper's speedups: medians over a few classes.
     single, single_trees = {}, {}
     for mode, extra in runs:
@@ -130,7 +166,12 @@ def run(args):
         print(f"[{generating + 1}/{steps}] {args.quantize} engine: the demo engine's target and drafter quantized to "
               f"{out}-{args.quantize}, checked at the {args.quantize} tolerance, the same grid with "
               f"{' and '.join(QUANTIZED_RUNS)}")
-        quantized = quantized_beside(out, args.quantize, engine, common, runs, results, args.threads)
+        fp32, fp32_results = engine, results
+        if backend != "onnxruntime":  # the quantized graphs run on ONNX Runtime: fp32 beside them there too
+            fp32 = Engine(out, threads=args.threads)
+            fp32_results = {mode: fp32.generate(mode=mode, **common, **extra) for mode, extra in runs
+                            if mode in QUANTIZED_RUNS}
+        quantized = quantized_beside(out, args.quantize, fp32, common, runs, fp32_results, args.threads)
         print(f"      {quantized['check_line']}")
     print(f"[{steps}/{steps}] writing images and the report")
     rows = []
@@ -176,6 +217,8 @@ def run(args):
                 write_png(os.path.join(stage, f"{args.quantize}_{mode.replace('+', 'p')}.png"),
                           image_grid(images, ncols=args.per_class * 3))
         summary = {"engine": out, "settings": {**vars_of(args), "classes": len(class_names), "images": len(classes)},
+                   "generated_on": {"backend": engine.backend.name, "device": device,
+                                    "step": results["exact"].stats["step"]},
                    "tree": {"name": tree.name, "nodes": tree.num_nodes, "depth": tree.depth},
                    "check": {"ok": report["ok"], "worst_abs_error": worst}, "results": rows, "tuned": tuned,
                    "quantized": quantized, "seconds_total": time.perf_counter() - start}
@@ -194,7 +237,7 @@ def run(args):
     return 0
 
 
-def _tune(engine, out, args, steps):
+def _tune(engine, out, args, steps, device):
     """`lantern-run tune` for the demo's lantern++ settings, small (TUNE), installed into the
     engine directory. Returns a summary for the report."""
 
@@ -209,7 +252,7 @@ def _tune(engine, out, args, steps):
     report, chosen = tune.tune(engine, settings, conds, budget=TUNE["budget"], depth=TUNE["depth"],
                                batches=TUNE["batches"], repeats=TUNE["repeats"], loop_runs=TUNE["loop_runs"],
                                seed=args.seed, note=note, threads=args.threads,
-                               clock=tune.default_clock(args.threads, "cpu"), log=lambda *a: None)
+                               clock=tune.default_clock(args.threads, device), log=lambda *a: None)
     entry = tune.install(out, chosen, report)
     batches = {}
     for images, r in report["batches"].items():
@@ -316,6 +359,13 @@ def reading(summary):
         return ""
     images, nodes = summary["settings"]["images"], summary["tree"]["nodes"]
     cfg = summary["settings"].get("cfg_scale", 1.0) > 1
+    on = summary.get("generated_on", {"device": "cpu"})
+    if on["device"] != "cpu":
+        return (f"On {on['device']} ({on['backend']}, the {on['step']} step) a {spec['mode']} step costs "
+                f"{spec['step_cost_vs_ar']:.2f} AR steps for {spec['mean_accepted_length']:.2f} tokens at the batch "
+                f"({images} images{', CFG' if cfg else ''}) and {spec['step_cost_vs_ar_batch1']:.2f} AR steps at one "
+                f"image: speculative decoding pays off where the accepted length is the larger "
+                f"({spec['speedup_batch']:.2f}x and {spec['speedup_batch1']:.2f}x over AR here).")
     return (
         f"A speculative step pays off when its mean accepted length exceeds its cost in AR steps. "
         f"At the batch ({images} images{', CFG' if cfg else ''}: {images * (2 if cfg else 1)} rows per call) a "

@@ -159,11 +159,12 @@ def device_acceptance(device, batches=(1, 8), repeats=10, cfg=4.0, tree_name="mc
     return results
 
 
-def export_gpt(root, model, dtype):
-    """A random-weight LlamaGen engine of `model`'s shape (weights don't matter for timings)."""
+def export_gpt(root, model, dtype, with_vq=False):
+    """A random-weight LlamaGen engine of `model`'s shape (weights don't matter for timings);
+    with_vq: with a random VQ-16 tokenizer, so its neighbor table serves lantern and lantern++."""
     import torch
 
-    from lantern.export import checkpoints, llamagen
+    from lantern.export import checkpoints, llamagen, vq
     from lantern.export.onnx_export import export_engine
 
     args = llamagen.make_config(model)
@@ -172,10 +173,14 @@ def export_gpt(root, model, dtype):
     checkpoints.save_llamagen_pt(llamagen.init_random(llamagen.Transformer(args)), os.path.join(src, "gpt.pt"))
     drafter = llamagen.init_random(llamagen.Drafter(llamagen.DrafterArgs.for_target(args)), seed=1)
     checkpoints.save_drafter(drafter, os.path.join(src, "drafter"), fmt="safetensors")
+    tokenizer = None
+    if with_vq:
+        tokenizer = os.path.join(src, "vq.pt")
+        vq.save_vq(vq.VQModel(vq.VQ_CONFIGS["VQ-16"]).eval(), tokenizer)
     out = os.path.join(root, model)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     export_engine(out, os.path.join(src, "gpt.pt"), target_options={"name": model},
-                  drafter=os.path.join(src, "drafter"), tree="mc_sim_7b_63", dtype=dtype, candidates=64)
+                  drafter=os.path.join(src, "drafter"), vq=tokenizer, tree="mc_sim_7b_63", dtype=dtype, candidates=64)
     return out
 
 
@@ -411,7 +416,7 @@ def main(argv=None):
         if engine_dir is None:
             from lantern.export.accept_graphs import add_acceptance_graphs
 
-            engine_dir = export_gpt(tmp, args.gpt, "fp32")
+            engine_dir = export_gpt(tmp, args.gpt, "fp32", with_vq="lantern++" in args.modes or "lantern" in args.modes)
             add_acceptance_graphs(engine_dir)  # ONNX Runtime's device step, greedy and sampling
         samplings = {"both": (False, True), "greedy": (False,), "only": (True,)}[args.sampling]
         results = whole_step(engine_dir, args.modes, args.batch, args.cfg_scale, args.threads, samplings, args.top_k)
