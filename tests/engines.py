@@ -127,3 +127,32 @@ def strike_drafter(directory):
     m["sources"] = {"target": m["sources"]["target"]}
     (directory / "manifest.json").write_text(json.dumps(m))
     return directory
+
+
+# ops that read a device value on the host (item, a bool of a tensor, equal) or whose output
+# shape depends on the data (nonzero, masked_select, unique): on CUDA each is a synchronisation,
+# and inside stream capture an error, so a step that calls one cannot be one CUDA graph
+HOST_READING_OPS = {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::nonzero",
+                    "aten::masked_select", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive"}
+
+
+def host_reads(fn):
+    """{op: count} of HOST_READING_OPS that fn() dispatches (torch's dispatcher sees every op,
+    on any device: the CPU shows what CUDA capture would refuse)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Probe(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in HOST_READING_OPS:
+                self.seen[func._schema.name] += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode(), Probe() as probe:
+        fn()
+    return dict(probe.seen)

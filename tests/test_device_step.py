@@ -68,6 +68,27 @@ def test_device_step_equals_host_step(engines, mode, cfg, images, extra):
         np.testing.assert_array_equal(alone.tokens[0], device.tokens[1])
 
 
+def test_the_step_reads_nothing_on_the_host_so_cuda_can_capture_it(engines, torch_lumina):
+    """Every op of the device step (drafting, verification, acceptance, commits, the streams'
+    table) stays on the device: none reads a value back or sizes its output by the data, the
+    ops CUDA stream capture refuses (engines.host_reads sees them on the CPU). Greedy and
+    sampling (top-k, top-p), CFG with an interval, forced tokens."""
+    from engines import host_reads
+
+    assert host_reads(lambda: torch.arange(4)[torch.tensor(1)]) == {"aten::item": 1}  # the probe sees one
+    _, device_engine = engines
+    directory, backend = torch_lumina
+    lumina = Engine(directory, backend=backend, step="device")
+    kw = dict(mode="lantern++", lam=3.0, k=8, cfg_scale=4.0)
+    for engine, extra in [(device_engine, dict(greedy=True, classes=[1, 2], cfg_interval=5)),
+                          (device_engine, dict(greedy=False, temperature=1.0, top_k=20, top_p=0.9, classes=[1, 2],
+                                               seed=[3, 4], cfg_interval=5)),
+                          (lumina, dict(greedy=False, prompt=["a red cat"], grid=(4, 4), seed=[2]))]:
+        engine.generate(**kw, **extra)
+        step = engine.backend._steps[id(engine._plan)]
+        assert host_reads(step._step) == {}, extra
+
+
 @pytest.fixture(scope="module")
 def torch_lumina(chameleon_engines):
     directory = chameleon_engines["lumina_mgpt"]

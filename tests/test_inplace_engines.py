@@ -10,7 +10,7 @@ import onnx
 import pytest
 import torch
 
-from engines import export_argv, export_like, manifest
+from engines import export_argv, export_like, host_reads, manifest
 from lantern.export import checkpoints, cli
 from lantern.export.check import TOLERANCES, _compare_ids, check_cases, check_engine
 from lantern.runtime.errors import LanternError
@@ -437,6 +437,8 @@ def test_inplace_device_step_moves_a_few_integers_per_image(inplace_torch, inpla
     assert {kind for kind, _ in events} == {"to_host", "sync"}  # no launches from the host, nothing up
     reads = [size for kind, size in events if kind == "to_host"]
     assert reads == [report] * len(reads) and len(reads) == out.stats["steps"]
+    # and within the step no op reads the device on the host (CUDA capture refuses those)
+    assert host_reads(backend._steps[id(engine._plan)]._step) == {}
 
 
 def test_inplace_device_step_refusals(inplace_torch, inplace_c2i):

@@ -29,6 +29,7 @@ from lantern.export.check import check_engine
 from lantern.export.onnx_export import export_engine
 from lantern.export.placement import check_engine_destination
 from lantern.export.quantize import TOLERANCES, QuantizeOptions, greedy_agreement, quantize_engine
+from lantern.export.torch_backend import open_torch_backend
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.outdir import OutputDirectory, only_files
@@ -101,8 +102,6 @@ def demo_backend(device):
 
 def open_demo_engine(out, backend, device, threads):
     if backend == "torch":
-        from lantern.export.torch_backend import open_torch_backend
-
         return Engine(out, backend=open_torch_backend(out, device=device))
     return Engine(out, threads=threads)
 

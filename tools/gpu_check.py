@@ -44,7 +44,6 @@ import tempfile
 import time
 
 import numpy as np
-from lantern.export.accept_graphs import add_acceptance_graphs
 from lantern.export.check import _compare_float, check_cases
 from lantern.export.tensorrt_build import available_flavors
 from lantern.export.trt_export import build_engine_plans
@@ -278,6 +277,8 @@ def _plan_copy(engine_dir, flavor, workdir, batches):
     cc = ["current"] if gpu is not None else ["89"]
     copy = os.path.join(workdir, f"{os.path.basename(os.path.normpath(engine_dir))}-{flavor}")
     if not os.path.isdir(copy):
+        from lantern.export.accept_graphs import add_acceptance_graphs  # torch: imported where it is needed
+
         shutil.copytree(engine_dir, copy)
         add_acceptance_graphs(copy, kinds=("greedy",))  # the device step's plan (kept if the engine has its own)
         start = time.perf_counter()

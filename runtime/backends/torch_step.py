@@ -9,8 +9,9 @@ ids and attention masks from the caches' visible slots and lengths, and the comm
 caches. Acceptance is the exported module itself (lantern.export.accept_graphs.GreedyAcceptance,
 handed in by whoever opened the backend: the runtime never imports lantern.export).
 
-Every shape is a function of the plan, and nothing in a step reads a device value on the host,
-so on CUDA the whole step is captured as one CUDA graph per plan and replayed (after one eager
+Every shape is a function of the plan, and nothing in a step reads a device value on the host
+(no item(), no 0-dim tensor index, no data-sized output: the tests watch every op a step
+dispatches, on the CPU), so on CUDA the whole step is captured as one CUDA graph per plan and replayed (after one eager
 step that warms the kernels up); the backend keeps a plan's step for its next generations, which
 refill the same tensors (load), so the graph is captured once per plan, not per generation.
 Python values the graph bakes in are constants of the plan (or of `key_of`). On the CPU, and where capture fails (one warning line), the
@@ -229,7 +230,7 @@ class TorchDeviceStep:
             self.streams = d.streams
             self.table = keep("table", d.streams.table(self.table_steps), np.float64)  # [N, steps, block]
             # the step counter every image's stream is read at (all advance each step, finished or not)
-            self.draws_taken = keep("draws_taken", 0, np.int64)
+            self.draws_taken = keep("draws_taken", [0], np.int64)  # [1]: a 0-dim index would be read on the host
 
     @property
     def report_width(self):
@@ -377,7 +378,7 @@ class TorchDeviceStep:
         uniforms = race = None
         if self.sampling:  # this step's block of every image's stream (finished images' advance unread)
             M = self.tree.num_nodes
-            block = self.table[:, self.draws_taken % self.table_steps]  # [N, block]
+            block = self.table.index_select(1, self.draws_taken % self.table_steps)[:, 0]  # [N, block]
             uniforms, race = block[:, :M], block[:, M:].reshape(N, M, self.candidates.shape[2])
             self.draws_taken += 1
         if self.depth:
