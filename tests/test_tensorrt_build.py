@@ -357,3 +357,19 @@ def test_ar_engine_builds_ar_plans(c2i_engine, tmp_path):
     assert [p.serves for p in entry.plans["target"].profiles] == [("prefill n1",), ("verify n1 ar",)]
     with pytest.raises(LanternError, match="--tree needs an engine with a drafter"):
         trt_export.build_engine_plans(d, compute_capabilities=["89"], trees=["mc_sim_7b_63"], force=True)
+
+
+def test_no_graph_the_backend_binds_has_a_shape_tensor_input(c2i_accept_engine):
+    """The TensorRT backend gives every input a device address (runtime/backends/tensorrt.py);
+    TensorRT reads a shape-tensor input from host memory instead. None of the engine's graphs,
+    acceptance graphs included (k, top_k and cfg_interval are [1] int64 inputs), parses to one."""
+    import tensorrt_rtx as trt
+
+    m = read_manifest(c2i_accept_engine)
+    logger = trt.Logger(trt.Logger.ERROR)
+    for label, graph in m.all_graphs().items():
+        network = trt.Builder(logger).create_network(0)
+        assert trt.OnnxParser(network, logger).parse_from_file(os.path.join(c2i_accept_engine, graph.file)), label
+        inputs = [network.get_input(i) for i in range(network.num_inputs)]
+        assert {i.name for i in inputs} == set(graph.inputs), label
+        assert [i.name for i in inputs if i.is_shape_tensor] == [], label
