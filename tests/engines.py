@@ -156,3 +156,65 @@ def host_reads(fn):
     with torch.inference_mode(), Probe() as probe:
         fn()
     return dict(probe.seen)
+
+
+class CpuGraph:
+    """A CUDA graph's semantics on the CPU, for the device step's tests: construction records
+    the ops fn() dispatches and then undoes their writes (capture runs nothing on the GPU),
+    replay() runs the recorded ops again on the same tensors, writing each result where the
+    recorded one lives (a graph's memory is fixed at capture), with every Python value baked in
+    as it was at capture. A step that reads anything from Python state per step, or allocates
+    what the next step reads anew, replays wrong here as it would on a GPU."""
+
+    def __init__(self, fn):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops, saved = [], []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                for index, argument in enumerate(func._schema.arguments):
+                    if argument.alias_info is not None and argument.alias_info.is_write:
+                        target = args[index] if index < len(args) else kwargs.get(argument.name)
+                        if isinstance(target, torch.Tensor):
+                            saved.append((target, target.clone()))
+                out = func(*args, **kwargs)
+                ops.append((func, args, kwargs, out))
+                return out
+
+        with torch.inference_mode():
+            with Record():
+                fn()
+            for tensor, before in reversed(saved):
+                tensor.copy_(before)
+        self.ops = ops
+
+    @staticmethod
+    def _assign(recorded, new):
+        if isinstance(recorded, torch.Tensor):
+            if recorded.data_ptr() != new.data_ptr():  # else the same view of the same memory, made again
+                recorded.copy_(new)
+        elif isinstance(recorded, (tuple, list)):
+            for r, n in zip(recorded, new):
+                CpuGraph._assign(r, n)
+
+    def replay(self):
+        with torch.inference_mode():
+            for func, args, kwargs, recorded in self.ops:
+                self._assign(recorded, func(*args, **kwargs))
+
+
+def capture_steps_on_cpu(monkeypatch):
+    """Every torch device step made from here on is captured as on CUDA with cuda_graphs (one
+    eager step, then a CpuGraph replayed)."""
+    from lantern.runtime.backends.torch_step import TorchDeviceStep
+
+    init = TorchDeviceStep.__init__
+
+    def capturing(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.capture = True
+
+    monkeypatch.setattr(TorchDeviceStep, "__init__", capturing)
+    monkeypatch.setattr(TorchDeviceStep, "_capture", lambda self: CpuGraph(self._step))

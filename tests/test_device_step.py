@@ -89,6 +89,32 @@ def test_the_step_reads_nothing_on_the_host_so_cuda_can_capture_it(engines, torc
         assert host_reads(step._step) == {}, extra
 
 
+def test_the_step_replayed_as_one_captured_graph_gives_the_host_tokens(engines, torch_c2i, torch_lumina, monkeypatch):
+    """The step as CUDA would run it once captured (engines.CpuGraph: the first step's ops
+    recorded, then replayed with every Python value as it was at capture, on the same tensors):
+    the host step's tokens, greedy and sampling, CFG with an interval, forced tokens, and for a
+    second generation that replays from its first step (load refilled the graph's tensors)."""
+    from engines import CpuGraph, capture_steps_on_cpu
+
+    capture_steps_on_cpu(monkeypatch)
+    host_engine, _ = engines
+    lumina_dir, _ = torch_lumina
+    cases = [(torch_c2i[0], host_engine, dict(greedy=True, classes=[1, 2, 3], cfg_interval=5)),
+             (torch_c2i[0], host_engine, dict(greedy=False, temperature=1.0, top_k=20, top_p=0.9, classes=[1, 2, 3],
+                                              seed=[3, 4, 5], cfg_interval=5)),
+             (lumina_dir, Engine(lumina_dir, backend=torch_lumina[1], step="host"),
+              dict(greedy=False, prompt=["a red cat"], grid=(4, 4), seed=[2]))]
+    for directory, host, extra in cases:
+        device = Engine(directory, backend=open_torch_backend(directory, threads=2), step="device")
+        kw = dict(mode="lantern++", lam=3.0, k=8, cfg_scale=4.0, **extra)
+        want = host.generate(**kw).tokens
+        first, second = device.generate(**kw), device.generate(**kw)
+        step = device.backend._steps[id(device._plan)]
+        assert isinstance(step.graph, CpuGraph) and step.eager_steps == 1  # one eager step, then replays
+        np.testing.assert_array_equal(first.tokens, want, err_msg=str(extra))
+        np.testing.assert_array_equal(second.tokens, want, err_msg=str(extra))
+
+
 @pytest.fixture(scope="module")
 def torch_lumina(chameleon_engines):
     directory = chameleon_engines["lumina_mgpt"]

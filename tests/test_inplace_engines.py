@@ -441,6 +441,24 @@ def test_inplace_device_step_moves_a_few_integers_per_image(inplace_torch, inpla
     assert host_reads(backend._steps[id(engine._plan)]._step) == {}
 
 
+def test_inplace_step_replayed_as_one_captured_graph(inplace_torch, inplace_c2i, monkeypatch):
+    """The in-place step (write_index, the commit graph) as CUDA runs it once captured
+    (engines.CpuGraph): the host step's tokens, greedy and sampling, two generations."""
+    from engines import CpuGraph, capture_steps_on_cpu
+    from lantern.export.torch_backend import open_torch_backend
+
+    capture_steps_on_cpu(monkeypatch)
+    _, host_engine, _ = inplace_torch
+    device = Engine(inplace_c2i, backend=open_torch_backend(inplace_c2i, threads=2), step="device")
+    for extra in (dict(greedy=True), dict(greedy=False, temperature=1.0, top_k=20, seed=[5, 6])):
+        kw = dict(mode="lantern++", lam=3.0, k=8, cfg_scale=4.0, classes=[1, 2], **extra)
+        want = host_engine.generate(**kw).tokens
+        first, second = device.generate(**kw), device.generate(**kw)
+        assert isinstance(device.backend._steps[id(device._plan)].graph, CpuGraph)
+        np.testing.assert_array_equal(first.tokens, want, err_msg=str(extra))
+        np.testing.assert_array_equal(second.tokens, want, err_msg=str(extra))
+
+
 def test_inplace_device_step_refusals(inplace_torch, inplace_c2i):
     """The device step serves in-place plans, greedy and sampling; what it cannot serve is still
     refused in one line."""

@@ -260,7 +260,9 @@ class TorchDeviceStep:
 
     def _capture(self):
         """The whole step as one CUDA graph over the step's static tensors; None (eager from
-        here on, one warning line) where capture fails. Unmeasured: no GPU in the tests."""
+        here on, one warning line) where capture fails. The tests replay the step as a graph
+        would on the CPU (tests/engines.py CpuGraph: ops recorded once, Python values baked in)
+        and find no op capture refuses; the capture itself has not run on a GPU yet."""
         torch = self.torch
         graph = torch.cuda.CUDAGraph()
         try:
