@@ -192,8 +192,10 @@ def image_token_range(vocabulary_map, source="vocabulary_map"):
 
 def rope_cos_sin(position_ids, head_dim, theta, dtype):
     """position_ids [B, T] -> cos, sin [B, T, 1, head_dim] (broadcast over heads)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    angles = position_ids[..., None].float() * inv_freq.to(position_ids.device)
+    # made on the ids' device: a CPU table would be a host copy per call (and no CUDA capture)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float()
+                                / head_dim))
+    angles = position_ids[..., None].float() * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype)[:, :, None, :], angles.sin().to(dtype)[:, :, None, :]
 

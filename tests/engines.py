@@ -218,3 +218,28 @@ def capture_steps_on_cpu(monkeypatch):
 
     monkeypatch.setattr(TorchDeviceStep, "__init__", capturing)
     monkeypatch.setattr(TorchDeviceStep, "_capture", lambda self: CpuGraph(self._step))
+
+
+def tensors_made_without_a_device(fn):
+    """{(factory, file:line)} of the tensors fn() makes with no device given (torch.arange(n),
+    torch.tensor(...)): on the CPU they work, on CUDA they land on the CPU beside device tensors."""
+    import traceback
+
+    from torch.overrides import TorchFunctionMode
+
+    factories = {torch.arange, torch.zeros, torch.ones, torch.full, torch.empty, torch.tensor, torch.as_tensor,
+                 torch.eye, torch.linspace, torch.scalar_tensor}
+    found = set()
+
+    class Probe(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in factories and kwargs.get("device") is None \
+                    and not (func is torch.as_tensor and isinstance(args[0], torch.Tensor)):
+                frame = traceback.extract_stack()[-2]
+                found.add((func.__name__, f"{os.path.basename(frame.filename)}:{frame.lineno}"))
+            return func(*args, **kwargs)
+
+    with Probe():
+        fn()
+    return found

@@ -71,11 +71,13 @@ def test_device_step_equals_host_step(engines, mode, cfg, images, extra):
 def test_the_step_reads_nothing_on_the_host_so_cuda_can_capture_it(engines, torch_lumina):
     """Every op of the device step (drafting, verification, acceptance, commits, the streams'
     table) stays on the device: none reads a value back or sizes its output by the data, the
-    ops CUDA stream capture refuses (engines.host_reads sees them on the CPU). Greedy and
-    sampling (top-k, top-p), CFG with an interval, forced tokens."""
-    from engines import host_reads
+    ops CUDA stream capture refuses (engines.host_reads sees them on the CPU), and none makes a
+    tensor without naming the device. Greedy and sampling (top-k, top-p), CFG with an
+    interval, forced tokens."""
+    from engines import host_reads, tensors_made_without_a_device
 
-    assert host_reads(lambda: torch.arange(4)[torch.tensor(1)]) == {"aten::item": 1}  # the probe sees one
+    assert host_reads(lambda: torch.arange(4)[torch.tensor(1)]) == {"aten::item": 1}  # the probes see them
+    assert {name for name, _ in tensors_made_without_a_device(lambda: torch.arange(4))} == {"arange"}
     _, device_engine = engines
     directory, backend = torch_lumina
     lumina = Engine(directory, backend=backend, step="device")
@@ -87,6 +89,7 @@ def test_the_step_reads_nothing_on_the_host_so_cuda_can_capture_it(engines, torc
         engine.generate(**kw, **extra)
         step = engine.backend._steps[id(engine._plan)]
         assert host_reads(step._step) == {}, extra
+        assert tensors_made_without_a_device(step._step) == set(), extra  # each would be a CPU tensor on CUDA
 
 
 def test_the_step_replayed_as_one_captured_graph_gives_the_host_tokens(engines, torch_c2i, torch_lumina, monkeypatch):
