@@ -138,10 +138,24 @@ HOST_READING_OPS = {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero
 
 def host_reads(fn):
     """{op: count} of HOST_READING_OPS that fn() dispatches (torch's dispatcher sees every op,
-    on any device: the CPU shows what CUDA capture would refuse)."""
+    on any device: the CPU shows what CUDA capture would refuse), and of the Tensor methods
+    that hand a tensor to the host (numpy, tolist, cpu)."""
     import collections
 
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    to_host = {torch.Tensor.numpy: "Tensor.numpy", torch.Tensor.tolist: "Tensor.tolist", torch.Tensor.cpu: "Tensor.cpu"}
+
+    class Methods(TorchFunctionMode):
+        def __init__(self, seen):
+            super().__init__()
+            self.seen = seen
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in to_host:
+                self.seen[to_host[func]] += 1
+            return func(*args, **(kwargs or {}))
 
     class Probe(TorchDispatchMode):
         def __init__(self):
@@ -153,7 +167,7 @@ def host_reads(fn):
                 self.seen[func._schema.name] += 1
             return func(*args, **(kwargs or {}))
 
-    with torch.inference_mode(), Probe() as probe:
+    with torch.inference_mode(), Probe() as probe, Methods(probe.seen):
         fn()
     return dict(probe.seen)
 

@@ -77,6 +77,7 @@ def test_the_step_reads_nothing_on_the_host_so_cuda_can_capture_it(engines, torc
     from engines import host_reads, tensors_made_without_a_device
 
     assert host_reads(lambda: torch.arange(4)[torch.tensor(1)]) == {"aten::item": 1}  # the probes see them
+    assert host_reads(lambda: torch.arange(4).numpy()) == {"Tensor.numpy": 1}
     assert {name for name, _ in tensors_made_without_a_device(lambda: torch.arange(4))} == {"arange"}
     _, device_engine = engines
     directory, backend = torch_lumina
