@@ -5,6 +5,7 @@ lantern.export, so this is where the two meet."""
 from lantern.export.accept_graphs import KINDS
 from lantern.export.onnx_export import load_graph_modules
 from lantern.runtime import manifest as engine_format
+from lantern.runtime.backends.tensorrt_torch import TensorRTTorchBackend
 from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import read_manifest
@@ -20,3 +21,13 @@ def open_torch_backend(directory, threads=None, device="cpu", manifest=None, acc
     modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
     return TorchBackend(modules, manifest, threads=threads, device=device, acceptance=KINDS,
                         accept_precision=accept_precision)
+
+
+def open_tensorrt_torch_backend(directory, device="cuda", flavor=None, plans=None, cuda_graphs=True, manifest=None,
+                                accept_precision="float64"):
+    """The engine's TensorRT plans as the torch backend's modules (lantern.runtime.backends.
+    tensorrt_torch), with the acceptance modules for its device step: the whole step, TensorRT's
+    enqueues included, one CUDA graph per plan."""
+    manifest = manifest or read_manifest(directory)
+    return TensorRTTorchBackend(directory, manifest, device=device, flavor=flavor, plans=plans, cuda_graphs=cuda_graphs,
+                                acceptance=KINDS, accept_precision=accept_precision)

@@ -61,15 +61,17 @@ def add_generation_options(p, tree=True):
         p.add_argument("--tree", help="draft tree for this run (preset or JSON file; default: the engine's tuned "
                                       "tree for these settings, else its exported one)")
     p.add_argument("--backend", default="onnxruntime", choices=tuple(BACKENDS))
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda for tensorrt, else cpu)")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda for tensorrt and tensorrt-torch, "
+                                                  "else cpu)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="tensorrt: enqueue every call instead of replaying a CUDA graph per call regime")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
     p.add_argument("--step", choices=("host", "device"), default=None,
                    help="where each decoding step runs: host (acceptance in numpy over logits read back) or device "
-                        "(torch: the whole step on its device, plain or in-place engines; onnxruntime: acceptance, "
-                        "greedy or sampling, by the graphs `lantern-export accept` writes, the rest on the host); "
-                        "default: the backend's (device on torch CUDA, else host)")
+                        "(torch and tensorrt-torch: the whole step on its device, plain or in-place engines; "
+                        "onnxruntime and tensorrt: acceptance, greedy or sampling, by the graphs `lantern-export "
+                        "accept` writes, the rest on the host); default: the backend's (device on torch CUDA and "
+                        "tensorrt-torch, else host)")
 
 
 def generation_settings(args):
@@ -114,7 +116,7 @@ def _load_npy(path, what):
 
 
 def open_engine(args):
-    device = args.device or ("cuda" if args.backend == "tensorrt" else "cpu")
+    device = args.device or ("cuda" if args.backend in ("tensorrt", "tensorrt-torch") else "cpu")
     options = {"cuda_graphs": args.cuda_graphs} if args.backend == "tensorrt" else {}
     loader = args.backend_loaders.get(args.backend)
     backend = loader(args.engine, args.threads, device) if loader else args.backend

@@ -472,3 +472,44 @@ def test_tensorrt_device_step_equals_the_host_step(c2i_accept_engine, tmp_path):
               seed=[4, 5, 6])
     got, want = device.generate(**kw), host.generate(**kw)
     assert (got.tokens == want.tokens).all(axis=1).sum() >= 2
+
+
+# -- TensorRT plans inside the torch backend (runtime/backends/tensorrt_torch.py) ---------------
+def _torch_cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(_torch_cuda(), reason="checks the refusal where torch sees no CUDA device")
+def test_tensorrt_torch_needs_a_cuda_device_and_says_so(c2i_engine, tmp_path, capsys):
+    from lantern.tools import run_cli
+
+    with pytest.raises(LanternError, match="tensorrt-torch backend runs TensorRT plans on an NVIDIA GPU"):
+        Engine(c2i_engine, backend="tensorrt-torch")
+    out = tmp_path / "out"
+    assert run_cli.main(["generate", str(c2i_engine), "--backend", "tensorrt-torch", "--classes", "1",
+                         "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "torch sees no CUDA device" in err[0]
+    assert not out.exists()
+
+
+@pytest.mark.skipif(GPU is None or _flavor_for_gpu() is None or not _torch_cuda(),
+                    reason="needs an NVIDIA GPU, torch with CUDA and a TensorRT flavor that targets the GPU")
+def test_tensorrt_torch_generates_what_onnxruntime_generates(c2i_engine, tmp_path):
+    """The plans as the torch backend's modules: host step (per-call CUDA graphs) and the whole
+    step as one CUDA graph, greedy, equal to ONNX Runtime CPU token for token."""
+    from lantern.export.torch_backend import open_tensorrt_torch_backend
+
+    d = shutil.copytree(c2i_engine, tmp_path / "engine")
+    trt_export.build_engine_plans(d, flavor=_flavor_for_gpu(), compute_capabilities=["current"], batches=[2])
+    reference = Engine(d, threads=2)
+    backend = open_tensorrt_torch_backend(d)
+    for step in ("host", "device"):
+        engine = Engine(d, backend=backend, step=step)
+        for kw in (dict(mode="exact", cfg_scale=3.0), dict(mode="lantern++", lam=3.0, k=4, cfg_scale=3.0),
+                   dict(mode="ar")):
+            got = engine.generate(classes=[1, 2], greedy=True, **kw)
+            assert got.stats["step"] == step
+            np.testing.assert_array_equal(got.tokens, reference.generate(classes=[1, 2], greedy=True, **kw).tokens)

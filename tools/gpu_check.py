@@ -18,7 +18,9 @@ Engines: the bundled demo model (--demo), a random-weight LlamaGen of --gpt's sh
                                          step_paths: the host step against the device step (the
                                          greedy acceptance plan on the logits where they are) per
                                          mode and batch: ms, host ms, bytes each way, syncs, and
-                                         tokens_sha1 (equal on both paths)
+                                         tokens_sha1 (equal on both paths); tensorrt_torch: the
+                                         same plans as the torch backend's modules (the whole
+                                         step, TensorRT included, one CUDA graph), measured so
 each measuring
   exactness       greedy `exact` == greedy `ar` token for token (CFG on), and token agreement
                   with ONNX Runtime on the CPU
@@ -314,6 +316,14 @@ def tensorrt(engine_dir, cpu, opts, flavor, workdir):
         out["step_paths"] = whole_step(copy, batches=opts[1], samplings=(False,), backends={flavor: backend})
     except Exception as e:
         out["step_paths"] = {"error": one_line(e)}
+    try:  # the plans as the torch backend's modules: the whole step, enqueues included, one CUDA graph
+        from lantern.export.torch_backend import open_tensorrt_torch_backend  # torch: imported where needed
+
+        backend = open_tensorrt_torch_backend(copy, flavor=flavor)
+        out["tensorrt_torch"] = measure(copy, Engine(copy, backend=backend), cpu, *opts, numerics_too=False)
+        out["tensorrt_torch"]["step_paths"] = step_timing(copy, batches=opts[1], backend=backend)
+    except Exception as e:
+        out["tensorrt_torch"] = {"error": one_line(e)}
     out["polygraphy"] = polygraphy_check(copy)
     out["polygraphy_inspect"] = inspect_plans(copy, flavor)
     return out

@@ -15,12 +15,21 @@ def _torch_backend(engine_dir, threads, device):
     return open_torch_backend(engine_dir, threads=threads, device=device)
 
 
+def _tensorrt_torch_backend(engine_dir, threads, device):
+    from lantern.export.torch_backend import open_tensorrt_torch_backend
+
+    return open_tensorrt_torch_backend(engine_dir, device=device)
+
+
+LOADERS = {"torch": _torch_backend, "tensorrt-torch": _tensorrt_torch_backend}
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="lantern-run", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    runtime_cli.add_parser(sub, backend_loaders={"torch": _torch_backend})
+    runtime_cli.add_parser(sub, backend_loaders=LOADERS)
     quality.add_parser(sub)
-    tune.add_parser(sub, backend_loaders={"torch": _torch_backend})
+    tune.add_parser(sub, backend_loaders=LOADERS)
     tree_report.add_parser(sub, "whatif")
     serve.add_parser(sub)
     serve_client.add_parser(sub)

@@ -80,7 +80,13 @@ def _tensorrt(directory, manifest, **options):
     return TensorRTBackend(directory, manifest, **options)
 
 
-BACKENDS = {"onnxruntime": _onnxruntime, "tensorrt": _tensorrt, "torch": _torch}
+def _tensorrt_torch(directory, manifest, **options):
+    from lantern.runtime.backends.tensorrt_torch import TensorRTTorchBackend
+
+    return TensorRTTorchBackend(directory, manifest, **options)
+
+
+BACKENDS = {"onnxruntime": _onnxruntime, "tensorrt": _tensorrt, "torch": _torch, "tensorrt-torch": _tensorrt_torch}
 
 
 def open_backend(name, directory, manifest, **options):

@@ -354,17 +354,19 @@ def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), c
 
 
 def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact", "lantern++"), batches=(1, 8),
-                cfg=4.0, threads=None, warmup=True):
+                cfg=4.0, threads=None, warmup=True, backend=None):
     """gpu_check's device-step section for one engine: on the torch backend on `device` (CUDA
-    graphs per call for the host step, one per step for the device step, or none), per step
-    path, mode and batch: ms per step, host share of the step time, and the speculative step in
-    AR steps; greedy, CFG. Each generation runs once, after one warm-up of its plan (warmup)."""
+    graphs per call for the host step, one per step for the device step, or none; or on
+    `backend`, a torch backend opened already: tensorrt-torch), per step path, mode and batch:
+    ms per step, host share of the step time, and the speculative step in AR steps; greedy, CFG.
+    Each generation runs once, after one warm-up of its plan (warmup)."""
     from lantern.export.accept_graphs import KINDS
     from lantern.export.onnx_export import load_graph_modules
     manifest = read_manifest(engine_dir)
-    modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
-    backend = TorchBackend(modules, manifest, device=device, threads=threads, cuda_graphs=cuda_graphs,
-                           acceptance=KINDS)
+    if backend is None:
+        modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
+        backend = TorchBackend(modules, manifest, device=device, threads=threads, cuda_graphs=cuda_graphs,
+                               acceptance=KINDS)
     num_classes = manifest.condition.num_classes or 1
     runs = []
     for path in ("host", "device"):
