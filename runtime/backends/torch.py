@@ -20,6 +20,8 @@ Device step (lantern.runtime.backends.torch_step): with the acceptance module fa
 captured as one CUDA graph per plan on CUDA. default_step is the step path
 generate() takes when none is asked for: host on the CPU (measured faster there:
 tools/bench/device_step.py), device on CUDA."""
+import sys
+
 import numpy as np
 
 from lantern.runtime.errors import LanternError
@@ -104,8 +106,13 @@ class TorchBackend:
             self._copy_feeds(call, static)
             graph, outputs = None, None
             if self.cuda_graphs:
-                graph, outputs = self._capture(call.graph, [static[n] for n in self.inputs[call.graph]], pool)
-                pool = graph.pool()
+                try:
+                    graph, outputs = self._capture(call.graph, [static[n] for n in self.inputs[call.graph]], pool)
+                    pool = graph.pool()
+                except Exception as e:  # a module capture refuses (a TensorRT plan, say): this call runs eagerly
+                    print(f"lantern: {call.graph} call {call.regime} not captured as a CUDA graph "
+                          f"({str(e).splitlines()[0]}); running it eagerly", file=sys.stderr)
+                    graph, outputs = None, None
             self._bound[id(call)] = (call, static, graph, outputs)
 
     def _capture(self, graph_name, args, pool):
@@ -124,6 +131,11 @@ class TorchBackend:
             out = module(*args)
         out = out if isinstance(out, tuple) else (out,)
         return graph, dict(zip(self.outputs[graph_name], out))
+
+    def bound_inputs(self, call):
+        """{input name: static device tensor} bind() made for a call (CUDA), else {}."""
+        bound = self._bound.get(id(call))
+        return bound[1] if bound is not None and bound[0] is call else {}
 
     def _copy_feeds(self, call, static):
         for name, buf in call.feeds.items():

@@ -187,22 +187,26 @@ class TorchDeviceStep:
         cache_type = _InPlaceCache if self.inplace else _Cache
         self.target = cache_type(self, "target", plan.target_cache)
         self.drafter = cache_type(self, "drafter", plan.drafter_cache) if self.depth else None
-        # each call's feeds as device tensors (float ones are the plan's device buffers already)
+        # each call's feeds as device tensors (float ones are the plan's device buffers already);
+        # where the backend bound the call (CUDA), its static input tensors themselves, so every
+        # step path feeds a plan's calls from the same addresses (tensorrt-torch keys its
+        # execution contexts by them)
         self.feeds = {}
-        cfg_pair = keep("cfg_pair", plan.settings["cfg_pair"]) if self.depth else None
         regimes = ["verify"] + [f"draft{i}" for i in range(self.depth)] + ["commit"] * ("commit" in plan.calls)
         for regime in regimes:
-            feeds = {}
-            for name, buf in plan.calls[regime].feeds.items():
+            call, feeds = plan.calls[regime], {}
+            bound = self.backend.bound_inputs(call)
+            for name, buf in call.feeds.items():
                 if isinstance(buf, torch.Tensor):
                     feeds[name] = buf
-                elif name == "cfg_pair":
-                    feeds[name] = cfg_pair
-                else:
-                    feeds[name] = keep(f"{regime}/{name}", buf)
+                    continue
+                if name in bound:
+                    self.state.setdefault(f"{regime}/{name}", bound[name])
+                feeds[name] = keep(f"{regime}/{name}", plan.settings["cfg_pair"] if name == "cfg_pair" else buf)
             self.feeds[regime] = feeds
-        if self.depth:
-            self.cfg_pair, self.cfg_partners = cfg_pair, keep("cfg_partners", plan.cfg_partners)
+        if self.depth:  # every drafter call's cfg_pair: the step writes them all at once
+            self.cfg_pairs = [f["cfg_pair"] for r, f in self.feeds.items() if r.startswith("draft") and "cfg_pair" in f]
+            self.cfg_partners = keep("cfg_partners", plan.cfg_partners)
             self.blocks["draft0"] = keep("draft0/block", plan.calls["draft0"].block)  # the prefill's pair
         rule = d.rule
         neighbors = d.neighbors if d.neighbors is not None else np.zeros((view.size, 1), dtype=np.int64)
@@ -342,7 +346,9 @@ class TorchDeviceStep:
         cache = self.drafter
         if self.cfg_interval_on:  # past the interval an image's rows are their own CFG partners
             late = (self.count >= self.accept_feeds["cfg_interval"])[iob]  # a tensor: the graph reads its value
-            self.cfg_pair.copy_(torch.where(late, self.batch_rows, self.cfg_partners))
+            pairs = torch.where(late, self.batch_rows, self.cfg_partners)
+            for cfg_pair in self.cfg_pairs:
+                cfg_pair.copy_(pairs)
         self._mask("draft0", cache, cache.length)
         out = self._run("draft0", "drafter")
         kept = torch.where(active[iob], self.pending[iob], torch.zeros_like(self.pending[iob]))
