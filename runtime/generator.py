@@ -223,6 +223,14 @@ class Engine:
         self._plan = plan
         return plan
 
+    def release(self):
+        """Let the last step plan go (its buffers, bindings and CUDA graphs), so a backend this
+        engine shares with others gets them back; the next generate makes a new plan."""
+        with self._lock:
+            if self._plan is not None:
+                self.backend.release(self._plan)
+            self._plan = None
+
     def decode(self, tokens, grid=None):
         """VQ codes [N, rows * columns] -> uint8 images [N, H, W, 3]; grid (rows, columns)
         defaults to the engine's."""

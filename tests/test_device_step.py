@@ -445,3 +445,19 @@ def test_onnxruntime_forced_tokens_on_the_device(ort_lumina):
             print(f"onnxruntime float32 sampling acceptance, forced tokens: {int((~same).sum())} of 2 images differ")
             assert same.any()
         assert device.stats["mean_accepted_drafts"] > 0
+
+
+def test_engine_release_gives_a_shared_backend_its_plan_back(torch_c2i):
+    """Engine.release(): the step plan and its device step leave the shared backend (tensorrt-
+    torch frees their TensorRT contexts with them); the next generation makes them anew, the
+    same tokens."""
+    directory, backend = torch_c2i
+    engine = Engine(directory, backend=backend, step="device")
+    kw = dict(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, classes=[1, 2])
+    first = engine.generate(**kw)
+    plan = engine._plan
+    assert id(plan) in backend._steps
+    engine.release()
+    assert engine._plan is None and id(plan) not in backend._steps
+    np.testing.assert_array_equal(engine.generate(**kw).tokens, first.tokens)
+    engine.release()

@@ -320,7 +320,9 @@ def tensorrt(engine_dir, cpu, opts, flavor, workdir):
         from lantern.export.torch_backend import open_tensorrt_torch_backend  # torch: imported where needed
 
         backend = open_tensorrt_torch_backend(copy, flavor=flavor)
-        out["tensorrt_torch"] = measure(copy, Engine(copy, backend=backend), cpu, *opts, numerics_too=False)
+        engine = Engine(copy, backend=backend)
+        out["tensorrt_torch"] = measure(copy, engine, cpu, *opts, numerics_too=False)
+        engine.release()  # the plans' profiles go back to the backend for step_timing's engines
         out["tensorrt_torch"]["step_paths"] = step_timing(copy, batches=opts[1], backend=backend)
     except Exception as e:
         out["tensorrt_torch"] = {"error": one_line(e)}

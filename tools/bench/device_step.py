@@ -292,8 +292,7 @@ def step_record(engine, recorder, path, mode, images, cfg, classes, sampling=Fal
     try:
         out = run.generate(observer=observer, **kw)
     finally:  # the backend is shared by every row: the plan's buffers (and graphs) go with the row
-        if run._plan is not None:
-            recorder.release(run._plan)
+        run.release()
     s = out.stats
     if path == "host":
         counted, counted_steps = recorder.totals(marks[0]), max(s["steps"] - 1, 1)
@@ -368,8 +367,10 @@ def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact
         backend = TorchBackend(modules, manifest, device=device, threads=threads, cuda_graphs=cuda_graphs,
                                acceptance=KINDS)
     num_classes = manifest.condition.num_classes or 1
-    runs = []
+    runs, engine = [], None
     for path in ("host", "device"):
+        if engine is not None:
+            engine.release()  # the backend is shared: the last path's plan goes first
         engine = Engine(engine_dir, backend=backend, step=path)
         for images in batches:
             classes = [c % num_classes for c in range(1, images + 1)]
@@ -388,6 +389,7 @@ def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact
                              "ms_per_step": round(1000 * step_seconds / steps, 3),
                              "host_share": round(max(step_seconds - engine_seconds, 0) / max(step_seconds, 1e-9), 3),
                              "mean_accepted_length": round(s["mean_accepted_length"], 3)})
+    engine.release()
     for run in runs:  # the step in AR steps, per path and batch
         ar = next((r for r in runs if r["mode"] == "ar" and r["step"] == run["step"] and r["images"] == run["images"]),
                   None)
