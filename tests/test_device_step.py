@@ -461,3 +461,32 @@ def test_engine_release_gives_a_shared_backend_its_plan_back(torch_c2i):
     assert engine._plan is None and id(plan) not in backend._steps
     np.testing.assert_array_equal(engine.generate(**kw).tokens, first.tokens)
     engine.release()
+
+
+def test_the_device_step_feeds_the_calls_static_inputs_where_the_backend_bound_them(torch_c2i, monkeypatch):
+    """On CUDA TorchBackend.bind gives each call static input tensors; the device step adopts
+    them (refilled in place, every drafter call's cfg_pair written), so both step paths feed a
+    call from the same addresses (what tensorrt-torch's contexts are keyed by). Here bind's
+    statics are made by hand on the CPU: the step feeds exactly those, and the tokens stay the
+    host step's."""
+    directory, _ = torch_c2i
+    backend = open_torch_backend(directory, threads=2)
+    statics = {}
+
+    def bound_inputs(call):
+        if id(call) not in statics:
+            statics[id(call)] = {name: torch.zeros(np.shape(buf), dtype=getattr(torch, str(np.asarray(buf).dtype)))
+                                 for name, buf in call.feeds.items() if not isinstance(buf, torch.Tensor)}
+        return statics[id(call)]
+
+    monkeypatch.setattr(backend, "bound_inputs", bound_inputs)
+    kw = dict(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, cfg_interval=5, classes=[1, 2, 3])
+    device = Engine(directory, backend=backend, step="device")
+    got = device.generate(**kw)
+    want = Engine(directory, backend=torch_c2i[1], step="host").generate(**kw)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    step = backend._steps[id(device._plan)]
+    for regime, feeds in step.feeds.items():
+        mine = statics[id(device._plan.calls[regime])]
+        assert mine and all(feeds[name] is tensor for name, tensor in mine.items()), regime
+    assert len(step.cfg_pairs) == device.tree.depth  # one per drafter call
