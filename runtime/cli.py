@@ -64,7 +64,8 @@ def add_generation_options(p, tree=True):
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda for tensorrt and tensorrt-torch, "
                                                   "else cpu)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="tensorrt: enqueue every call instead of replaying a CUDA graph per call regime")
+                   help="tensorrt: enqueue every call instead of replaying a CUDA graph per call regime "
+                        "(torch and tensorrt-torch capture theirs always on CUDA)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
     p.add_argument("--step", choices=("host", "device"), default=None,
                    help="where each decoding step runs: host (acceptance in numpy over logits read back) or device "

@@ -197,10 +197,11 @@ def run(args):
                          / (ar_single["seconds"] / ar_single["steps_per_image"]),
                          "engine_calls_per_step_batch1": one["engine_calls"] / one["steps_per_image"],
                          # what the verification of a step costs against the target call of an AR step
-                         "verify_cost_vs_ar": (_stat(s, "verify") / s["steps_per_image"])
-                         / (_stat(ar_batch, "verify") / ar_batch["steps_per_image"]),
-                         "verify_cost_vs_ar_batch1": (one["verify"] / one["steps_per_image"])
-                         / (ar_single["verify"] / ar_single["steps_per_image"]),
+                         # (None on the device step: its phases are one engine call, not timed apart)
+                         "verify_cost_vs_ar": _ratio(_stat(s, "verify") / s["steps_per_image"],
+                                                     _stat(ar_batch, "verify") / ar_batch["steps_per_image"]),
+                         "verify_cost_vs_ar_batch1": _ratio(one["verify"] / one["steps_per_image"],
+                                                            ar_single["verify"] / ar_single["steps_per_image"]),
                          "accepted_histogram": s.get("accepted_histogram", []),
                          "acceptance_per_depth": acceptance_per_depth(s.get("accepted_histogram", [])),
                          "image": f"{name}.png", "phase_seconds": s["phase_seconds"],
@@ -342,6 +343,11 @@ def acceptance_per_depth(histogram):
         return []
     reached = h[::-1].cumsum()[::-1]  # reached[d] = steps with >= d accepted drafts
     return [float(reached[d] / reached[d - 1]) if reached[d - 1] else 0.0 for d in range(1, len(h))]
+
+
+def _ratio(a, b):
+    """a / b, or None where b is not a positive number (a phase the step path does not time)."""
+    return a / b if b > 0 else None
 
 
 def _stat(stats, key):

@@ -293,6 +293,7 @@ def step_record(engine, recorder, path, mode, images, cfg, classes, sampling=Fal
         out = run.generate(observer=observer, **kw)
     finally:  # the backend is shared by every row: the plan's buffers (and graphs) go with the row
         run.release()
+        recorder.last_step = None
     s = out.stats
     if path == "host":
         counted, counted_steps = recorder.totals(marks[0]), max(s["steps"] - 1, 1)
@@ -395,7 +396,8 @@ def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact
                   None)
         if ar is not None and run["mode"] != "ar":
             run["step_in_ar_steps"] = round(run["ms_per_step"] / ar["ms_per_step"], 2)
-    return {"device": str(device), "cuda_graphs": bool(cuda_graphs and str(device).startswith("cuda")), "runs": runs}
+    return {"device": str(backend.device), "cuda_graphs": bool(backend.cuda_graphs), "backend": backend.name,
+            "runs": runs}
 
 
 def main(argv=None):
