@@ -53,7 +53,7 @@ from lantern.runtime.contracts import graph_io
 from lantern.runtime.errors import LanternError
 from lantern.runtime.sampling import Greedy
 
-_TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
+TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
                "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
 
 # ---------------------------------------------------------------------------------------------
@@ -116,21 +116,9 @@ class TensorRTBackend(CudaArrays):
 
     # -- opening ---------------------------------------------------------------------------------
     def _deserialize(self, graph, plan_file):
-        path = os.path.join(self.directory, plan_file.file)
-        self.logger.clear()
-        with open(path, "rb") as f:
-            engine = self.runtime.deserialize_cuda_engine(f.read())
-        if engine is None:
-            raise LanternError(f"{path}: {self.plans.flavor} cannot load the plan ({self.logger.first_error()}); "
-                               f"rebuild it with `{rebuild_command(self.directory, self.plans.flavor, self.gpu)}`")
-        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
-        inputs = {n for n in names if engine.get_tensor_mode(n) == self.trt.TensorIOMode.INPUT}
-        entry = self.graph_entries[graph]  # acceptance plans too (accept_<kind>@TREE)
-        if inputs != set(entry.inputs) or set(names) - inputs != set(entry.outputs) \
-                or engine.num_optimization_profiles != len(plan_file.profiles):
-            raise LanternError(f"{path}: the plan's inputs, outputs or profiles differ from the manifest's; rebuild it "
-                               f"with `{rebuild_command(self.directory, self.plans.flavor, self.gpu)}`")
-        return engine
+        return load_plan(self.trt, self.runtime, self.logger, self.directory, self.plans.flavor, plan_file,
+                         self.graph_entries[graph],  # acceptance plans too (accept_<kind>@TREE)
+                         rebuild_command(self.directory, self.plans.flavor, self.gpu))
 
     def _context(self, graph, profile):
         key = (graph, profile)
@@ -159,7 +147,7 @@ class TensorRTBackend(CudaArrays):
 
     def _tensor_dtype(self, graph, name):
         trt_dtype = self.engines[graph].get_tensor_dtype(name)
-        return _TRT_DTYPES.get(trt_dtype.name, trt_dtype.name.lower())
+        return TRT_DTYPES.get(trt_dtype.name, trt_dtype.name.lower())
 
     # -- binding ---------------------------------------------------------------------------------
     def _prepare(self, call, profile):
@@ -356,15 +344,11 @@ class TensorRTGraphAcceptance:
         self.backend = backend
         self.io = io = graph_acceptance.AcceptanceIO(backend.manifest, decoding)
         verify = decoding.plan.calls["verify"]
-        self.constants = {}  # name -> (its device buffer, the host values it was copied from)
+        self.constants = {}  # name -> its device buffer, uploaded once
         for name, value in io.constants().items():
-            values = _host_values(value, backend._tensor_dtype(io.label, name))
-            device = backend._empty(value.shape, backend._tensor_dtype(io.label, name))
-            backend.cuda.memcpy(device.ptr, values.ctypes.data, device.nbytes, "cudaMemcpyHostToDevice")
-            self.constants[name] = device, values
-        backend.synchronize()
-        self.call = call = graph_acceptance.acceptance_call(io, verify.outputs["logits"],
-                                                            {n: d for n, (d, _) in self.constants.items()})
+            self.constants[name] = device = backend._empty(value.shape, backend._tensor_dtype(io.label, name))
+            backend.copy(value, device)
+        self.call = call = graph_acceptance.acceptance_call(io, verify.outputs["logits"], self.constants)
         shapes = call_shapes(call)
         profile = find_profile(backend.plans.plans[io.label], shapes)
         if profile is None:
@@ -387,6 +371,26 @@ class TensorRTGraphAcceptance:
         for name, (host, _) in self.read_back.items():
             self.io.outputs[name][...] = host
         return self.io.outcome(active, "acceptance plan")
+
+
+def load_plan(trt, runtime, logger, directory, flavor, plan_file, entry, rebuild):
+    """A plan file deserialized and checked against its manifest entry (inputs, outputs, one
+    optimization profile per recorded one); a LanternError with the rebuild line otherwise.
+    TensorRTBackend and tensorrt-torch open their plans with it."""
+    path = os.path.join(directory, plan_file.file)
+    logger.clear()
+    with open(path, "rb") as f:
+        engine = runtime.deserialize_cuda_engine(f.read())
+    if engine is None:
+        raise LanternError(f"{path}: {flavor} cannot load the plan ({logger.first_error()}); rebuild it with "
+                           f"`{rebuild}`")
+    names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+    inputs = {n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
+    if inputs != set(entry.inputs) or set(names) - inputs != set(entry.outputs) \
+            or engine.num_optimization_profiles != len(plan_file.profiles):
+        raise LanternError(f"{path}: the plan's inputs, outputs or profiles differ from the manifest's; rebuild it "
+                           f"with `{rebuild}`")
+    return engine
 
 
 def error_logger(trt):

@@ -19,18 +19,13 @@ every context (enqueues are in order on one stream), as in TensorRTBackend.
 Needs a CUDA GPU, PyTorch with CUDA and the TensorRT flavor that built the plans; not yet run on
 one (no machine here has full TensorRT, and TensorRT for RTX runs plans only on a GPU)."""
 import importlib
-import os
 
-from lantern.runtime.backends.tensorrt import error_logger
+from lantern.runtime.backends.tensorrt import TRT_DTYPES, error_logger, load_plan
 from lantern.runtime.backends.tensorrt_plans import (FLAVOR_MODULES, find_profile, installed_versions,
                                                      rebuild_command, select_plans)
 from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.contracts import graph_io
 from lantern.runtime.errors import LanternError
-
-_TORCH_OF_TRT = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
-                 "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
-
 
 class TensorRTModule:
     """One plan as a module of the graph's contract: (*inputs) -> outputs, in contract order.
@@ -57,7 +52,7 @@ class TensorRTModule:
 
     def _dtype(self, name):
         trt_dtype = self.engine.get_tensor_dtype(name)
-        return getattr(self.torch, _TORCH_OF_TRT.get(trt_dtype.name, trt_dtype.name.lower()))
+        return getattr(self.torch, TRT_DTYPES.get(trt_dtype.name, trt_dtype.name.lower()))
 
     def _new_context(self, profile):
         trt = self.trt
@@ -169,23 +164,15 @@ class TensorRTTorchBackend(TorchBackend):
         trt = importlib.import_module(FLAVOR_MODULES[build.flavor])
         logger = error_logger(trt)
         runtime = trt.Runtime(logger)
-        where = f"rebuild the plans with `{rebuild_command(directory, build.flavor, gpu)}`"
+        rebuild = rebuild_command(directory, build.flavor, gpu)
+        where = f"rebuild the plans with `{rebuild}`"
         engines = {}
         for graph, entry in manifest.graphs.items():
             plan_file = build.plans.get(graph)
             if plan_file is None:
                 raise LanternError(f"plans/{key} have no {graph} plan; {where}")
-            path = os.path.join(directory, plan_file.file)
-            with open(path, "rb") as f:
-                engine = runtime.deserialize_cuda_engine(f.read())
-            if engine is None:
-                raise LanternError(f"{path}: {build.flavor} cannot load the plan ({logger.first_error()}); {where}")
-            io = graph_io(entry.contract, max(entry.layers, 1))
-            names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
-            if names != set(io["inputs"]) | set(io["outputs"]) \
-                    or engine.num_optimization_profiles != len(plan_file.profiles):
-                raise LanternError(f"{path}: the plan's inputs, outputs or profiles differ from the manifest's; {where}")
-            engines[graph] = engine, plan_file, io
+            engine = load_plan(trt, runtime, logger, directory, build.flavor, plan_file, entry, rebuild)
+            engines[graph] = engine, plan_file, graph_io(entry.contract, max(entry.layers, 1))
         # one activation scratch for every context: all enqueues are in order on one stream
         size = max(e.device_memory_size_v2 if hasattr(e, "device_memory_size_v2") else e.device_memory_size
                    for e, _, _ in engines.values())

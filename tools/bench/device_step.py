@@ -39,6 +39,7 @@ from lantern.runtime import accept as acceptance
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.tree import build_tree, root_only
+from lantern.runtime.backends.graph_acceptance import STEP_INPUTS
 from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.manifest import read_manifest
@@ -271,7 +272,7 @@ class _RecordedAcceptance:
     def accept(self, decoding, active, uniforms):
         out = self.inner.accept(decoding, active, uniforms)
         io = self.io
-        self.events += [("to_device", sum(io.feeds[n].nbytes for n in io.feeds if n not in io.constants())),
+        self.events += [("to_device", sum(io.feeds[n].nbytes for n in STEP_INPUTS if n in io.feeds)),
                         ("launch", 0), ("to_host", sum(a.nbytes for a in io.outputs.values())), ("sync", 0)]
         return out
 
