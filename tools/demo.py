@@ -23,6 +23,7 @@ import os
 import time
 
 import numpy as np
+import torch
 
 import lantern.export
 from lantern.export.check import check_engine
@@ -86,13 +87,7 @@ def demo_backend(device):
     ("onnxruntime", "cpu"); device "auto", "cpu" or "cuda" (a LanternError where there is none)."""
     if device == "cpu":
         return "onnxruntime", "cpu"
-    try:
-        import torch
-
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
-    if cuda:
+    if torch.cuda.is_available():
         return "torch", "cuda"
     if device == "cuda":
         raise LanternError("--device cuda: torch sees no CUDA device here (a CUDA build of torch and an NVIDIA driver "

@@ -11,13 +11,14 @@ handed in by whoever opened the backend: the runtime never imports lantern.expor
 
 Every shape is a function of the plan, and nothing in a step reads a device value on the host
 (no item(), no 0-dim tensor index, no data-sized output: the tests watch every op a step
-dispatches, on the CPU), so on CUDA the whole step is captured as one CUDA graph per plan and replayed (after one eager
-step that warms the kernels up); the backend keeps a plan's step for its next generations, which
-refill the same tensors (load), so the graph is captured once per plan, not per generation.
-Python values the graph bakes in are constants of the plan (or of `key_of`). On the CPU, and where capture fails (one warning line), the
-same function runs eagerly. Finished images keep running in their batch rows (static shapes);
-their commits are made harmless instead of skipped: entries they would keep land on slots that
-no one sees, and their token counts stop.
+dispatches, on the CPU), so on CUDA the whole step is captured as one CUDA graph per plan and
+replayed (after one eager step that warms the kernels up); the backend keeps a plan's step for
+its next generations, which refill the same tensors (load), so the graph is captured once per
+plan, not per generation. Python values the graph bakes in are constants of the plan (or of
+`key_of`). On the CPU, and where capture fails (one warning line), the same function runs
+eagerly. Finished images keep running in their batch rows (static shapes); their commits are
+made harmless instead of skipped: entries they would keep land on slots that no one sees, and
+their token counts stop.
 
 Where the host loop writes only the entries it keeps, the step writes fixed-width blocks and
 points the unneeded ones at a kept entry (the same value written twice) or at an invisible slot,
