@@ -5,6 +5,7 @@ lantern.export, so this is where the two meet."""
 from lantern.export.accept_graphs import KINDS
 from lantern.export.onnx_export import load_graph_modules
 from lantern.runtime import manifest as engine_format
+from lantern.runtime.backends.onnxruntime_torch import OnnxRuntimeTorchBackend
 from lantern.runtime.backends.tensorrt_torch import TensorRTTorchBackend
 from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.errors import LanternError
@@ -31,3 +32,12 @@ def open_tensorrt_torch_backend(directory, device="cuda", flavor=None, plans=Non
     manifest = manifest or read_manifest(directory)
     return TensorRTTorchBackend(directory, manifest, device=device, flavor=flavor, plans=plans, cuda_graphs=cuda_graphs,
                                 acceptance=KINDS, accept_precision=accept_precision)
+
+
+def open_onnxruntime_torch_backend(directory, threads=None, device="cpu", manifest=None, accept_precision="float64"):
+    """The engine's ONNX graphs, run by ONNX Runtime, as the torch backend's modules (lantern.
+    runtime.backends.onnxruntime_torch), with the acceptance modules for its device step: the
+    whole step on ONNX Runtime's device, the calls chained through buffers that stay there."""
+    manifest = manifest or read_manifest(directory)
+    return OnnxRuntimeTorchBackend(directory, manifest, threads=threads, device=device, acceptance=KINDS,
+                                   accept_precision=accept_precision)

@@ -493,3 +493,27 @@ def test_inplace_device_step_on_left_padded_prompts(inplace_anole):
     device = Engine(inplace_anole, backend=backend, step="device").generate(**kw)
     assert device.stats["step"] == "device" and device.stats["mean_accepted_drafts"] > 0
     np.testing.assert_array_equal(device.body, host.body)
+
+
+def test_inplace_engine_on_onnxruntime_torch(inplace_c2i, capfd):
+    """ONNX Runtime's whole device step on an in-place engine (onnxruntime-torch: each cache's
+    output bound to its input, so TensorScatter writes the cache where it is; the commit graph
+    moves accepted paths): the plain ONNX Runtime host step's tokens, greedy and sampling, and
+    no whole-cache copy (ONNX Runtime says so on stderr when it makes one): the verify call's
+    present outputs are the cache tensors themselves."""
+    from lantern.export.torch_backend import open_onnxruntime_torch_backend
+
+    reference = Engine(inplace_c2i, threads=2)
+    device = Engine(inplace_c2i, backend=open_onnxruntime_torch_backend(inplace_c2i, threads=2), step="device")
+    for extra in (dict(greedy=True), dict(greedy=False, temperature=1.0, top_k=20, seed=[5, 6])):
+        kw = dict(mode="lantern++", lam=3.0, k=8, cfg_scale=4.0, classes=[1, 2], **extra)
+        want = reference.generate(**kw)
+        capfd.readouterr()
+        got = device.generate(**kw)
+        assert "in-place optimization not activated" not in capfd.readouterr().err
+        np.testing.assert_array_equal(got.tokens, want.tokens, err_msg=str(extra))
+        assert got.stats["step"] == "device" and got.stats["mean_accepted_drafts"] > 0
+    backend, plan = device.backend, device._plan
+    bindings = backend.modules["target"].bindings.values()  # prefill, and each step's verify
+    assert len(bindings) >= 2 and all(dict(zip(backend.outputs["target"], outputs))["present_keys_1"] is
+                                      plan.target_cache.feeds["past_keys_1"] for _, outputs in bindings)

@@ -21,7 +21,14 @@ def _tensorrt_torch_backend(engine_dir, threads, device):
     return open_tensorrt_torch_backend(engine_dir, device=device)
 
 
-LOADERS = {"torch": _torch_backend, "tensorrt-torch": _tensorrt_torch_backend}
+def _onnxruntime_torch_backend(engine_dir, threads, device):
+    from lantern.export.torch_backend import open_onnxruntime_torch_backend
+
+    return open_onnxruntime_torch_backend(engine_dir, threads=threads, device=device)
+
+
+LOADERS = {"torch": _torch_backend, "tensorrt-torch": _tensorrt_torch_backend,
+           "onnxruntime-torch": _onnxruntime_torch_backend}
 
 
 def build_parser():

@@ -86,7 +86,14 @@ def _tensorrt_torch(directory, manifest, **options):
     return TensorRTTorchBackend(directory, manifest, **options)
 
 
-BACKENDS = {"onnxruntime": _onnxruntime, "tensorrt": _tensorrt, "torch": _torch, "tensorrt-torch": _tensorrt_torch}
+def _onnxruntime_torch(directory, manifest, **options):
+    from lantern.runtime.backends.onnxruntime_torch import OnnxRuntimeTorchBackend
+
+    return OnnxRuntimeTorchBackend(directory, manifest, **options)
+
+
+BACKENDS = {"onnxruntime": _onnxruntime, "tensorrt": _tensorrt, "torch": _torch, "tensorrt-torch": _tensorrt_torch,
+            "onnxruntime-torch": _onnxruntime_torch}
 
 
 def open_backend(name, directory, manifest, **options):

@@ -29,7 +29,9 @@ class OnnxRuntimeBackend:
     key = None  # runs the ONNX graphs (or their modules), no compiled plans
     default_step = "host"  # its device step (acceptance as a graph) is slower on a CPU: bench.device_step
 
-    def __init__(self, directory, manifest, threads=None, device="cpu", io_binding=True):
+    def __init__(self, directory, manifest, threads=None, device="cpu", io_binding=True, cuda_stream=None):
+        """cuda_stream: the CUDA stream (a pointer) the sessions run on (onnxruntime-torch hands
+        in torch's, so its ops and the sessions' kernels stay in order); None: the provider's own."""
         try:
             import onnxruntime as ort
         except ImportError:
@@ -45,7 +47,8 @@ class OnnxRuntimeBackend:
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise LanternError("the CUDA execution provider is not available (install onnxruntime-gpu)")
-            providers.insert(0, "CUDAExecutionProvider")
+            providers.insert(0, "CUDAExecutionProvider" if cuda_stream is None else
+                             ("CUDAExecutionProvider", {"user_compute_stream": str(cuda_stream)}))
         elif device != "cpu":
             raise LanternError(f"unknown device {device!r}; valid: cpu, cuda")
         options = ort.SessionOptions()
@@ -68,6 +71,7 @@ class OnnxRuntimeBackend:
         self._bound = {}  # id(call) -> (call, IOBinding)
         self._values = {}  # id(call) -> {input or output name: its bound OrtValue}
         self.directory, self.manifest, self.options, self.providers = directory, manifest, options, providers
+        self.device = device
         self._acceptance = {}  # graph file -> InferenceSession of an acceptance graph
 
     def zeros(self, shape):
@@ -181,7 +185,7 @@ class OrtGraphAcceptance:
         OrtValue = backend.ort.OrtValue
         # the generation's constants (the neighbor table above all) where the session runs, once;
         # on the CPU every value shares its host buffer
-        on_gpu = backend.providers[0] == "CUDAExecutionProvider"
+        on_gpu = backend.device == "cuda"
         constants = io.constants()
         for name, value in io.feeds.items():
             ort_value = OrtValue.ortvalue_from_numpy(value, "cuda", 0) if on_gpu and name in constants \

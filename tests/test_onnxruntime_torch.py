@@ -1,0 +1,141 @@
+"""The onnxruntime-torch backend: the engine's ONNX graphs run by ONNX Runtime as the torch
+backend's modules (runtime/backends/onnxruntime_torch.py), so ONNX Runtime gets the whole step on
+its device (drafting, acceptance, commits as torch ops on the memory the sessions read and
+write). Against the plain ONNX Runtime backend's host step, token for token: greedy over the
+modes, sampling, CFG on and off with an interval, batch 1 and 3, c2i, t2i and a forced-token
+engine; through a backend that records every host crossing, a device step on the real ONNX
+Runtime graphs that moves a few integers per image and nothing that grows with the vocabulary,
+the cache or the tree."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lantern.export.torch_backend import open_onnxruntime_torch_backend
+from lantern.runtime.backends import open_backend
+from lantern.runtime.backends.onnxruntime_torch import OnnxRuntimeModule
+from lantern.runtime.errors import LanternError
+from lantern.runtime.generator import Engine
+from lantern.runtime.manifest import read_manifest
+from lantern.tools.bench.device_step import RecordingBackend
+from lantern.tools.run_cli import main as run_main
+from engines import captions
+
+torch.set_grad_enabled(False)
+
+
+@pytest.fixture(scope="module")
+def c2i(c2i_engine):
+    """The plain ONNX Runtime engine (the reference), and a host and a device engine on one
+    onnxruntime-torch backend (cases with the same tree and batch reuse the plan and its step)."""
+    backend = open_onnxruntime_torch_backend(c2i_engine, threads=2)
+    return (Engine(c2i_engine, threads=2), Engine(c2i_engine, backend=backend, step="host"),
+            Engine(c2i_engine, backend=backend, step="device"))
+
+
+CASES = [dict(mode="ar", greedy=True, cfg_scale=4.0, n=3),
+         dict(mode="exact", greedy=True, cfg_scale=4.0, cfg_interval=5, n=3),
+         dict(mode="lantern", greedy=True, cfg_scale=1.0, delta=0.2, k=8, n=1),
+         dict(mode="lantern++", greedy=True, cfg_scale=4.0, lam=3.0, k=8, n=3),
+         dict(mode="exact", greedy=False, cfg_scale=3.0, top_k=20, seed=[3, 4, 5], n=3),
+         dict(mode="lantern++", greedy=False, cfg_scale=1.0, temperature=0.9, top_p=0.9, lam=3.0, k=8, seed=2, n=1)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['mode']}-{'greedy' if c['greedy'] else 'sampling'}")
+def test_both_steps_give_the_onnxruntime_tokens(c2i, case):
+    reference, host_engine, device_engine = c2i
+    kw = dict(case)
+    kw["classes"] = list(range(1, kw.pop("n") + 1))
+    want = reference.generate(**kw)
+    host, device = host_engine.generate(**kw), device_engine.generate(**kw)
+    assert (host.stats["step"], device.stats["step"], device.stats["backend"]) == ("host", "device",
+                                                                                    "onnxruntime-torch")
+    np.testing.assert_array_equal(host.tokens, want.tokens)
+    np.testing.assert_array_equal(device.tokens, want.tokens)
+    for key in ("steps_per_image", "mean_accepted_length", "accepted_histogram"):
+        assert device.stats[key] == want.stats[key], key
+    if kw["mode"] == "lantern++" and kw["greedy"]:
+        assert device.stats["mean_accepted_drafts"] > 0  # relaxed acceptance really ran
+        alone = device_engine.generate(**{**kw, "classes": [2]})  # batch invariance
+        np.testing.assert_array_equal(alone.tokens[0], device.tokens[1])
+
+
+def test_text_conditioned_and_forced_token_engines(t2i_engine, chameleon_engines):
+    caption, mask = captions(2)
+    lumina = chameleon_engines["lumina_mgpt"]
+    for directory, kw in [(t2i_engine, dict(caption=caption, caption_mask=mask, cfg_scale=3.0)),
+                          (lumina, dict(prompt=["a red cat", "a dog on a mat"], grid=(4, 4), cfg_scale=3.0))]:
+        backend = open_onnxruntime_torch_backend(directory, threads=2)
+        for extra in (dict(greedy=True), dict(greedy=False, top_k=50, seed=[5, 9])):
+            args = dict(mode="lantern++", lam=4.0, k=8, **kw, **extra)
+            want = Engine(directory, threads=2).generate(**args)
+            device = Engine(directory, backend=backend, step="device").generate(**args)
+            np.testing.assert_array_equal(device.body, want.body, err_msg=f"{directory} {extra}")
+            assert device.stats["mean_accepted_drafts"] > 0
+
+
+def test_the_device_step_moves_a_few_integers_per_image(c2i_engine):
+    """Per step on the real ONNX Runtime graphs: one read of the report (accepted, depth + 1
+    tokens, invalid; int64 per image) and its one synchronisation, nothing written up, no launch
+    from the host; the host step reads the whole verification logits every step."""
+    backend = RecordingBackend(open_onnxruntime_torch_backend(c2i_engine, threads=2))
+    kw = dict(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, classes=[1, 2, 3])
+    engine = Engine(c2i_engine, backend=backend, step="device")
+    device = engine.generate(**kw)
+    events = backend.events[backend.start:]
+    depth, vocab, nodes = engine.tree.depth, engine.manifest.vocabulary.size, engine.tree.num_nodes
+    assert {kind for kind, _ in events} == {"to_host", "sync"}
+    reads = [size for kind, size in events if kind == "to_host"]
+    assert reads == [3 * (depth + 3) * 8] * len(reads) and len(reads) == len(events) // 2 >= device.stats["steps"]
+
+    start = len(backend.events)
+    host = Engine(c2i_engine, backend=backend, step="host").generate(**kw)
+    host_reads = [size for kind, size in backend.events[start:] if kind == "to_host"]
+    assert max(host_reads) >= 6 * nodes * vocab * 4  # [rows, nodes, vocabulary] float32
+    np.testing.assert_array_equal(device.tokens, host.tokens)
+
+
+def test_a_binding_is_made_once_per_call_and_outputs_stay_put(c2i):
+    """Every call of a plan keeps its IOBinding and output tensors from step to step (the
+    calls chain through buffers that stay where the next call reads them); a strided input is
+    made dense, a new shape binds anew."""
+    _, _, device_engine = c2i
+    backend = device_engine.backend
+    device_engine.generate(mode="exact", greedy=True, cfg_scale=4.0, classes=[1, 2])
+    target, drafter = backend.modules["target"], backend.modules["drafter"]
+    kept = {name: dict(module.bindings) for name, module in backend.modules.items()}
+    device_engine.generate(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, classes=[3, 4])  # same plan
+    assert len(target.bindings) == 2 and len(drafter.bindings) == device_engine.tree.depth  # prefill, verify; draft0...
+    for name in ("target", "drafter"):
+        assert all(kept[name][b] is backend.modules[name].bindings[b] for b in kept[name])
+    image = device_engine.manifest.image
+    codes = torch.randint(0, device_engine.manifest.vocabulary.codes, (1, image.grid_height, image.grid_width))
+    dense = backend.modules["vq_decoder"](codes)[0].clone()
+    strided = codes.transpose(1, 2).contiguous().transpose(1, 2)  # the same codes, not dense
+    assert not strided.is_contiguous()
+    strided = backend.modules["vq_decoder"](strided)[0]
+    np.testing.assert_array_equal(strided.numpy(), dense.numpy())
+
+
+def test_refusals_and_the_command_line(c2i_engine, tmp_path, capsys):
+    manifest = read_manifest(c2i_engine)
+    with pytest.raises(LanternError, match="unknown device 'tpu'"):
+        open_onnxruntime_torch_backend(c2i_engine, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(LanternError, match="this PyTorch has no CUDA device"):
+            open_onnxruntime_torch_backend(c2i_engine, device="cuda")
+    bare = open_backend("onnxruntime-torch", c2i_engine, manifest, threads=2)  # the registry: no acceptance
+    assert isinstance(bare.modules["target"], OnnxRuntimeModule) and bare.default_step == "host"
+    with pytest.raises(LanternError, match="without the greedy acceptance module"):
+        Engine(c2i_engine, backend=bare, step="device").generate(mode="exact", greedy=True, classes=[1])
+    out = tmp_path / "run"
+    assert run_main(["generate", c2i_engine, "--backend", "onnxruntime-torch", "--step", "device", "--mode", "lantern++",
+                     "--lam", "3", "--k", "8", "--greedy", "--classes", "1,2", "--cfg-scale", "4", "--threads", "2",
+                     "--out", str(out)]) == 0
+    assert "device step" in capsys.readouterr().out
+    stats = json.loads((out / "stats.json").read_text())
+    assert (stats["step"], stats["backend"]) == ("device", "onnxruntime-torch")
+    want = Engine(c2i_engine, threads=2).generate(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0,
+                                                  classes=[1, 2])
+    np.testing.assert_array_equal(np.load(out / "tokens.npy"), want.tokens)
