@@ -69,10 +69,11 @@ def add_generation_options(p, tree=True):
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
     p.add_argument("--step", choices=("host", "device"), default=None,
                    help="where each decoding step runs: host (acceptance in numpy over logits read back) or device "
-                        "(torch and tensorrt-torch: the whole step on its device, plain or in-place engines; "
+                        "(torch, tensorrt-torch and onnxruntime-torch: the whole step on its device, plain or "
+                        "in-place engines; "
                         "onnxruntime and tensorrt: acceptance, greedy or sampling, by the graphs `lantern-export "
-                        "accept` writes, the rest on the host); default: the backend's (device on torch CUDA and "
-                        "tensorrt-torch, else host)")
+                        "accept` writes, the rest on the host); default: the backend's (device on CUDA for torch, "
+                        "tensorrt-torch and onnxruntime-torch, else host)")
 
 
 def generation_settings(args):

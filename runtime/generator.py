@@ -18,8 +18,9 @@ Every call's shapes and buffers come from a StepPlan made once per (tree, prefix
 
 Where the step runs (Engine(step=...)): "host" is the loop above, with acceptance in numpy over
 logits read back to the host; "device" hands the step to the backend (backend.device_step): the
-torch backend's runs the whole step, draft -> verify -> accept -> commit, on its device and reads
-back a few integers per image; ONNX Runtime's runs acceptance only (greedy or sampling), the
+torch backend's (and tensorrt-torch's and onnxruntime-torch's, whose plans and sessions are its
+modules) runs the whole step, draft -> verify -> accept -> commit, on its device and reads back a
+few integers per image; ONNX Runtime's runs acceptance only (greedy or sampling), the
 engine's acceptance graph (`lantern-export accept`) fed the verification logits where the target
 left them and, sampling, the same draws of the images' streams the host step reads, and the host
 does the rest. None takes the backend's default_step (host where a backend has none). The same

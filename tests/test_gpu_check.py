@@ -42,7 +42,7 @@ def test_without_a_gpu_the_runbook_builds_rtx_plans_and_lists_what_it_skipped(c2
     label = "engine-c2i"
     assert data["environment"]["gpu"] is None and data["environment"]["tensorrt_rtx"]
     for backend in ("torch-cuda-graphs", "torch-cuda-eager", "torch-cuda-step-graph", "torch-cuda-step-eager",
-                    "onnxruntime-cuda"):
+                    "onnxruntime-cuda", "onnxruntime-torch-cuda"):
         assert data[f"{label}/{backend}"]["skipped"], backend
     rtx = data[f"{label}/tensorrt-rtx"]
     # the engine's graphs and the greedy acceptance plan the device step runs (added to the copy)

@@ -139,3 +139,17 @@ def test_refusals_and_the_command_line(c2i_engine, tmp_path, capsys):
     want = Engine(c2i_engine, threads=2).generate(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0,
                                                   classes=[1, 2])
     np.testing.assert_array_equal(np.load(out / "tokens.npy"), want.tokens)
+
+
+def test_gpu_checks_section_logic_on_the_cpu(c2i_engine):
+    """gpu_check's onnxruntime-torch-cuda section is step_timing over this backend: on the CPU
+    both step paths run and give the same greedy steps."""
+    from lantern.tools.bench.device_step import step_timing
+
+    backend = open_onnxruntime_torch_backend(c2i_engine, threads=2)
+    data = step_timing(c2i_engine, modes=("ar", "lantern++"), batches=(1,), warmup=False, backend=backend)
+    assert (data["backend"], data["device"], data["cuda_graphs"]) == ("onnxruntime-torch", "cpu", False)
+    runs = {(r["step"], r["mode"]): r for r in data["runs"]}
+    assert set(runs) == {(p, m) for p in ("host", "device") for m in ("ar", "lantern++")}
+    assert runs["host", "lantern++"]["steps"] == runs["device", "lantern++"]["steps"]
+    assert runs["device", "lantern++"]["step_in_ar_steps"] > 0

@@ -344,6 +344,21 @@ def test_torch_backend_refuses_a_quantized_engine(quantized, tmp_path, capsys):
     assert "int8-quantized graphs, which the torch backend cannot run" in capsys.readouterr().err
 
 
+def test_onnxruntime_torch_runs_a_quantized_engine_on_both_step_paths(quantized):
+    """What the torch backend refuses, onnxruntime-torch runs (ONNX Runtime runs the quantized
+    graphs): the onnxruntime backend's tokens on the host step and the whole device step."""
+    from lantern.export.torch_backend import open_onnxruntime_torch_backend
+
+    directory = quantized["int8"]
+    backend = open_onnxruntime_torch_backend(directory, threads=2)
+    kw = dict(classes=[1, 2], mode="lantern++", greedy=True, cfg_scale=3.0, k=8)
+    want = Engine(directory, threads=2).generate(**kw).tokens
+    for step in ("host", "device"):
+        out = Engine(directory, backend=backend, step=step).generate(**kw)
+        assert out.stats["step"] == step
+        np.testing.assert_array_equal(out.tokens, want, err_msg=step)
+
+
 def test_tensorrt_plans_refused_for_a_quantized_engine(quantized, capsys):
     """TensorRT's parser takes MatMulNBits only with fp16 inputs (measured: TensorRT for RTX 1.7
     refuses an fp32 one), so `lantern-export trt` says so at once instead of failing mid-build."""

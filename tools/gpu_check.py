@@ -11,6 +11,8 @@ Engines: the bundled demo model (--demo), a random-weight LlamaGen of --gpt's sh
                                          per step, or eager) against the host step: ms per AR and
                                          speculative step, host share, batch 1 and the batch
   onnxruntime-cuda                       ONNX Runtime's CUDA execution provider
+  onnxruntime-torch-cuda                 the same inside the torch backend: host step against the
+                                         whole step on the device (ms per step, host share)
   tensorrt / tensorrt-rtx                full TensorRT and TensorRT for RTX: plans built here for
                                          this GPU (`lantern-export trt`), run with CUDA graphs on
                                          and off, and checked by Polygraphy (`check --against
@@ -269,6 +271,21 @@ def onnxruntime_cuda(engine_dir, cpu, opts):
     return measure(engine_dir, Engine(engine_dir, backend="onnxruntime", device="cuda"), cpu, *opts)
 
 
+def onnxruntime_torch_cuda(engine_dir, batches):
+    """ONNX Runtime's CUDA provider inside the torch backend (onnxruntime-torch): the host step
+    against the whole step on the device, the sessions chained through torch's CUDA tensors."""
+    import onnxruntime as ort  # the runtime's own dependency
+
+    if cuda_visible() is None:
+        raise Skip("torch sees no CUDA device")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise Skip("ONNX Runtime has no CUDAExecutionProvider here (pip install 'lantern[gpu]' instead of the CPU "
+                   "wheel, on a host with an NVIDIA driver)")
+    from lantern.export.torch_backend import open_onnxruntime_torch_backend
+
+    return step_timing(engine_dir, batches=batches, backend=open_onnxruntime_torch_backend(engine_dir, device="cuda"))
+
+
 def _plan_copy(engine_dir, flavor, workdir, batches):
     """A copy of the engine with plans of `flavor` for this GPU (or SM89 ahead of time for
     tensorrt-rtx without one): (directory, build record)."""
@@ -374,6 +391,7 @@ def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir):
         report.section(f"{label}/torch-cuda-step-{'graph' if graphs else 'eager'}", device_step_section, engine_dir,
                        opts[1], graphs)
     report.section(f"{label}/onnxruntime-cuda", onnxruntime_cuda, engine_dir, cpu, opts)
+    report.section(f"{label}/onnxruntime-torch-cuda", onnxruntime_torch_cuda, engine_dir, opts[1])
     for flavor in ("tensorrt", "tensorrt-rtx"):
         report.section(f"{label}/{flavor}", tensorrt, engine_dir, cpu, opts, flavor, workdir)
 

@@ -2,11 +2,11 @@
 
 Whole step (--engine DIR or --gpt GPT-B; the default section): real generations on one engine,
 each mode (ar, exact, lantern++; CFG), greedy and sampling (temperature 1, top-k --top-k; rows
-with "sampling": true), on ONNX Runtime CPU and on the torch backend on the CPU, each with the
-host step and the device step (torch: the whole step on the device,
-lantern.runtime.backends.torch_step; ONNX Runtime: the engine's acceptance graph, greedy or
-sampling, fed the logits in place, the rest on the host; it has none for AR), side by side in
-one run. Per step: ms, host time (the loop's time outside engine work; the device step counts
+with "sampling": true), on ONNX Runtime CPU, on onnxruntime-torch (the same sessions inside the
+torch backend) and on the torch backend on the CPU, each with the host step and the device step
+(torch and onnxruntime-torch: the whole step on the device, lantern.runtime.backends.torch_step;
+ONNX Runtime: the engine's acceptance graph, greedy or sampling, fed the logits in place, the
+rest on the host; it has none for AR), side by side in one run. Per step: ms, host time (the loop's time outside engine work; the device step counts
 all of its work as engine time),
 engine launches, and, through RecordingBackend, the bytes that cross the host boundary each way
 and the synchronisations. On a CPU "device" and host are the same memory, so the bytes are what
@@ -321,11 +321,13 @@ def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), c
     opened backend}), greedy and sampling: a list of records (a path that cannot run a
     generation: a record with "skipped" and why). Each backend and path runs one untimed
     generation first, so no row carries first-run costs."""
-    from lantern.export.torch_backend import open_torch_backend
+    from lantern.export.torch_backend import open_onnxruntime_torch_backend, open_torch_backend
 
     manifest = read_manifest(engine_dir)
     if backends is None:
         backends = {"onnxruntime-cpu": OnnxRuntimeBackend(engine_dir, manifest, threads=threads),
+                    "onnxruntime-torch-cpu": open_onnxruntime_torch_backend(engine_dir, threads=threads,
+                                                                            manifest=manifest),
                     "torch-cpu": open_torch_backend(engine_dir, threads=threads, manifest=manifest)}
     num_classes = manifest.condition.num_classes or 1
     warm_mode = next((m for m in modes if m != "ar" and m in manifest.modes), modes[0])
