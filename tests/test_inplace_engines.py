@@ -515,5 +515,5 @@ def test_inplace_engine_on_onnxruntime_torch(inplace_c2i, capfd):
         assert got.stats["step"] == "device" and got.stats["mean_accepted_drafts"] > 0
     backend, plan = device.backend, device._plan
     bindings = backend.modules["target"].bindings.values()  # prefill, and each step's verify
-    assert len(bindings) >= 2 and all(dict(zip(backend.outputs["target"], entry[1]))["present_keys_1"] is
+    assert len(bindings) >= 2 and all(dict(zip(backend.outputs["target"], entry.outputs))["present_keys_1"] is
                                       plan.target_cache.feeds["past_keys_1"] for entry in bindings)

@@ -7,6 +7,7 @@ engine; through a backend that records every host crossing, a device step on the
 Runtime graphs that moves a few integers per image and nothing that grows with the vocabulary,
 the cache or the tree."""
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -97,18 +98,25 @@ def test_the_device_step_moves_a_few_integers_per_image(c2i_engine):
 
 
 def test_a_binding_is_made_once_per_call_and_outputs_stay_put(c2i):
-    """Every call of a plan keeps its IOBinding and output tensors from step to step (the
-    calls chain through buffers that stay where the next call reads them); a strided input is
-    made dense, a new shape binds anew."""
+    """The device step's calls keep their IOBindings and output tensors from generation to
+    generation of a plan (the calls chain through buffers that stay where the next call reads
+    them); the host loop's prefill feeds fresh tensors (CPU: its numpy buffers wrapped per call),
+    so it binds anew; a strided input is made dense; a tensor at a reused address is another call."""
     _, _, device_engine = c2i
     backend = device_engine.backend
-    device_engine.generate(mode="exact", greedy=True, cfg_scale=4.0, classes=[1, 2])
-    target, drafter = backend.modules["target"], backend.modules["drafter"]
+    kw = dict(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0)
+    device_engine.generate(classes=[1, 2], **kw)
     kept = {name: dict(module.bindings) for name, module in backend.modules.items()}
-    device_engine.generate(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, classes=[3, 4])  # same plan
-    assert len(target.bindings) == 2 and len(drafter.bindings) == device_engine.tree.depth  # prefill, verify; draft0...
-    for name in ("target", "drafter"):
-        assert all(kept[name][b] is backend.modules[name].bindings[b] for b in kept[name])
+    device_engine.generate(classes=[3, 4], **kw)  # the same plan and step: the same tensors
+    tree = device_engine.tree
+    for name, calls in (("drafter", tree.depth), ("target", 2)):  # draft0 .. draft{D-1}; prefill, verify
+        now = backend.modules[name].bindings
+        assert len(now) == len(kept[name]) == calls
+        widths = {b[0][0][1]: entry is kept[name].get(b) for b, entry in now.items()}  # tokens -> kept
+        if name == "target":
+            assert widths == {tree.num_nodes: True, 1: False}  # verify kept, the prefill bound anew
+        else:
+            assert all(widths.values())
     image = device_engine.manifest.image
     codes = torch.randint(0, device_engine.manifest.vocabulary.codes, (1, image.grid_height, image.grid_width))
     dense = backend.modules["vq_decoder"](codes)[0].clone()
@@ -116,9 +124,20 @@ def test_a_binding_is_made_once_per_call_and_outputs_stay_put(c2i):
     assert not strided.is_contiguous()
     strided = backend.modules["vq_decoder"](strided)[0]
     np.testing.assert_array_equal(strided.numpy(), dense.numpy())
+    # another tensor at the same address (a temporary freed and its memory reused) is another
+    # call: its outputs are its own, and the first call's stay as they were
+    decoder, other = backend.modules["vq_decoder"], torch.flip(codes, dims=(2,))
+    first = decoder(codes)[0]
+    want_first, want_other = first.clone(), decoder(other.clone())[0].clone()
+    same_memory = codes.view_as(codes)
+    same_memory.copy_(other)
+    second = decoder(same_memory)[0]
+    assert second is not first
+    np.testing.assert_array_equal(first.numpy(), want_first.numpy())
+    np.testing.assert_array_equal(second.numpy(), want_other.numpy())
 
 
-def test_refusals_and_the_command_line(c2i_engine, tmp_path, capsys):
+def test_refusals_and_the_command_line(c2i_engine, tmp_path, capsys, monkeypatch):
     manifest = read_manifest(c2i_engine)
     with pytest.raises(LanternError, match="unknown device 'tpu'"):
         open_onnxruntime_torch_backend(c2i_engine, device="tpu")
@@ -127,8 +146,15 @@ def test_refusals_and_the_command_line(c2i_engine, tmp_path, capsys):
             open_onnxruntime_torch_backend(c2i_engine, device="cuda")
     bare = open_backend("onnxruntime-torch", c2i_engine, manifest, threads=2)  # the registry: no acceptance
     assert isinstance(bare.modules["target"], OnnxRuntimeModule) and bare.default_step == "host"
-    with pytest.raises(LanternError, match="without the greedy acceptance module"):
+    with pytest.raises(LanternError, match="without the greedy acceptance module.*open_onnxruntime_torch_backend"):
         Engine(c2i_engine, backend=bare, step="device").generate(mode="exact", greedy=True, classes=[1])
+    with monkeypatch.context() as patch:  # torch (lantern.export) missing: one line, no traceback
+        patch.setitem(sys.modules, "lantern.export.torch_backend", None)
+        assert run_main(["generate", c2i_engine, "--backend", "onnxruntime-torch", "--classes", "1",
+                         "--out", str(tmp_path / "none")]) == 2
+        err = capsys.readouterr().err
+        assert "--backend onnxruntime-torch needs PyTorch" in err and "Traceback" not in err
+        assert not (tmp_path / "none").exists()
     out = tmp_path / "run"
     assert run_main(["generate", c2i_engine, "--backend", "onnxruntime-torch", "--step", "device", "--mode", "lantern++",
                      "--lam", "3", "--k", "8", "--greedy", "--classes", "1,2", "--cfg-scale", "4", "--threads", "2",

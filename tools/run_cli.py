@@ -6,29 +6,29 @@ import argparse
 import sys
 
 from lantern.runtime import cli as runtime_cli
+from lantern.runtime.errors import LanternError
 from lantern.tools import quality, serve, serve_client, tree_report, tune
 
 
-def _torch_backend(engine_dir, threads, device):
-    from lantern.export.torch_backend import open_torch_backend
+def _opener(name):
+    """A loader of the backends lantern.export opens (their graphs' torch modules, or their
+    runners inside the torch backend, with the device step's acceptance modules)."""
 
-    return open_torch_backend(engine_dir, threads=threads, device=device)
+    def load(engine_dir, threads, device):
+        try:
+            import lantern.export.torch_backend as torch_backend
+        except ImportError as e:  # torch (or another export dependency) is missing
+            raise LanternError(f"--backend {name} needs PyTorch and lantern's export extra ({e}); "
+                               f"pip install torch==2.13.0 -e '.[export]'") from None
+        opener = getattr(torch_backend, f"open_{name.replace('-', '_')}_backend")
+        if name == "tensorrt-torch":  # TensorRT sizes its own threads
+            return opener(engine_dir, device=device)
+        return opener(engine_dir, threads=threads, device=device)
+
+    return load
 
 
-def _tensorrt_torch_backend(engine_dir, threads, device):
-    from lantern.export.torch_backend import open_tensorrt_torch_backend
-
-    return open_tensorrt_torch_backend(engine_dir, device=device)
-
-
-def _onnxruntime_torch_backend(engine_dir, threads, device):
-    from lantern.export.torch_backend import open_onnxruntime_torch_backend
-
-    return open_onnxruntime_torch_backend(engine_dir, threads=threads, device=device)
-
-
-LOADERS = {"torch": _torch_backend, "tensorrt-torch": _tensorrt_torch_backend,
-           "onnxruntime-torch": _onnxruntime_torch_backend}
+LOADERS = {name: _opener(name) for name in ("torch", "tensorrt-torch", "onnxruntime-torch")}
 
 
 def build_parser():

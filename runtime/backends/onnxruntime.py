@@ -4,7 +4,10 @@ Two ways to run a call: plain `session.run(feeds)` (outputs are fresh arrays eve
 for calls of a bound StepPlan, IOBinding: each call's feed buffers are bound once as OrtValues
 that share their memory, and its outputs go into buffers preallocated once, so a step allocates
 nothing that grows with the cache or the vocabulary. On the CPU provider numpy buffers are bound
-in place; the same code is what the CUDA provider runs with device OrtValues.
+in place. The CUDA provider runs the same code on the same host buffers: ORT copies a host input
+to the device when it is bound (not at each run), so there every run binds its inputs again, and
+each call copies its feeds, caches included, up and its outputs back (onnxruntime-torch keeps
+them on the device instead: lantern.runtime.backends.onnxruntime_torch).
 
 In-place graphs (contracts with `aliases`: present_keys_i is past_keys_i updated): a bound call
 binds the cache's one OrtValue as both input and output, so TensorScatter writes into the cache
@@ -29,9 +32,7 @@ class OnnxRuntimeBackend:
     key = None  # runs the ONNX graphs (or their modules), no compiled plans
     default_step = "host"  # its device step (acceptance as a graph) is slower on a CPU: bench.device_step
 
-    def __init__(self, directory, manifest, threads=None, device="cpu", io_binding=True, cuda_stream=None):
-        """cuda_stream: the CUDA stream (a pointer) the sessions run on (onnxruntime-torch hands
-        in torch's, so its ops and the sessions' kernels stay in order); None: the provider's own."""
+    def __init__(self, directory, manifest, threads=None, device="cpu", io_binding=True):
         try:
             import onnxruntime as ort
         except ImportError:
@@ -47,8 +48,7 @@ class OnnxRuntimeBackend:
         if device == "cuda":
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise LanternError("the CUDA execution provider is not available (install onnxruntime-gpu)")
-            providers.insert(0, "CUDAExecutionProvider" if cuda_stream is None else
-                             ("CUDAExecutionProvider", {"user_compute_stream": str(cuda_stream)}))
+            providers.insert(0, "CUDAExecutionProvider")
         elif device != "cpu":
             raise LanternError(f"unknown device {device!r}; valid: cpu, cuda")
         options = ort.SessionOptions()
@@ -66,6 +66,11 @@ class OnnxRuntimeBackend:
             except Exception as e:  # ORT raises its own exception types
                 raise LanternError(f"{path}: ONNX Runtime cannot load it ({str(e).splitlines()[0]}); "
                                    f"re-export the engine") from None
+            if device == "cuda" and self.sessions[graph].get_providers()[0] != "CUDAExecutionProvider":
+                # listed as available, but its libraries (CUDA, cuDNN) did not load: ORT fell back
+                raise LanternError(f"ONNX Runtime could not start its CUDA provider for {path} (a CUDA or cuDNN "
+                                   f"library it needs is missing or of another version; its warnings above say "
+                                   f"which)")
         self.outputs = {g: [o.name for o in s.get_outputs()] for g, s in self.sessions.items()}
         self.aliases = {g: graph_io(e.contract, max(e.layers, 1))["aliases"] for g, e in manifest.graphs.items()}
         self._bound = {}  # id(call) -> (call, IOBinding)
@@ -104,6 +109,10 @@ class OnnxRuntimeBackend:
     def run(self, call):
         bound = self._bound.get(id(call))
         if bound is not None and bound[0] is call:
+            if self.device == "cuda":  # ORT copies a host input to the device when it is bound, not per run
+                for name, value in self._values[id(call)].items():
+                    if name in call.feeds:
+                        bound[1].bind_ortvalue_input(name, value)
             self.sessions[call.graph].run_with_iobinding(bound[1])
             return call.outputs
         out = dict(zip(self.outputs[call.graph], self.sessions[call.graph].run(None, call.feeds)))
@@ -182,6 +191,9 @@ class OrtGraphAcceptance:
         self.binding = binding = session.io_binding()
         binding.bind_ortvalue_input("logits", logits)
         self._values = [logits]
+        # on CUDA, ORT copies a host input to the device when it is bound: the inputs that change
+        # per step are bound again before each run (the verify call's logits are host buffers there)
+        self.rebind = {"logits": logits} if backend.device == "cuda" else {}
         OrtValue = backend.ort.OrtValue
         # the generation's constants (the neighbor table above all) where the session runs, once;
         # on the CPU every value shares its host buffer
@@ -192,6 +204,8 @@ class OrtGraphAcceptance:
                 else OrtValue.ortvalue_from_numpy(value)
             self._values.append(ort_value)
             binding.bind_ortvalue_input(name, ort_value)
+            if self.rebind and name not in constants:
+                self.rebind[name] = ort_value
         for name, value in io.outputs.items():
             ort_value = OrtValue.ortvalue_from_numpy(value)
             self._values.append(ort_value)
@@ -201,5 +215,7 @@ class OrtGraphAcceptance:
         """The Outcome of the active images (as lantern.runtime.accept's); uniforms [N, M]: the
         step's acceptance draws of every image (lantern.runtime.streams; greedy reads none)."""
         self.io.refill(decoding, uniforms)
+        for name, value in self.rebind.items():
+            self.binding.bind_ortvalue_input(name, value)
         self.session.run_with_iobinding(self.binding)
         return self.io.outcome(active, "acceptance graph")

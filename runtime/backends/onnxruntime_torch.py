@@ -5,18 +5,24 @@ backend lacks (OnnxRuntimeBackend runs only acceptance as a graph; drafting, mas
 are the host's there): lantern.runtime.backends.torch_step's drafting, acceptance and commits as
 torch ops on the tensors the sessions read and write, so a step's only crossing is its report, a
 few integers per image, and the calls chain through buffers that stay where the next call reads
-them (the issue's "IOBinding so outputs stay where the next call reads them").
+them. On CUDA it also keeps the KV caches on the device, which OnnxRuntimeBackend copies up and
+back every call there.
 
-A module binds per binding (input shapes, dtypes and addresses): the IOBinding and its output
-tensors (ONNX Runtime's allocations at its first run, as torch tensors through dlpack) are made
-once and reused while the same tensors come back (every call of a step plan), so outputs are
-valid until a call with the same inputs runs again (the loops read a call's
-outputs before that). In-place outputs (contracts with `aliases`) are bound to the cache input
-they update: TensorScatter writes into the cache. On CUDA (onnxruntime-gpu beside PyTorch with
-CUDA) the sessions run on torch's current stream (the CUDA provider's user_compute_stream), so
-torch's ops and the sessions' kernels stay in order; ONNX Runtime's own kernels and allocations
-cannot be captured in a torch CUDA graph, so this backend never captures (cuda_graphs is off).
+A module keeps one IOBinding per binding (input shapes, dtypes and addresses of the very same
+tensors; _Binding): its outputs (ONNX Runtime's allocations at its first run, as torch tensors
+through DLPack) are reused while those tensors come back (every call of a step plan), so they are
+valid until that call runs again, as the Backend protocol says; a call with other tensors gets
+outputs of its own. In-place outputs (contracts with `aliases`) are bound to the cache input they
+update: TensorScatter writes into the cache.
+
+On CUDA (onnxruntime-gpu beside PyTorch with CUDA), ONNX Runtime runs on its own stream, which
+cannot join torch's (nor its graphs: this backend never captures, cuda_graphs is off): each call
+first waits for torch's queued work, and ONNX Runtime's run returns synchronised; inputs are
+bound again every run (ORT copies an input it reads on another device at binding time). So the
+device step moves a few integers per image across the bus but waits on the host once per call.
 Not yet run on a GPU: nothing here has onnxruntime-gpu and a GPU together."""
+import weakref
+
 import numpy as np
 
 from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
@@ -34,7 +40,7 @@ class OnnxRuntimeModule:
     def __init__(self, torch, session, graph, inputs, outputs, aliases):
         self.torch, self.session, self.graph = torch, session, graph
         self.inputs, self.outputs, self.aliases = inputs, outputs, aliases
-        self.bindings = {}  # binding -> (IOBinding, output tensors, the OrtValues that own them)
+        self.bindings = {}  # input addresses and shapes -> _Binding
 
     def to(self, device):  # TorchBackend moves its modules; a session runs where it was opened
         return self
@@ -44,51 +50,66 @@ class OnnxRuntimeModule:
 
     def __call__(self, *args):
         args = [a.contiguous() for a in args]  # a copy only where a caller hands a strided view
-        binding = tuple((tuple(a.shape), a.dtype, a.device, a.data_ptr()) for a in args)
-        entry = self.bindings.get(binding)
-        if entry is not None:
-            self._run(entry[0])
-            return entry[1]
-        if len(self.bindings) >= BINDINGS_KEPT:
-            self.bindings.clear()
-        entry = self.bindings[binding] = self._bind_and_run(args)
-        return entry[1]
+        key = tuple((tuple(a.shape), a.dtype, a.device, a.data_ptr()) for a in args)
+        entry = self.bindings.get(key)
+        cuda = args[0].is_cuda
+        if cuda:  # ONNX Runtime runs on its own stream: torch's queued writes to the inputs first
+            self.torch.cuda.current_stream(args[0].device).synchronize()
+        try:
+            if entry is None or not entry.serves(args):
+                if entry is None and len(self.bindings) >= BINDINGS_KEPT:
+                    self.bindings.clear()
+                entry = self.bindings[key] = _Binding(self, args)
+                return entry.outputs
+            if cuda:  # ORT copies an input it reads on another device when it is bound, not per run
+                entry.bind_inputs(args)
+            self.session.run_with_iobinding(entry.binding)
+        except Exception as e:  # ORT raises its own exception types
+            raise LanternError(f"{self.graph}: ONNX Runtime failed ({' '.join(str(e).split())[:500]})") from None
+        return entry.outputs
 
-    def _bind_and_run(self, args):
-        """A new binding's first run: its inputs bound to the tensors, in-place outputs to the
-        caches they update, the others to memory ONNX Runtime allocates at the shapes it finds;
-        those outputs, as torch tensors over that memory (dlpack), are bound for every later run."""
-        torch = self.torch
-        binding = self.session.io_binding()
-        for name, arg in zip(self.inputs, args):
-            binding.bind_input(name, *_where(arg), _numpy_dtype(arg.dtype), tuple(arg.shape), arg.data_ptr())
-        by_name = dict(zip(self.inputs, args))
+
+class _Binding:
+    """A binding's IOBinding, made at its first run: inputs bound to the tensors, in-place outputs
+    to the caches they update, the others to memory ONNX Runtime allocates at the shapes it
+    finds; those outputs, as torch tensors over that memory (DLPack), are bound for every later
+    run. It serves the very tensors it was made for (weak references: an address freed and
+    reused is another tensor, and another call, whose outputs must not be these)."""
+
+    def __init__(self, module, args):
+        torch, session = module.torch, module.session
+        self.module, self.binding = module, session.io_binding()
+        self.args = [weakref.ref(a) for a in args]
+        self.bind_inputs(args)
+        by_name = dict(zip(module.inputs, args))
         device_type, device_id = _where(args[0])
-        for name in self.outputs:
-            if name in self.aliases:  # written into its cache input: one buffer
-                cache = by_name[self.aliases[name]]
+        binding = self.binding
+        for name in module.outputs:
+            if name in module.aliases:
+                cache = by_name[module.aliases[name]]
                 binding.bind_output(name, device_type, device_id, _numpy_dtype(cache.dtype), tuple(cache.shape),
                                     cache.data_ptr())
             else:
                 binding.bind_output(name, device_type, device_id)
-        self._run(binding)
-        allocated = binding.get_outputs()  # kept with the binding: they own the outputs' memory
+        session.run_with_iobinding(binding)
+        self.allocated = binding.get_outputs()  # kept: they own the outputs' memory
         outputs = []
-        for name, value in zip(self.outputs, allocated):
-            if name in self.aliases:
-                outputs.append(by_name[self.aliases[name]])
+        for name, value in zip(module.outputs, self.allocated):
+            if name in module.aliases:
+                outputs.append(by_name[module.aliases[name]])
                 continue
             tensor = torch.from_dlpack(value)
             binding.bind_output(name, device_type, device_id, _numpy_dtype(tensor.dtype), tuple(tensor.shape),
                                 tensor.data_ptr())
             outputs.append(tensor)
-        return binding, tuple(outputs), allocated
+        self.outputs = tuple(outputs)
 
-    def _run(self, binding):
-        try:
-            self.session.run_with_iobinding(binding)
-        except Exception as e:  # ORT raises its own exception types
-            raise LanternError(f"{self.graph}: ONNX Runtime failed ({str(e).splitlines()[0]})") from None
+    def serves(self, args):
+        return all(ref() is arg for ref, arg in zip(self.args, args))
+
+    def bind_inputs(self, args):
+        for name, arg in zip(self.module.inputs, args):
+            self.binding.bind_input(name, *_where(arg), _numpy_dtype(arg.dtype), tuple(arg.shape), arg.data_ptr())
 
 
 def _numpy_dtype(dtype):
@@ -104,7 +125,8 @@ class OnnxRuntimeTorchBackend(TorchBackend):
     (module docstring). acceptance: the device step's acceptance module factories
     (lantern.export.torch_backend.open_onnxruntime_torch_backend hands them in); without them
     only the host step runs. Quantized engines run too: ONNX Runtime runs their graphs. threads:
-    ONNX Runtime's intra-op threads per session."""
+    ONNX Runtime's intra-op threads per session, and torch's (process-wide, as TorchBackend
+    sets them)."""
 
     name = "onnxruntime-torch"
 
@@ -118,9 +140,7 @@ class OnnxRuntimeTorchBackend(TorchBackend):
             raise LanternError(f"unknown device {device!r}; valid: cpu, cuda")
         if device == "cuda" and not torch.cuda.is_available():
             raise LanternError("device cuda: this PyTorch has no CUDA device")
-        stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else None
-        sessions = OnnxRuntimeBackend(directory, manifest, threads=threads, device=device, io_binding=False,
-                                      cuda_stream=stream)
+        sessions = OnnxRuntimeBackend(directory, manifest, threads=threads, device=device, io_binding=False)
         if not hasattr(sessions.ort.OrtValue, "__dlpack__"):
             raise LanternError(f"onnxruntime {sessions.ort.__version__} cannot hand its outputs to torch (no "
                                f"DLPack); pip install -U onnxruntime (or onnxruntime-gpu)")
@@ -130,10 +150,8 @@ class OnnxRuntimeTorchBackend(TorchBackend):
             modules[graph] = OnnxRuntimeModule(torch, sessions.sessions[graph], graph, list(io["inputs"]),
                                                list(io["outputs"]), io["aliases"])
         self.sessions = sessions
-        # torch runs only the step's bookkeeping and acceptance here: on the CPU one thread, so its
-        # pool does not contend with ONNX Runtime's (GPT-B, 2 cores: 6 ms less per step than 2)
-        super().__init__(modules, manifest, threads=1 if device == "cpu" else None, device=device,
-                         cuda_graphs=False, acceptance=acceptance, accept_precision=accept_precision)
+        super().__init__(modules, manifest, threads=threads, device=device, cuda_graphs=False,
+                         acceptance=acceptance, accept_precision=accept_precision)
 
     def release(self, plan):
         super().release(plan)

@@ -204,8 +204,8 @@ class TorchBackend:
         """Why the device step cannot run a generation of this plan and sampler, or None."""
         kind = "greedy" if isinstance(sampler, Greedy) else "sampling"
         if kind not in self.acceptance:
-            return (f"this torch backend was opened without the {kind} acceptance module (open it with "
-                    "lantern.export.torch_backend.open_torch_backend)")
+            return (f"this {self.name} backend was opened without the {kind} acceptance module (open it with "
+                    f"lantern.export.torch_backend.open_{self.name.replace('-', '_')}_backend)")
         return refusal(plan, sampler)
 
     def device_step(self, decoding):
