@@ -113,6 +113,7 @@ class OnnxRuntimeBackend:
                 for name, value in self._values[id(call)].items():
                     if name in call.feeds:
                         bound[1].bind_ortvalue_input(name, value)
+                bound[1].synchronize_inputs()  # the copies it queued, done before the run reads them
             self.sessions[call.graph].run_with_iobinding(bound[1])
             return call.outputs
         out = dict(zip(self.outputs[call.graph], self.sessions[call.graph].run(None, call.feeds)))
@@ -217,5 +218,7 @@ class OrtGraphAcceptance:
         self.io.refill(decoding, uniforms)
         for name, value in self.rebind.items():
             self.binding.bind_ortvalue_input(name, value)
+        if self.rebind:
+            self.binding.synchronize_inputs()
         self.session.run_with_iobinding(self.binding)
         return self.io.outcome(active, "acceptance graph")

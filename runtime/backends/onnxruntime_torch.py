@@ -110,6 +110,7 @@ class _Binding:
     def bind_inputs(self, args):
         for name, arg in zip(self.module.inputs, args):
             self.binding.bind_input(name, *_where(arg), _numpy_dtype(arg.dtype), tuple(arg.shape), arg.data_ptr())
+        self.binding.synchronize_inputs()  # copies ORT queued (an input read on another device): done
 
 
 def _numpy_dtype(dtype):
