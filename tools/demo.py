@@ -144,7 +144,8 @@ def run(args):
     # which step path ran (Engine(step=...)): on ONNX Runtime on the CPU the host step, the
     # measured faster one there (tools/bench/device_step.py); on torch CUDA the device step
     print(f"      {results['exact'].stats['step']} step on {engine.backend.name} ({device})"
-          + (" (the device step runs on the torch backend: lantern-run generate --backend torch --step device)"
+          + (" (the whole step runs on the device with lantern-run generate --backend onnxruntime-torch or torch "
+             "--step device)"
              if results['exact'].stats['step'] == "host" else ""))
     # One image per call, the setting of the paper's speedups: medians over a few classes.
     single, single_trees = {}, {}
