@@ -24,14 +24,14 @@ def open_torch_backend(directory, threads=None, device="cpu", manifest=None, acc
                         accept_precision=accept_precision)
 
 
-def open_tensorrt_torch_backend(directory, device="cuda", flavor=None, plans=None, cuda_graphs=True, manifest=None,
-                                accept_precision="float64"):
+def open_tensorrt_torch_backend(directory, threads=None, device="cuda", flavor=None, plans=None, cuda_graphs=True,
+                                manifest=None, accept_precision="float64"):
     """The engine's TensorRT plans as the torch backend's modules (lantern.runtime.backends.
     tensorrt_torch), with the acceptance modules for its device step: the whole step, TensorRT's
     enqueues included, one CUDA graph per plan."""
     manifest = manifest or read_manifest(directory)
-    return TensorRTTorchBackend(directory, manifest, device=device, flavor=flavor, plans=plans, cuda_graphs=cuda_graphs,
-                                acceptance=KINDS, accept_precision=accept_precision)
+    return TensorRTTorchBackend(directory, manifest, threads=threads, device=device, flavor=flavor, plans=plans,
+                                cuda_graphs=cuda_graphs, acceptance=KINDS, accept_precision=accept_precision)
 
 
 def open_onnxruntime_torch_backend(directory, threads=None, device="cpu", manifest=None, accept_precision="float64"):
@@ -41,3 +41,8 @@ def open_onnxruntime_torch_backend(directory, threads=None, device="cpu", manife
     manifest = manifest or read_manifest(directory)
     return OnnxRuntimeTorchBackend(directory, manifest, threads=threads, device=device, acceptance=KINDS,
                                    accept_precision=accept_precision)
+
+
+# by backend name (lantern-run's --backend): each (directory, threads=, device=, ...) -> the backend
+OPENERS = {"torch": open_torch_backend, "tensorrt-torch": open_tensorrt_torch_backend,
+           "onnxruntime-torch": open_onnxruntime_torch_backend}

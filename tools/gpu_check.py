@@ -259,7 +259,7 @@ def torch_cuda(engine_dir, cpu, opts, cuda_graphs):
     return measure(engine_dir, Engine(engine_dir, backend=backend), cpu, *opts, numerics_too=cuda_graphs)
 
 
-def onnxruntime_cuda(engine_dir, cpu, opts):
+def _needs_ort_cuda():
     try:
         import onnxruntime as ort
     except ImportError:
@@ -268,19 +268,18 @@ def onnxruntime_cuda(engine_dir, cpu, opts):
         raise Skip("ONNX Runtime has no CUDAExecutionProvider here (pip install 'lantern[gpu]' instead of the CPU "
                    "wheel, on a host with an NVIDIA driver)")
 
+
+def onnxruntime_cuda(engine_dir, cpu, opts):
+    _needs_ort_cuda()
     return measure(engine_dir, Engine(engine_dir, backend="onnxruntime", device="cuda"), cpu, *opts)
 
 
 def onnxruntime_torch_cuda(engine_dir, batches):
     """ONNX Runtime's CUDA provider inside the torch backend (onnxruntime-torch): the host step
     against the whole step on the device, the sessions chained through torch's CUDA tensors."""
-    import onnxruntime as ort  # the runtime's own dependency
-
     if cuda_visible() is None:
         raise Skip("torch sees no CUDA device")
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise Skip("ONNX Runtime has no CUDAExecutionProvider here (pip install 'lantern[gpu]' instead of the CPU "
-                   "wheel, on a host with an NVIDIA driver)")
+    _needs_ort_cuda()
     from lantern.export.torch_backend import open_onnxruntime_torch_backend
 
     return step_timing(engine_dir, batches=batches, backend=open_onnxruntime_torch_backend(engine_dir, device="cuda"))

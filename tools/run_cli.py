@@ -20,10 +20,7 @@ def _opener(name):
         except ImportError as e:  # torch (or another export dependency) is missing
             raise LanternError(f"--backend {name} needs PyTorch and lantern's export extra ({e}); "
                                f"pip install torch==2.13.0 -e '.[export]'") from None
-        opener = getattr(torch_backend, f"open_{name.replace('-', '_')}_backend")
-        if name == "tensorrt-torch":  # TensorRT sizes its own threads
-            return opener(engine_dir, device=device)
-        return opener(engine_dir, threads=threads, device=device)
+        return torch_backend.OPENERS[name](engine_dir, threads=threads, device=device)
 
     return load
 

@@ -205,7 +205,7 @@ class OrtGraphAcceptance:
                 else OrtValue.ortvalue_from_numpy(value)
             self._values.append(ort_value)
             binding.bind_ortvalue_input(name, ort_value)
-            if self.rebind and name not in constants:
+            if on_gpu and name not in constants:
                 self.rebind[name] = ort_value
         for name, value in io.outputs.items():
             ort_value = OrtValue.ortvalue_from_numpy(value)

@@ -8,8 +8,8 @@ few integers per image, and the calls chain through buffers that stay where the 
 them. On CUDA it also keeps the KV caches on the device, which OnnxRuntimeBackend copies up and
 back every call there.
 
-A module keeps one IOBinding per binding (input shapes, dtypes and addresses of the very same
-tensors; _Binding): its outputs (ONNX Runtime's allocations at its first run, as torch tensors
+A module keeps one IOBinding per binding (the input tensors themselves, found by their
+addresses; _Binding): its outputs (ONNX Runtime's allocations at its first run, as torch tensors
 through DLPack) are reused while those tensors come back (every call of a step plan), so they are
 valid until that call runs again, as the Backend protocol says; a call with other tensors gets
 outputs of its own. In-place outputs (contracts with `aliases`) are bound to the cache input they
@@ -40,7 +40,7 @@ class OnnxRuntimeModule:
     def __init__(self, torch, session, graph, inputs, outputs, aliases):
         self.torch, self.session, self.graph = torch, session, graph
         self.inputs, self.outputs, self.aliases = inputs, outputs, aliases
-        self.bindings = {}  # input addresses and shapes -> _Binding
+        self.bindings = {}  # input addresses -> _Binding (of the tensors at them)
 
     def to(self, device):  # TorchBackend moves its modules; a session runs where it was opened
         return self
@@ -50,7 +50,7 @@ class OnnxRuntimeModule:
 
     def __call__(self, *args):
         args = [a.contiguous() for a in args]  # a copy only where a caller hands a strided view
-        key = tuple((tuple(a.shape), a.dtype, a.device, a.data_ptr()) for a in args)
+        key = tuple(a.data_ptr() for a in args)  # finds the candidate; serves() checks it is these tensors
         entry = self.bindings.get(key)
         cuda = args[0].is_cuda
         if cuda:  # ONNX Runtime runs on its own stream: torch's queued writes to the inputs first

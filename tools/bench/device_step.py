@@ -6,8 +6,8 @@ with "sampling": true), on ONNX Runtime CPU, on onnxruntime-torch (the same sess
 torch backend) and on the torch backend on the CPU, each with the host step and the device step
 (torch and onnxruntime-torch: the whole step on the device, lantern.runtime.backends.torch_step;
 ONNX Runtime: the engine's acceptance graph, greedy or sampling, fed the logits in place, the
-rest on the host; it has none for AR), side by side in one run. Per step: ms, host time (the loop's time outside engine work; the device step counts
-all of its work as engine time),
+rest on the host; it has none for AR), side by side in one run. Per step: ms, host time (the
+loop's time outside engine work; the device step counts all of its work as engine time),
 engine launches, and, through RecordingBackend, the bytes that cross the host boundary each way
 and the synchronisations. On a CPU "device" and host are the same memory, so the bytes are what
 a GPU would move. DIR may be an in-place engine (`lantern-export onnx --attention inplace`): the
