@@ -129,11 +129,14 @@ def strike_drafter(directory):
     return directory
 
 
-# ops that read a device value on the host (item, a bool of a tensor, equal) or whose output
-# shape depends on the data (nonzero, masked_select, unique): on CUDA each is a synchronisation,
-# and inside stream capture an error, so a step that calls one cannot be one CUDA graph
+# ops that read a device value on the host (item, a bool of a tensor, equal), whose output shape
+# depends on the data (nonzero, masked_select, unique), or that make a tensor of Python data
+# (lift_fresh: torch.tensor(...), an index list x[:, [0, 2]], which on CUDA is a copy up from
+# pageable memory): on CUDA each is a synchronisation, and inside stream capture an error, so a
+# step that calls one cannot be one CUDA graph
 HOST_READING_OPS = {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::nonzero",
-                    "aten::masked_select", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive"}
+                    "aten::masked_select", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+                    "aten::lift_fresh", "aten::lift_fresh_copy"}
 
 
 def host_reads(fn):

@@ -76,7 +76,8 @@ def test_the_step_reads_nothing_on_the_host_so_cuda_can_capture_it(engines, torc
     interval, forced tokens."""
     from engines import host_reads, tensors_made_without_a_device
 
-    assert host_reads(lambda: torch.arange(4)[torch.tensor(1)]) == {"aten::item": 1}  # the probes see them
+    assert host_reads(lambda: torch.arange(4)[torch.arange(2)[1]]) == {"aten::item": 1}  # the probes see them
+    assert host_reads(lambda: torch.arange(4)[[0, 2]]) == {"aten::lift_fresh": 1}  # an index list goes up per call
     assert host_reads(lambda: torch.arange(4).numpy()) == {"Tensor.numpy": 1}
     assert {name for name, _ in tensors_made_without_a_device(lambda: torch.arange(4))} == {"arange"}
     _, device_engine = engines
@@ -490,3 +491,23 @@ def test_the_device_step_feeds_the_calls_static_inputs_where_the_backend_bound_t
         mine = statics[id(device._plan.calls[regime])]
         assert mine and all(feeds[name] is tensor for name, tensor in mine.items()), regime
     assert len(step.cfg_pairs) == device.tree.depth  # one per drafter call
+
+
+def test_fp16_engine_device_step_equals_host_step(fp16_engine):
+    """The GPU runs fp16 engines (gpu_check's GPT-B): the device step on fp16 logits and caches
+    (acceptance, drafting, commits) gives the host step's tokens, greedy and sampling."""
+    backend = open_torch_backend(fp16_engine, threads=2)
+    assert backend.dtype == torch.float16
+    for kw in (dict(mode="ar", greedy=True), dict(mode="exact", greedy=True),
+               dict(mode="exact", greedy=False, top_k=20, seed=[3, 4, 5])):
+        kw.update(cfg_scale=4.0, classes=[1, 2, 3])
+        tokens = {}
+        for step in ("host", "device"):
+            engine = Engine(fp16_engine, backend=backend, step=step)
+            out = engine.generate(**kw)
+            assert out.stats["step"] == step
+            tokens[step] = out.tokens
+            engine.release()
+        np.testing.assert_array_equal(tokens["device"], tokens["host"])
+        if kw["mode"] == "exact":
+            assert out.stats["mean_accepted_drafts"] > 0, kw  # drafts were accepted: the tree really ran
