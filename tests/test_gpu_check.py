@@ -87,3 +87,26 @@ def test_step_paths_table_on_the_cpu_backends(c2i_accept_engine):
     # the device path reads the outcome where the host path reads the logits (both read the drafts' top-K)
     assert host["bytes_device_to_host_per_step"] - device["bytes_device_to_host_per_step"] > logits_bytes // 2
     assert all(r["backend"] == "ort" and r["ms_per_step"] > 0 for r in (host, device, by["ar", "host"]))
+
+
+def test_only_runs_the_sections_named_and_cpu_is_a_dry_run(c2i_engine, tmp_path):
+    """--only keeps a short GPU window on the goal measurement; --device cpu runs a section's
+    code here (the dry run before a GPU window is spent)."""
+    out = tmp_path / "gpu_check.json"
+    rc = gpu_check.main([str(c2i_engine), "--device", "cpu", "--only", "torch-cpu-step-eager", "--batches", "1",
+                         "--cpu-threads", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert rc == 0 and set(data) == {"environment", "engine-c2i/torch-cpu-step-eager", "skipped"}
+    assert data["environment"]["torch_device"] == "cpu" and data["skipped"] == {}
+    section = data["engine-c2i/torch-cpu-step-eager"]
+    assert section["device"] == "cpu" and section["cuda_graphs"] is False
+    assert {(r["step"], r["mode"]) for r in section["runs"]} == {
+        (p, m) for p in ("host", "device") for m in ("ar", "exact", "lantern++")}
+
+
+def test_only_refuses_an_unknown_section_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--only", "torch-cuda-step-grpah"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "unknown section torch-cuda-step-grpah" in err[-1]
+    assert "torch-cuda-step-graph" in err[-1]  # the names it knows

@@ -1,15 +1,16 @@
 """GPU check: one prepared command that tells a GPU host's first user whether lantern's GPU paths
 work, as one JSON file.
 
-  python -m lantern.tools.gpu_check [ENGINE ...] [--demo] [--gpt GPT-B] [--out gpu_check.json]
-                                    [--budget-minutes 8]
+  python -m lantern.tools.gpu_check [ENGINE ...] [--demo] [--gpt GPT-B[,GPT-XL]] [--out gpu_check.json]
+                                    [--budget-minutes 8] [--only SECTION,...] [--device cuda]
 
-Engines: the bundled demo model (--demo), a random-weight LlamaGen of --gpt's shape exported in
---dtype, and/or engine directories given. For each engine, one section per backend:
-  torch-cuda-graphs / torch-cuda-eager   the torch reference on CUDA, with and without CUDA graphs
+Engines: the bundled demo model (--demo), random-weight LlamaGens of --gpt's shapes exported in
+--dtype, and/or engine directories given. For each engine, one section per backend, in this
+order (the whole step first: it is what a short GPU window should measure before anything else):
   torch-cuda-step-graph / -eager         the whole step on the device (greedy, CFG 4; one CUDA graph
                                          per step, or eager) against the host step: ms per AR and
                                          speculative step, host share, batch 1 and the batch
+  torch-cuda-graphs / torch-cuda-eager   the torch reference on CUDA, with and without CUDA graphs
   onnxruntime-cuda                       ONNX Runtime's CUDA execution provider
   onnxruntime-torch-cuda                 the same inside the torch backend: host step against the
                                          whole step on the device (ms per step, host share)
@@ -35,6 +36,12 @@ A section that cannot run here says why ({"skipped": reason}); one that fails is
 ({"error": "..."}); the others still run. Sections past the time budget are skipped, so the
 command ends within it. Without a GPU the GPU-less parts still run: the engines' export and
 TensorRT-RTX plans built ahead of time for SM89 (build seconds, plan sizes).
+--only runs the sections named (as above, "device_acceptance" too; the exports they need always
+run): `--only torch-cuda-step-graph` measures the speculative step in AR steps and its host share
+alone. --device cpu is a dry run:
+every torch section (named torch-cpu-..., onnxruntime-torch-cpu) runs its code on the CPU, which
+measures nothing about a GPU but shows, before a GPU window is spent, that the sections work with
+the packages installed (use --dtype fp32 there: fp16 matmuls on a CPU crawl).
 It prints one JSON object per section as it goes (a run cut short still says what it measured),
 rewrites --out after each, and prints the whole report at the end.
 """
@@ -116,10 +123,16 @@ def cuda_visible():
     return f"{torch.cuda.get_device_name(0)}, SM{major}{minor}"
 
 
-def environment():
+def needs_device(device):
+    """Skip unless torch can run on `device` (the CPU always can: --device cpu's dry run)."""
+    if device.startswith("cuda") and cuda_visible() is None:
+        raise Skip("torch sees no CUDA device")
+
+
+def environment(device):
     import importlib
 
-    env = {"python": sys.version.split()[0], "gpu": cuda_visible()}
+    env = {"python": sys.version.split()[0], "gpu": cuda_visible(), "torch_device": device}
     for module in ("torch", "onnxruntime", "tensorrt", "tensorrt_rtx", "polygraphy", "cuda.bindings"):
         try:
             env[module] = getattr(importlib.import_module(module), "__version__", "installed")
@@ -244,19 +257,18 @@ def measure(engine_dir, engine, cpu, tokens, batches, repeats, numerics_too=True
     return out
 
 
-def torch_cuda(engine_dir, cpu, opts, cuda_graphs):
-    if cuda_visible() is None:
-        raise Skip("torch sees no CUDA device")
+def torch_reference(engine_dir, reference, opts, cuda_graphs, device):
+    needs_device(device)
     from lantern.export.onnx_export import load_graph_modules
     from lantern.export.torch_backend import open_torch_backend
 
     if cuda_graphs:
-        backend = open_torch_backend(engine_dir, device="cuda")
+        backend = open_torch_backend(engine_dir, device=device)
     else:
         manifest = read_manifest(engine_dir)
         modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
-        backend = TorchBackend(modules, manifest, device="cuda", cuda_graphs=False)
-    return measure(engine_dir, Engine(engine_dir, backend=backend), cpu, *opts, numerics_too=cuda_graphs)
+        backend = TorchBackend(modules, manifest, device=device, cuda_graphs=False)
+    return measure(engine_dir, Engine(engine_dir, backend=backend), reference(), *opts, numerics_too=cuda_graphs)
 
 
 def _needs_ort_cuda():
@@ -269,20 +281,20 @@ def _needs_ort_cuda():
                    "wheel, on a host with an NVIDIA driver)")
 
 
-def onnxruntime_cuda(engine_dir, cpu, opts):
+def onnxruntime_cuda(engine_dir, reference, opts):
     _needs_ort_cuda()
-    return measure(engine_dir, Engine(engine_dir, backend="onnxruntime", device="cuda"), cpu, *opts)
+    return measure(engine_dir, Engine(engine_dir, backend="onnxruntime", device="cuda"), reference(), *opts)
 
 
-def onnxruntime_torch_cuda(engine_dir, batches):
-    """ONNX Runtime's CUDA provider inside the torch backend (onnxruntime-torch): the host step
-    against the whole step on the device, the sessions chained through torch's CUDA tensors."""
-    if cuda_visible() is None:
-        raise Skip("torch sees no CUDA device")
-    _needs_ort_cuda()
+def onnxruntime_torch(engine_dir, batches, device):
+    """ONNX Runtime inside the torch backend (onnxruntime-torch; its CUDA provider on CUDA): the
+    host step against the whole step on the device, the sessions chained through torch's tensors."""
+    needs_device(device)
+    if device.startswith("cuda"):
+        _needs_ort_cuda()
     from lantern.export.torch_backend import open_onnxruntime_torch_backend
 
-    return step_timing(engine_dir, batches=batches, backend=open_onnxruntime_torch_backend(engine_dir, device="cuda"))
+    return step_timing(engine_dir, batches=batches, backend=open_onnxruntime_torch_backend(engine_dir, device=device))
 
 
 def _plan_copy(engine_dir, flavor, workdir, batches):
@@ -310,12 +322,13 @@ def _plan_copy(engine_dir, flavor, workdir, batches):
                   "plan_bytes": plans, "profiles": {g: len(p.profiles) for g, p in build.plans.items()}}
 
 
-def tensorrt(engine_dir, cpu, opts, flavor, workdir):
+def tensorrt(engine_dir, reference, opts, flavor, workdir):
     if flavor not in available_flavors():
         raise Skip(f"{flavor} is not installed (pip install 'lantern[{flavor}]')")
     if flavor == "tensorrt" and gpu_compute_capability() is None:
         raise Skip("full TensorRT builds and runs on the GPU it serves; none is visible here")
     copy, out = _plan_copy(engine_dir, flavor, workdir, opts[1])
+    cpu = reference()
     if gpu_compute_capability() is None:
         out["run"] = "skipped: no NVIDIA GPU visible (the plans were built ahead of time for SM89; running one needs the GPU)"
         return out
@@ -381,43 +394,59 @@ def polygraphy_check(engine_dir):
             "worst": worst}
 
 
-def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir):
-    # ONNX Runtime's CPU provider runs fp32/fp16 engines: the reference for the GPU backends
-    cpu = Engine(engine_dir, threads=cpu_threads) if read_manifest(engine_dir).dtype != "bf16" else None
-    report.section(f"{label}/torch-cuda-graphs", torch_cuda, engine_dir, cpu, opts, True)
-    report.section(f"{label}/torch-cuda-eager", torch_cuda, engine_dir, cpu, opts, False)
-    for graphs in (True, False):
-        report.section(f"{label}/torch-cuda-step-{'graph' if graphs else 'eager'}", device_step_section, engine_dir,
-                       opts[1], graphs)
-    report.section(f"{label}/onnxruntime-cuda", onnxruntime_cuda, engine_dir, cpu, opts)
-    report.section(f"{label}/onnxruntime-torch-cuda", onnxruntime_torch_cuda, engine_dir, opts[1])
-    for flavor in ("tensorrt", "tensorrt-rtx"):
-        report.section(f"{label}/{flavor}", tensorrt, engine_dir, cpu, opts, flavor, workdir)
+def section_names(device):
+    """Each engine's sections in the order they run, for `device` (cuda, or cpu's dry run)."""
+    dev = device.split(":")[0]
+    return [f"torch-{dev}-step-graph", f"torch-{dev}-step-eager", f"torch-{dev}-graphs", f"torch-{dev}-eager",
+            "onnxruntime-cuda", f"onnxruntime-torch-{dev}", "tensorrt", "tensorrt-rtx"]
 
 
-def device_step_section(engine_dir, batches, cuda_graphs, device=None, **options):
-    """The whole step on the device vs on the host, torch backend on CUDA (tools/bench/device_step.
-    step_timing): one CUDA graph per step (cuda_graphs) or the same step eagerly; ms per AR and
-    speculative step, host share. device, options (step_timing's): for tests of the section's
-    logic on the CPU."""
-    if device is None and cuda_visible() is None:
-        raise Skip("torch sees no CUDA device")
-    return step_timing(engine_dir, device or "cuda", cuda_graphs, batches=batches, **options)
+def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir, device="cuda", only=None):
+    """One engine's sections (those in `only`, or all)."""
+    opened = []
+
+    def cpu():
+        """ONNX Runtime's CPU provider on fp32/fp16 engines, the GPU backends' reference; opened at
+        its first use (a section list without one never loads it), None for bf16."""
+        if not opened:
+            opened.append(Engine(engine_dir, threads=cpu_threads) if read_manifest(engine_dir).dtype != "bf16"
+                          else None)
+        return opened[0]
+
+    step_graph, step_eager, graphs, eager, ort_cuda, ort_torch, trt, rtx = section_names(device)
+    sections = {step_graph: (device_step_section, engine_dir, opts[1], True, device),
+                step_eager: (device_step_section, engine_dir, opts[1], False, device),
+                graphs: (torch_reference, engine_dir, cpu, opts, True, device),
+                eager: (torch_reference, engine_dir, cpu, opts, False, device),
+                ort_cuda: (onnxruntime_cuda, engine_dir, cpu, opts),
+                ort_torch: (onnxruntime_torch, engine_dir, opts[1], device),
+                trt: (tensorrt, engine_dir, cpu, opts, "tensorrt", workdir),
+                rtx: (tensorrt, engine_dir, cpu, opts, "tensorrt-rtx", workdir)}
+    for name, (fn, *args) in sections.items():
+        if only is None or name in only:
+            report.section(f"{label}/{name}", fn, *args)
 
 
-def device_acceptance_section(batches, repeats):
+def device_step_section(engine_dir, batches, cuda_graphs, device="cuda", **options):
+    """The whole step on the device vs on the host, torch backend on `device` (tools/bench/
+    device_step.step_timing): one CUDA graph per step (cuda_graphs) or the same step eagerly; ms
+    per AR and speculative step, host share. options (step_timing's): for tests on the CPU."""
+    needs_device(device)
+    return step_timing(engine_dir, device, cuda_graphs, batches=batches, **options)
+
+
+def device_acceptance_section(batches, repeats, device="cuda"):
     """Acceptance on the device vs the logits copied to the host and numpy, GPT-B shapes."""
-    if cuda_visible() is None:
-        raise Skip("no CUDA device visible to torch")
-
-    return {"runs": device_acceptance("cuda", batches, repeats)}
+    needs_device(device)
+    return {"runs": device_acceptance(device, batches, repeats)}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("engines", nargs="*", help="engine directories to check")
     p.add_argument("--demo", action="store_true", help="export and check the bundled demo model")
-    p.add_argument("--gpt", help="export and check a random-weight LlamaGen of this shape (e.g. GPT-B) in --dtype")
+    p.add_argument("--gpt", help="export and check random-weight LlamaGens of these shapes (GPT-B, or GPT-B,GPT-XL) "
+                                 "in --dtype")
     p.add_argument("--dtype", default="fp16")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batches", default="1,8")
@@ -425,10 +454,19 @@ def main(argv=None):
     p.add_argument("--budget-minutes", type=float, default=8.0,
                    help="sections that would start later are skipped (default 8)")
     p.add_argument("--out", help="write the report here as it grows")
+    p.add_argument("--only", help="run only these sections, comma-separated (e.g. torch-cuda-step-graph)")
+    p.add_argument("--device", default="cuda",
+                   help="the torch sections' device (default cuda; cpu: a dry run of their code, measuring nothing)")
     args = p.parse_args(argv)
+    known = section_names(args.device) + ["device_acceptance"]
+    only = None if args.only is None else set(filter(None, args.only.split(",")))
+    if only is not None and (not only or only - set(known)):
+        p.error(f"--only: unknown section {', '.join(sorted(only - set(known))) or '(none given)'} "
+                f"(sections with --device {args.device}: {', '.join(known)})")
+    shapes = [g for g in (args.gpt or "").split(",") if g]
 
     report = Report(args.out, 60 * args.budget_minutes)
-    report.section("environment", environment)
+    report.section("environment", environment, args.device)
     tokens = (1, 2, 4, 8, 16, 26, 32, 48, 58, 64)
     opts = (tokens, [int(b) for b in args.batches.split(",")], args.repeats)
     workdir = tempfile.mkdtemp(prefix="lantern-gpu-")
@@ -437,14 +475,15 @@ def main(argv=None):
         if args.demo:
             if report.section("demo/export", lambda: {"engine": export_demo(workdir)}):
                 targets.append(("demo", os.path.join(workdir, "demo")))
-        if args.gpt:
-            label = f"{args.gpt}-{args.dtype}"
-            if report.section(f"{label}/export", lambda: {"engine": export_gpt(workdir, args.gpt, args.dtype)}):
-                targets.append((label, os.path.join(workdir, args.gpt)))
+        for shape in shapes:
+            label = f"{shape}-{args.dtype}"
+            if report.section(f"{label}/export", lambda: {"engine": export_gpt(workdir, shape, args.dtype)}):
+                targets.append((label, os.path.join(workdir, shape)))
         for label, engine_dir in targets:
             if os.path.isdir(engine_dir):
-                check_engine_dir(report, label, engine_dir, opts, args.cpu_threads, workdir)
-        report.section("device_acceptance", device_acceptance_section, opts[1], max(args.repeats, 10))
+                check_engine_dir(report, label, engine_dir, opts, args.cpu_threads, workdir, args.device, only)
+        if only is None or "device_acceptance" in only:
+            report.section("device_acceptance", device_acceptance_section, opts[1], max(args.repeats, 10), args.device)
         skipped = {k: v["skipped"] for k, v in report.data.items() if isinstance(v, dict) and "skipped" in v}
         skipped.update({f"{k}/run": v["run"] for k, v in report.data.items()
                         if isinstance(v, dict) and str(v.get("run", "")).startswith("skipped")})
