@@ -511,3 +511,43 @@ def test_fp16_engine_device_step_equals_host_step(fp16_engine):
         np.testing.assert_array_equal(tokens["device"], tokens["host"])
         if kw["mode"] == "exact":
             assert out.stats["mean_accepted_drafts"] > 0, kw  # drafts were accepted: the tree really ran
+
+
+def test_count_kernels_counts_the_ops_that_write_memory():
+    """bench.device_step.count_kernels: a view or a no-op conversion launches nothing, a new
+    tensor or an in-place write one kernel each; ops inside a part's call count under its name,
+    and the hooks leave the call's output and the module as they were."""
+    from lantern.tools.bench.device_step import count_kernels
+
+    x = torch.arange(6.0).reshape(2, 3)
+    assert count_kernels(lambda: (x.view(-1), x.t(), x[:, 1:], x.to(torch.float32))) == {}
+    assert count_kernels(lambda: (x + 1, x.t().contiguous())) == {"step": 2}
+    assert count_kernels(lambda: x.clone().add_(1)) == {"step": 2}
+    linear = torch.nn.Linear(3, 4)
+    want = linear(x)
+    got = []
+    assert count_kernels(lambda: got.append(linear(x) * 2), {"linear": linear}) == {"linear": 1, "step": 1}
+    torch.testing.assert_close(got[0], want * 2)
+    assert not linear._forward_hooks and not linear._forward_pre_hooks
+
+
+def test_step_kernels_by_part(torch_c2i):
+    """Kernels per device step (what its CUDA graph replays), by part: AR runs no drafter; a
+    speculative step adds the drafter's calls (one per tree level above the leaves, the same
+    kernels each) and more of the step's own bookkeeping; the parts add up."""
+    from lantern.tools.bench.device_step import step_kernels
+
+    directory, backend = torch_c2i
+    counts = step_kernels(directory, backend, modes=("ar", "exact"), images=2)
+    ar, exact = counts["ar"], counts["exact"]
+    assert set(ar["by_part"]) == {"target", "accept", "step"} and set(exact["by_part"]) == {
+        "target", "drafter", "accept", "step"}
+    for row in (ar, exact):
+        assert row["kernels"] == sum(row["by_part"].values()) and min(row["by_part"].values()) > 0
+    engine = Engine(directory, backend=backend, step="device")
+    engine.generate(mode="exact", greedy=True, cfg_scale=4.0, classes=[1, 2])
+    depth = backend._steps[id(engine._plan)].depth  # the drafter calls per step
+    engine.release()
+    assert depth > 1 and exact["by_part"]["drafter"] % depth == 0
+    assert exact["by_part"]["step"] > ar["by_part"]["step"] and exact["by_part"]["accept"] == ar["by_part"]["accept"]
+    assert exact["in_ar_steps"] == round(exact["kernels"] / ar["kernels"], 2) > 1

@@ -93,15 +93,17 @@ def test_only_runs_the_sections_named_and_cpu_is_a_dry_run(c2i_engine, tmp_path)
     """--only keeps a short GPU window on the goal measurement; --device cpu runs a section's
     code here (the dry run before a GPU window is spent)."""
     out = tmp_path / "gpu_check.json"
-    rc = gpu_check.main([str(c2i_engine), "--device", "cpu", "--only", "torch-cpu-step-eager", "--batches", "1",
+    rc = gpu_check.main([str(c2i_engine), "--device", "cpu", "--only", "torch-cpu-step-graph", "--batches", "1",
                          "--cpu-threads", "1", "--out", str(out)])
     data = json.loads(out.read_text())
-    assert rc == 0 and set(data) == {"environment", "engine-c2i/torch-cpu-step-eager", "skipped"}
+    assert rc == 0 and set(data) == {"environment", "engine-c2i/torch-cpu-step-graph", "skipped"}
     assert data["environment"]["torch_device"] == "cpu" and data["skipped"] == {}
-    section = data["engine-c2i/torch-cpu-step-eager"]
-    assert section["device"] == "cpu" and section["cuda_graphs"] is False
+    section = data["engine-c2i/torch-cpu-step-graph"]
+    assert section["device"] == "cpu" and section["cuda_graphs"] is False  # no CUDA graphs on a CPU
     assert {(r["step"], r["mode"]) for r in section["runs"]} == {
         (p, m) for p in ("host", "device") for m in ("ar", "exact", "lantern++")}
+    kernels = section["kernels_per_step"]  # what the step's graph would replay, per mode
+    assert set(kernels) == {"ar", "exact", "lantern++"} and kernels["exact"]["in_ar_steps"] > 1
 
 
 def test_only_refuses_an_unknown_section_in_one_line(capsys):

@@ -64,7 +64,7 @@ from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.generator import Engine
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.plan import Call
-from lantern.tools.bench.device_step import device_acceptance, step_timing, whole_step
+from lantern.tools.bench.device_step import device_acceptance, step_backend, step_kernels, step_timing, whole_step
 from lantern.tools.latency import default_condition, verify_latency
 
 from lantern.tools.bench.device_step import export_gpt
@@ -427,12 +427,19 @@ def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir, devi
             report.section(f"{label}/{name}", fn, *args)
 
 
-def device_step_section(engine_dir, batches, cuda_graphs, device="cuda", **options):
+def device_step_section(engine_dir, batches, cuda_graphs, device="cuda", modes=("ar", "exact", "lantern++"),
+                        threads=None, **options):
     """The whole step on the device vs on the host, torch backend on `device` (tools/bench/
     device_step.step_timing): one CUDA graph per step (cuda_graphs) or the same step eagerly; ms
-    per AR and speculative step, host share. options (step_timing's): for tests on the CPU."""
+    per AR and speculative step, host share; with cuda_graphs, the kernels one step's graph
+    replays per mode (step_kernels: with the ms, the cost per kernel). options (step_timing's):
+    for tests on the CPU."""
     needs_device(device)
-    return step_timing(engine_dir, device, cuda_graphs, batches=batches, **options)
+    backend = step_backend(engine_dir, device, cuda_graphs, threads)
+    out = step_timing(engine_dir, batches=batches, modes=modes, backend=backend, **options)
+    if cuda_graphs:
+        out["kernels_per_step"] = step_kernels(engine_dir, backend, modes, images=batches[0])
+    return out
 
 
 def device_acceptance_section(batches, repeats, device="cuda"):

@@ -23,6 +23,12 @@ outcome crosses back (ONNX Runtime CPU here).
     python -m lantern.tools.bench.device_step [--gpt GPT-B | --engine DIR] [--cfg-scale 4]
         [--batch 1 8] [--threads 2] [--modes ar exact lantern++]
     python -m lantern.tools.bench.device_step --acceptance [--tree mc_sim_7b_63] [--repeats 30]
+    python -m lantern.tools.bench.device_step --kernels [--gpt GPT-B | --engine DIR] [--batch 1]
+
+Kernels (--kernels): per mode, the ops one device step of the torch backend dispatches that
+write memory (about one kernel each in the step's CUDA graph), by part: target, drafter,
+acceptance, and the step's own drafting, masks and commits. Small-batch GPU steps are
+launch-bound, so the speculative step's kernels over AR's predict its cost in AR steps.
 
 What it does not measure: any GPU (tools/gpu_check.py has the device step's CUDA section).
 """
@@ -356,6 +362,17 @@ def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), c
     return results
 
 
+def step_backend(engine_dir, device="cuda", cuda_graphs=True, threads=None):
+    """The torch backend step_timing and step_kernels measure: the engine's graphs as torch
+    modules on `device` with the acceptance modules of its device step."""
+    from lantern.export.accept_graphs import KINDS
+    from lantern.export.onnx_export import load_graph_modules
+
+    manifest = read_manifest(engine_dir)
+    modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
+    return TorchBackend(modules, manifest, device=device, threads=threads, cuda_graphs=cuda_graphs, acceptance=KINDS)
+
+
 def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact", "lantern++"), batches=(1, 8),
                 cfg=4.0, threads=None, warmup=True, backend=None):
     """gpu_check's device-step section for one engine: on the torch backend on `device` (CUDA
@@ -363,13 +380,8 @@ def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact
     `backend`, a torch backend opened already: tensorrt-torch), per step path, mode and batch:
     ms per step, host share of the step time, and the speculative step in AR steps; greedy, CFG.
     Each generation runs once, after one warm-up of its plan (warmup)."""
-    from lantern.export.accept_graphs import KINDS
-    from lantern.export.onnx_export import load_graph_modules
     manifest = read_manifest(engine_dir)
-    if backend is None:
-        modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
-        backend = TorchBackend(modules, manifest, device=device, threads=threads, cuda_graphs=cuda_graphs,
-                               acceptance=KINDS)
+    backend = backend or step_backend(engine_dir, device, cuda_graphs, threads)
     num_classes = manifest.condition.num_classes or 1
     runs, engine = [], None
     for path in ("host", "device"):
@@ -403,6 +415,79 @@ def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact
             "runs": runs}
 
 
+def count_kernels(fn, parts=()):
+    """{part: ops fn() dispatches that write memory} (a new tensor, or an in-place write; views
+    and no-op conversions write none): each is about one kernel in a CUDA graph of fn. parts:
+    {name: module}; an op inside a call of one counts under its name, the rest under "step"."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts, inside = collections.Counter(), []
+
+    def enter(name):
+        def hook(module, args):
+            inside.append(name)
+        return hook
+
+    def leave(module, args, out):
+        inside.pop()  # returns None: the call's output stays as it is
+
+    handles = []
+    for name, module in dict(parts).items():
+        handles += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave)]
+
+    def storages(values):
+        return {v.untyped_storage().data_ptr() for v in values if isinstance(v, torch.Tensor)}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+            flat = out if isinstance(out, (tuple, list)) else (out,)
+            if writes or storages(flat) - storages(list(args) + list(kwargs.values())):
+                counts[inside[-1] if inside else "step"] += 1
+            return out
+
+    try:
+        with torch.inference_mode(), Count():
+            fn()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return dict(counts)
+
+
+def step_kernels(engine_dir, backend, modes=("ar", "exact", "lantern++"), images=1, cfg=4.0):
+    """Per mode, the kernels one device step of the torch backend runs (count_kernels: what its
+    CUDA graph replays), by part: the target's and drafter's calls (and an in-place engine's
+    commit graph), acceptance, and the step's own drafting, masks and commits ("step"). Counted
+    on one eager step after a greedy generation (its images are done: the step's shapes and ops
+    are the same). A GPU step of small batches is launch-bound, so their ratio predicts the
+    speculative step in AR steps before a GPU measures it."""
+    manifest = read_manifest(engine_dir)
+    engine = Engine(engine_dir, backend=backend, step="device")
+    classes = [c % (manifest.condition.num_classes or 1) for c in range(1, images + 1)]
+    out = {}
+    for mode in modes:
+        if mode not in manifest.modes:
+            continue
+        k = min(100, manifest.neighbors.k) if mode == "lantern++" and manifest.neighbors else None
+        engine.generate(mode=mode, greedy=True, cfg_scale=cfg, classes=classes, k=k)
+        step = backend._steps[id(engine._plan)]
+        parts = {name: m for name, m in backend.modules.items() if isinstance(m, backend.torch.nn.Module)}
+        counts = count_kernels(step._step, {**parts, "accept": step.accept_module})
+        out[mode] = {"kernels": sum(counts.values()), "by_part": dict(sorted(counts.items()))}
+    engine.release()
+    ar = out.get("ar", {}).get("kernels")
+    for mode, row in out.items():
+        if ar and mode != "ar":
+            row["in_ar_steps"] = round(row["kernels"] / ar, 2)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--acceptance", action="store_true", help="acceptance only, on GPT-B's vocabulary")
@@ -417,6 +502,8 @@ def main(argv=None):
     p.add_argument("--sampling", choices=["both", "greedy", "only"], default="both",
                    help="whole step: greedy rows, sampling rows, or both")
     p.add_argument("--top-k", type=int, default=0, help="whole step's sampling rows: top-k (0 = off)")
+    p.add_argument("--kernels", action="store_true",
+                   help="kernels per device step by part (what one CUDA graph replays), per mode, batch --batch's first")
     args = p.parse_args(argv)
     if args.acceptance:
         return acceptance_main(args)
@@ -426,7 +513,16 @@ def main(argv=None):
             from lantern.export.accept_graphs import add_acceptance_graphs
 
             engine_dir = export_gpt(tmp, args.gpt, "fp32", with_vq="lantern++" in args.modes or "lantern" in args.modes)
-            add_acceptance_graphs(engine_dir)  # ONNX Runtime's device step, greedy and sampling
+            if not args.kernels:
+                add_acceptance_graphs(engine_dir)  # ONNX Runtime's device step, greedy and sampling
+        if args.kernels:
+            from lantern.export.torch_backend import open_torch_backend
+
+            kernels = step_kernels(engine_dir, open_torch_backend(engine_dir, threads=args.threads), args.modes,
+                                   args.batch[0], args.cfg_scale)
+            print(json.dumps({"benchmark": "device_step_kernels", "engine": args.engine or f"{args.gpt} random fp32",
+                              "images": args.batch[0], "cfg": args.cfg_scale, "results": kernels}, indent=1))
+            return 0
         samplings = {"both": (False, True), "greedy": (False,), "only": (True,)}[args.sampling]
         results = whole_step(engine_dir, args.modes, args.batch, args.cfg_scale, args.threads, samplings, args.top_k)
     print(json.dumps({"benchmark": "device_step_whole", "engine": args.engine or f"{args.gpt} random fp32",
