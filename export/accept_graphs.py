@@ -126,6 +126,8 @@ class GreedyAcceptance(nn.Module):
         rowmax = l.amax(dim=2)  # [N, M]
         top = torch.where(l == rowmax[..., None], column, S).amin(dim=2)
         invalid = ~torch.isfinite(rowmax).all(dim=1)
+        if self.depth == 0:  # AR (the tree is a constant of the module): the root's target is all there is
+            return _outcome(self, torch.zeros_like(count), top[:, 0], torch.zeros_like(tokens), invalid)
 
         # node i's draft x against its parent's target, weights relative to the parent's max
         parent_l = l[:, self.parents]  # [N, M, S]

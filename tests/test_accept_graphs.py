@@ -13,7 +13,7 @@ from lantern.export.accept_graphs import (INPUTS, OUTPUTS, GreedyAcceptance, Sam
                                           export_acceptance)
 from lantern.runtime import accept as acceptance
 from lantern.runtime.sampling import Sampling
-from lantern.runtime.tree import build_tree
+from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.vocabulary import VocabularyView
 
 torch.set_grad_enabled(False)
@@ -168,6 +168,26 @@ def test_rows_without_a_finite_max_are_flagged():
     feeds["logits"][2, 0, START + 1] = np.nan
     got = run_module(GreedyAcceptance(tree, np.arange(START, START + CODES), CODES), feeds)
     assert got["invalid"].tolist() == [False, True, True]
+
+
+def test_ar_takes_the_root_targets_argmax():
+    """The root-only tree (AR, the device step's `ar`) skips the verification (a short path of
+    the module): the outcome is still the numpy rules' (the CFG-combined, forced argmax, ties to
+    the lowest column; nothing accepted), with CFG, forced tokens and exact ties, and void rows
+    are still flagged."""
+    tree = root_only()
+    rng = np.random.default_rng(5)
+    module = GreedyAcceptance(tree, np.concatenate([np.arange(START, START + CODES), FORCED_IDS]), CODES)
+    for case in range(24):
+        cfg, forced = case % 2 == 1, case % 4 >= 2
+        feeds, logits, view = random_case(rng, tree, acceptance.Exact(), cfg=cfg, forced=forced, tie_scale=1 + case % 3)
+        if len(view.extra) != len(FORCED_IDS) and forced:
+            continue
+        want = acceptance.accept_greedy_batch(tree, feeds["tokens"], logits, acceptance.Exact(), feeds["neighbors"])
+        assert_outcome(run_module(module, feeds), want, f"case {case} cfg {cfg} forced {forced}")
+    feeds["logits"] = feeds["logits"].copy()
+    feeds["logits"][1, 0, START + 1] = np.nan
+    assert run_module(module, feeds)["invalid"].tolist() == [False, True, False]
 
 
 @pytest.fixture(scope="module")
