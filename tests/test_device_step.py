@@ -520,7 +520,7 @@ def test_count_kernels_counts_the_ops_that_write_memory():
     from lantern.tools.bench.device_step import count_kernels
 
     x = torch.arange(6.0).reshape(2, 3)
-    assert count_kernels(lambda: (x.view(-1), x.t(), x[:, 1:], x.to(torch.float32))) == {}
+    assert count_kernels(lambda: (x.view(-1), x.t(), x[:, 1:], x.to(torch.float32), torch.empty(3))) == {}
     assert count_kernels(lambda: (x + 1, x.t().contiguous())) == {"step": 2}
     assert count_kernels(lambda: x.clone().add_(1)) == {"step": 2}
     linear = torch.nn.Linear(3, 4)
@@ -543,11 +543,12 @@ def test_step_kernels_by_part(torch_c2i):
     assert set(ar["by_part"]) == {"target", "accept", "step"} and set(exact["by_part"]) == {
         "target", "drafter", "accept", "step"}
     for row in (ar, exact):
-        assert row["kernels"] == sum(row["by_part"].values()) and min(row["by_part"].values()) > 0
+        assert row["kernels"] == sum(row["by_part"].values())
     engine = Engine(directory, backend=backend, step="device")
     engine.generate(mode="exact", greedy=True, cfg_scale=4.0, classes=[1, 2])
     depth = backend._steps[id(engine._plan)].depth  # the drafter calls per step
     engine.release()
     assert depth > 1 and exact["by_part"]["drafter"] % depth == 0
-    assert exact["by_part"]["step"] > ar["by_part"]["step"] and exact["by_part"]["accept"] == ar["by_part"]["accept"]
+    # AR's acceptance is the root's argmax alone; a tree's verifies every node
+    assert exact["by_part"]["step"] > ar["by_part"]["step"] and exact["by_part"]["accept"] > ar["by_part"]["accept"]
     assert exact["in_ar_steps"] == round(exact["kernels"] / ar["kernels"], 2) > 1

@@ -9,7 +9,9 @@ Engines: the bundled demo model (--demo), random-weight LlamaGens of --gpt's sha
 order (the whole step first: it is what a short GPU window should measure before anything else):
   torch-cuda-step-graph / -eager         the whole step on the device (greedy, CFG 4; one CUDA graph
                                          per step, or eager) against the host step: ms per AR and
-                                         speculative step, host share, batch 1 and the batch
+                                         speculative step, host share, batch 1 and the batch;
+                                         step-graph also counts the kernels one step's graph
+                                         replays per mode, by part (kernels_per_step)
   torch-cuda-graphs / torch-cuda-eager   the torch reference on CUDA, with and without CUDA graphs
   onnxruntime-cuda                       ONNX Runtime's CUDA execution provider
   onnxruntime-torch-cuda                 the same inside the torch backend: host step against the
@@ -38,10 +40,10 @@ command ends within it. Without a GPU the GPU-less parts still run: the engines'
 TensorRT-RTX plans built ahead of time for SM89 (build seconds, plan sizes).
 --only runs the sections named (as above, "device_acceptance" too; the exports they need always
 run): `--only torch-cuda-step-graph` measures the speculative step in AR steps and its host share
-alone. --device cpu is a dry run:
-every torch section (named torch-cpu-..., onnxruntime-torch-cpu) runs its code on the CPU, which
-measures nothing about a GPU but shows, before a GPU window is spent, that the sections work with
-the packages installed (use --dtype fp32 there: fp16 matmuls on a CPU crawl).
+alone. --device cpu is a dry run of the torch sections: each (named torch-cpu-...,
+onnxruntime-torch-cpu) runs its code on the CPU, which measures nothing about a GPU but shows,
+before a GPU window is spent, that they work with the packages installed (use --dtype fp32
+there: fp16 matmuls on a CPU crawl); the other sections run as they would without it.
 It prints one JSON object per section as it goes (a run cut short still says what it measured),
 rewrites --out after each, and prints the whole report at the end.
 """
@@ -328,10 +330,10 @@ def tensorrt(engine_dir, reference, opts, flavor, workdir):
     if flavor == "tensorrt" and gpu_compute_capability() is None:
         raise Skip("full TensorRT builds and runs on the GPU it serves; none is visible here")
     copy, out = _plan_copy(engine_dir, flavor, workdir, opts[1])
-    cpu = reference()
     if gpu_compute_capability() is None:
         out["run"] = "skipped: no NVIDIA GPU visible (the plans were built ahead of time for SM89; running one needs the GPU)"
         return out
+    cpu = reference()
 
     for graphs in (True, False):
         label = "cuda_graphs" if graphs else "no_cuda_graphs"
@@ -437,8 +439,11 @@ def device_step_section(engine_dir, batches, cuda_graphs, device="cuda", modes=(
     needs_device(device)
     backend = step_backend(engine_dir, device, cuda_graphs, threads)
     out = step_timing(engine_dir, batches=batches, modes=modes, backend=backend, **options)
-    if cuda_graphs:
-        out["kernels_per_step"] = step_kernels(engine_dir, backend, modes, images=batches[0])
+    if cuda_graphs:  # a failed count must not cost the timings above
+        try:
+            out["kernels_per_step"] = step_kernels(engine_dir, backend, modes, images=batches[0])
+        except Exception as e:
+            out["kernels_per_step"] = {"error": one_line(e)}
     return out
 
 
@@ -462,7 +467,7 @@ def main(argv=None):
                    help="sections that would start later are skipped (default 8)")
     p.add_argument("--out", help="write the report here as it grows")
     p.add_argument("--only", help="run only these sections, comma-separated (e.g. torch-cuda-step-graph)")
-    p.add_argument("--device", default="cuda",
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="the torch sections' device (default cuda; cpu: a dry run of their code, measuring nothing)")
     args = p.parse_args(argv)
     known = section_names(args.device) + ["device_acceptance"]
@@ -470,7 +475,7 @@ def main(argv=None):
     if only is not None and (not only or only - set(known)):
         p.error(f"--only: unknown section {', '.join(sorted(only - set(known))) or '(none given)'} "
                 f"(sections with --device {args.device}: {', '.join(known)})")
-    shapes = [g for g in (args.gpt or "").split(",") if g]
+    shapes = list(dict.fromkeys(g for g in (args.gpt or "").split(",") if g))
 
     report = Report(args.out, 60 * args.budget_minutes)
     report.section("environment", environment, args.device)
@@ -480,11 +485,12 @@ def main(argv=None):
     try:
         targets = [(os.path.basename(os.path.normpath(d)), d) for d in args.engines]
         if args.demo:
-            if report.section("demo/export", lambda: {"engine": export_demo(workdir)}):
+            if "engine" in (report.section("demo/export", lambda: {"engine": export_demo(workdir)}) or {}):
                 targets.append(("demo", os.path.join(workdir, "demo")))
         for shape in shapes:
             label = f"{shape}-{args.dtype}"
-            if report.section(f"{label}/export", lambda: {"engine": export_gpt(workdir, shape, args.dtype)}):
+            if "engine" in (report.section(f"{label}/export",
+                                           lambda: {"engine": export_gpt(workdir, shape, args.dtype)}) or {}):
                 targets.append((label, os.path.join(workdir, shape)))
         for label, engine_dir in targets:
             if os.path.isdir(engine_dir):

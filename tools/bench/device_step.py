@@ -27,8 +27,9 @@ outcome crosses back (ONNX Runtime CPU here).
 
 Kernels (--kernels): per mode, the ops one device step of the torch backend dispatches that
 write memory (about one kernel each in the step's CUDA graph), by part: target, drafter,
-acceptance, and the step's own drafting, masks and commits. Small-batch GPU steps are
-launch-bound, so the speculative step's kernels over AR's predict its cost in AR steps.
+acceptance, and the step's own drafting, masks and commits; on the fp32 engine (an fp16 one adds
+its casts to every graph, which barely moves the ratio). Small-batch GPU steps are launch-bound,
+so the speculative step's kernels over AR's predict its cost in AR steps.
 
 What it does not measure: any GPU (tools/gpu_check.py has the device step's CUDA section).
 """
@@ -175,7 +176,7 @@ def export_gpt(root, model, dtype, with_vq=False):
     from lantern.export.onnx_export import export_engine
 
     args = llamagen.make_config(model)
-    src = os.path.join(root, "src")
+    src = os.path.join(root, f"src-{model}")  # the manifest points here: one per shape (gpu_check exports several)
     os.makedirs(src, exist_ok=True)
     checkpoints.save_llamagen_pt(llamagen.init_random(llamagen.Transformer(args)), os.path.join(src, "gpt.pt"))
     drafter = llamagen.init_random(llamagen.Drafter(llamagen.DrafterArgs.for_target(args)), seed=1)
@@ -416,15 +417,18 @@ def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact
 
 
 def count_kernels(fn, parts=()):
-    """{part: ops fn() dispatches that write memory} (a new tensor, or an in-place write; views
-    and no-op conversions write none): each is about one kernel in a CUDA graph of fn. parts:
-    {name: module}; an op inside a call of one counts under its name, the rest under "step"."""
+    """{part: ops fn() dispatches that write memory} (a new tensor, or an in-place write; views,
+    no-op conversions and bare allocations write none): each is about one kernel in a CUDA graph
+    of fn (a sort, a top-k or a split-K matmul may launch a few). parts: {name: module}; an op
+    inside a call of one counts under its name, the rest under "step"."""
     import collections
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     counts, inside = collections.Counter(), []
+    allocates_only = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                      "aten::new_empty_strided"}  # memory, no kernel
 
     def enter(name):
         def hook(module, args):
@@ -447,6 +451,8 @@ def count_kernels(fn, parts=()):
             out = func(*args, **kwargs)
             writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
             flat = out if isinstance(out, (tuple, list)) else (out,)
+            if func._schema.name in allocates_only:
+                return out
             if writes or storages(flat) - storages(list(args) + list(kwargs.values())):
                 counts[inside[-1] if inside else "step"] += 1
             return out
@@ -461,8 +467,8 @@ def count_kernels(fn, parts=()):
 
 
 def step_kernels(engine_dir, backend, modes=("ar", "exact", "lantern++"), images=1, cfg=4.0):
-    """Per mode, the kernels one device step of the torch backend runs (count_kernels: what its
-    CUDA graph replays), by part: the target's and drafter's calls (and an in-place engine's
+    """Per mode, about the kernels one device step of the torch backend runs (count_kernels: the
+    ops its CUDA graph replays), by part: the target's and drafter's calls (and an in-place engine's
     commit graph), acceptance, and the step's own drafting, masks and commits ("step"). Counted
     on one eager step after a greedy generation (its images are done: the step's shapes and ops
     are the same). A GPU step of small batches is launch-bound, so their ratio predicts the
