@@ -4,9 +4,10 @@ work, as one JSON file.
   python -m lantern.tools.gpu_check [ENGINE ...] [--demo] [--gpt GPT-B[,GPT-XL]] [--out gpu_check.json]
                                     [--budget-minutes 8] [--only SECTION,...] [--device cuda]
 
-Engines: the bundled demo model (--demo), random-weight LlamaGens of --gpt's shapes exported in
---dtype, and/or engine directories given. For each engine, one section per backend, in this
-order (the whole step first: it is what a short GPU window should measure before anything else):
+Engines: the engine directories given, random-weight LlamaGens of --gpt's shapes exported in
+--dtype, and/or the bundled demo model (--demo), in that order, each exported just before its
+sections. For each engine, one section per backend, in this order (the whole step first: it is
+what a short GPU window should measure before anything else):
   torch-cuda-step-graph / -eager         the whole step on the device (greedy, CFG 4; one CUDA graph
                                          per step, or eager) against the host step: ms per AR and
                                          speculative step, host share, batch 1 and the batch;
@@ -483,17 +484,16 @@ def main(argv=None):
     opts = (tokens, [int(b) for b in args.batches.split(",")], args.repeats)
     workdir = tempfile.mkdtemp(prefix="lantern-gpu-")
     try:
-        targets = [(os.path.basename(os.path.normpath(d)), d) for d in args.engines]
-        if args.demo:
-            if "engine" in (report.section("demo/export", lambda: {"engine": export_demo(workdir)}) or {}):
-                targets.append(("demo", os.path.join(workdir, "demo")))
-        for shape in shapes:
-            label = f"{shape}-{args.dtype}"
-            if "engine" in (report.section(f"{label}/export",
-                                           lambda: {"engine": export_gpt(workdir, shape, args.dtype)}) or {}):
-                targets.append((label, os.path.join(workdir, shape)))
-        for label, engine_dir in targets:
-            if os.path.isdir(engine_dir):
+        # engines given, then the GPT shapes (the goal's), then the demo: each exported just before
+        # its sections, so a short GPU window measures the first target before exporting the next
+        targets = [(os.path.basename(os.path.normpath(d)), d, None) for d in args.engines]
+        targets += [(f"{shape}-{args.dtype}", None, lambda shape=shape: export_gpt(workdir, shape, args.dtype))
+                    for shape in shapes]
+        targets += [("demo", None, lambda: export_demo(workdir))] * args.demo
+        for label, engine_dir, export in targets:
+            if export is not None:
+                engine_dir = (report.section(f"{label}/export", lambda: {"engine": export()}) or {}).get("engine")
+            if engine_dir and os.path.isdir(engine_dir):
                 check_engine_dir(report, label, engine_dir, opts, args.cpu_threads, workdir, args.device, only)
         if only is None or "device_acceptance" in only:
             report.section("device_acceptance", device_acceptance_section, opts[1], max(args.repeats, 10), args.device)
