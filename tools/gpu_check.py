@@ -128,7 +128,7 @@ def cuda_visible():
 
 def needs_device(device):
     """Skip unless torch can run on `device` (the CPU always can: --device cpu's dry run)."""
-    if device.startswith("cuda") and cuda_visible() is None:
+    if device == "cuda" and cuda_visible() is None:
         raise Skip("torch sees no CUDA device")
 
 
@@ -293,7 +293,7 @@ def onnxruntime_torch(engine_dir, batches, device):
     """ONNX Runtime inside the torch backend (onnxruntime-torch; its CUDA provider on CUDA): the
     host step against the whole step on the device, the sessions chained through torch's tensors."""
     needs_device(device)
-    if device.startswith("cuda"):
+    if device == "cuda":
         _needs_ort_cuda()
     from lantern.export.torch_backend import open_onnxruntime_torch_backend
 
@@ -399,9 +399,8 @@ def polygraphy_check(engine_dir):
 
 def section_names(device):
     """Each engine's sections in the order they run, for `device` (cuda, or cpu's dry run)."""
-    dev = device.split(":")[0]
-    return [f"torch-{dev}-step-graph", f"torch-{dev}-step-eager", f"torch-{dev}-graphs", f"torch-{dev}-eager",
-            "onnxruntime-cuda", f"onnxruntime-torch-{dev}", "tensorrt", "tensorrt-rtx"]
+    return [f"torch-{device}-step-graph", f"torch-{device}-step-eager", f"torch-{device}-graphs",
+            f"torch-{device}-eager", "onnxruntime-cuda", f"onnxruntime-torch-{device}", "tensorrt", "tensorrt-rtx"]
 
 
 def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir, device="cuda", only=None):

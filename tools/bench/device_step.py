@@ -449,10 +449,10 @@ def count_kernels(fn, parts=()):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-            flat = out if isinstance(out, (tuple, list)) else (out,)
             if func._schema.name in allocates_only:
                 return out
+            writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+            flat = out if isinstance(out, (tuple, list)) else (out,)
             if writes or storages(flat) - storages(list(args) + list(kwargs.values())):
                 counts[inside[-1] if inside else "step"] += 1
             return out
@@ -476,6 +476,7 @@ def step_kernels(engine_dir, backend, modes=("ar", "exact", "lantern++"), images
     manifest = read_manifest(engine_dir)
     engine = Engine(engine_dir, backend=backend, step="device")
     classes = [c % (manifest.condition.num_classes or 1) for c in range(1, images + 1)]
+    modules = {name: m for name, m in backend.modules.items() if isinstance(m, backend.torch.nn.Module)}
     out = {}
     for mode in modes:
         if mode not in manifest.modes:
@@ -483,8 +484,7 @@ def step_kernels(engine_dir, backend, modes=("ar", "exact", "lantern++"), images
         k = min(100, manifest.neighbors.k) if mode == "lantern++" and manifest.neighbors else None
         engine.generate(mode=mode, greedy=True, cfg_scale=cfg, classes=classes, k=k)
         step = backend._steps[id(engine._plan)]
-        parts = {name: m for name, m in backend.modules.items() if isinstance(m, backend.torch.nn.Module)}
-        counts = count_kernels(step._step, {**parts, "accept": step.accept_module})
+        counts = count_kernels(step._step, {**modules, "accept": step.accept_module})
         out[mode] = {"kernels": sum(counts.values()), "by_part": dict(sorted(counts.items()))}
     engine.release()
     ar = out.get("ar", {}).get("kernels")
