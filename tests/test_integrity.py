@@ -4,6 +4,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from lantern.export import cli as export_cli
 from lantern.runtime import integrity
 from lantern.runtime.errors import LanternError
+from lantern.runtime.generator import Engine
 from lantern.runtime.integrity import HashCache, load_neighbors, read_npy, verify_files
 
 
@@ -88,6 +90,29 @@ def test_the_default_cache_lives_in_the_user_cache_directory(engine, tmp_path, m
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     verify_files(d, files)
     assert len(json.loads((tmp_path / "xdg" / "lantern" / "verified-files.json").read_text())) == len(files)
+
+
+def test_a_file_changed_between_its_stat_and_its_hash_is_not_remembered(engine, tmp_path, monkeypatch):
+    """verify_files stats every file before it hashes any. A file a writer rewrites in that window
+    is hashed as it is now: its digest must not be remembered under the version the stat saw
+    (that pair would describe neither file), and it is refused when it no longer matches."""
+    d, files = engine
+    real = integrity.sha256_file
+
+    def writer_at_work(path):
+        if os.path.basename(path) == "target.onnx":  # hashed before tiny.onnx (sorted order)
+            st = os.stat(d / "tiny.onnx")
+            (d / "tiny.onnx").write_bytes(b"y")  # same size
+            # a later mtime: the version differs even where timestamps are coarser than this test
+            os.utime(d / "tiny.onnx", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        return real(path)
+
+    monkeypatch.setattr(integrity, "sha256_file", writer_at_work)
+    cache = tmp_path / "verified.json"
+    with pytest.raises(LanternError, match="tiny.onnx does not match its sha256"):
+        verify_files(d, files, cache=cache)
+    remembered = sorted(digest for digest, _ in json.loads(cache.read_text()).values())
+    assert remembered == sorted(files[name]["sha256"] for name in ("target.onnx", "target.onnx.data"))
 
 
 @pytest.mark.parametrize("case", ["missing", "truncated", "directory", "no_files", "null_entry", "bad_hash",
@@ -186,6 +211,22 @@ def test_a_wrong_table_is_refused(tmp_path, table, vocab, message):
     np.save(tmp_path / "nn.npy", table)
     with pytest.raises(LanternError, match=message):
         load_neighbors(tmp_path / "nn.npy", vocab_size=vocab)
+
+
+def test_an_engine_whose_neighbor_table_has_another_k_than_its_manifest_is_refused(c2i_engine, tmp_path):
+    """A table that is sound on its own and listed with its true size and sha256, but narrower
+    than the manifest's k (which relaxed modes draft with): refused when the engine opens."""
+    d = shutil.copytree(c2i_engine, tmp_path / "engine")
+    manifest = json.loads((d / "manifest.json").read_text())
+    k = manifest["neighbors"]["k"]
+    path = d / manifest["neighbors"]["file"]
+    np.save(path, np.load(path)[:, :k - 1])
+    data = path.read_bytes()
+    manifest["files"][manifest["neighbors"]["file"]] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(LanternError) as e:
+        Engine(d, threads=1)
+    assert f"neighbor table has k = {k - 1}, the manifest says {k}" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_neighbors_cli_with_a_damaged_codebook_is_one_line(tmp_path, capsys):
