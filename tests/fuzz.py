@@ -62,10 +62,16 @@ def _edited(document, path, edit):
     return copy
 
 
-@st.composite
-def mutations(draw, document, max_changes=3):
+def mutations(document, max_changes=3):
     """`document` (a JSON-ready dict) with 1..max_changes random edits: delete a key or list
-    item, replace a value by any JSON value, or add an unknown key to a dict."""
+    item, replace a value by any JSON value, or add an unknown key to a dict. Edits that give
+    back the document itself (a value replaced by its equal, edits that cancel) are not drawn."""
+    same = to_json_text(document)
+    return _edits(document, max_changes).filter(lambda edited: to_json_text(edited) != same)
+
+
+@st.composite
+def _edits(draw, document, max_changes):
     for _ in range(draw(st.integers(1, max_changes))):
         where = list(_paths_in(document))
         action = draw(st.sampled_from(["delete", "replace", "replace", "add"]))
