@@ -1,5 +1,5 @@
 """`lantern-export inspect CHECKPOINT`: what the loaders detect (format, family, config, size).
-`lantern-export inspect ENGINE`: what an engine directory's manifest lists (graphs, modes, plans);
+`lantern-export inspect ENGINE`: what an engine directory's manifest lists (graphs, modes, plans; --json as JSON);
 with --graphs each ONNX graph as Polygraphy's `inspect model` prints it (inputs and outputs with
 their symbolic shapes, node counts, with --layers every node), on any machine; with --plans each
 TensorRT plan's bindings and layers, read back by Polygraphy, which needs an NVIDIA GPU."""
@@ -54,23 +54,36 @@ def is_engine_directory(path):
     return os.path.isfile(os.path.join(path, "manifest.json"))
 
 
-def engine_listing(manifest):
-    """The manifest's own listing: one line per graph and per plan set."""
-    lines = [f"engine       {manifest.family} {manifest.dtype}, modes {', '.join(manifest.modes)}"]
-    for name, graph in manifest.graphs.items():
-        lines.append(f"graph        {name}: {graph.file} ({graph.dtype}), {len(graph.inputs)} inputs, "
-                     f"{len(graph.outputs)} outputs")
-    for key, plans in (manifest.tensorrt or {}).items():
-        for name, plan in plans.plans.items():
-            lines.append(f"plan         {key}/{name}: {plan.file}, {len(plan.profiles)} profiles, "
-                         f"{manifest.files[plan.file].size:,} bytes")
+def engine_summary(manifest):
+    """What an engine directory holds, from its manifest: the facts `inspect ENGINE` prints (--json: as is)."""
+    return {"family": manifest.family, "dtype": manifest.dtype, "modes": list(manifest.modes),
+            "graphs": {name: {"file": g.file, "dtype": g.dtype, "inputs": list(g.inputs), "outputs": list(g.outputs)}
+                       for name, g in manifest.graphs.items()},
+            "plans": {f"{key}/{name}": {"file": plan.file, "profiles": len(plan.profiles),
+                                        "bytes": manifest.files[plan.file].size}
+                      for key, plans in (manifest.tensorrt or {}).items() for name, plan in plans.plans.items()}}
+
+
+def engine_listing(summary):
+    """The summary as text: one line per graph and per plan."""
+    lines = [f"engine       {summary['family']} {summary['dtype']}, modes {', '.join(summary['modes'])}"]
+    for name, graph in summary["graphs"].items():
+        lines.append(f"graph        {name}: {graph['file']} ({graph['dtype']}), {len(graph['inputs'])} inputs, "
+                     f"{len(graph['outputs'])} outputs")
+    for name, plan in summary["plans"].items():
+        lines.append(f"plan         {name}: {plan['file']}, {plan['profiles']} profiles, {plan['bytes']:,} bytes")
     return lines
 
 
 def inspect_engine(args):
+    if args.json and (args.graphs or args.plans):
+        raise LanternError("--json prints the manifest's listing; --graphs and --plans print text, without --json")
     manifest = read_manifest(args.checkpoint, verify=False)  # the graphs' structure only: no hashing of weights
+    if args.json:
+        print(json.dumps(engine_summary(manifest), indent=2))
+        return 0
     if not (args.graphs or args.plans):
-        print("\n".join(engine_listing(manifest)))
+        print("\n".join(engine_listing(engine_summary(manifest))))
         return 0
     if args.graphs:
         for name, graph in manifest.graphs.items():
