@@ -23,6 +23,14 @@ from lantern.runtime.sampling import sampler_for
 MODES = ("ar", "exact", "lantern", "lantern++")
 RELAXED = ("lantern", "lantern++")
 DEFAULT_K = 100  # neighbors per draft when k is not given (fewer where the table is narrower)
+# Bounds that keep every step finite: logits (float32 in every graph) are mixed by cfg_scale and
+# divided by the temperature, and lam multiplies probabilities; past these a request overflows
+# float32 or rounds a filter to zero and the logits turn inf/NaN. Counts are int64 graph feeds.
+TEMPERATURE_RANGE = (1e-3, 1e3)  # below: use greedy
+MAX_CFG_SCALE = 100.0
+MAX_LAM = 1e4
+MIN_TOP_P = 1e-6
+MAX_COUNT = 2**31 - 1  # k, top_k, cfg_interval
 
 
 def _is_int(x):
@@ -54,6 +62,23 @@ class GenerationSettings:
         if not _is_int(self.cfg_interval) or self.cfg_interval < -1:
             raise LanternError(f"cfg interval must be an integer >= -1 (-1: CFG for every token), "
                                f"got {self.cfg_interval!r}")
+        self._check_bounds()
+
+    def _check_bounds(self):
+        """The numeric bounds above (types and signs were checked by the rules and filters)."""
+        low, high = TEMPERATURE_RANGE
+        if not self.greedy and not low <= self.temperature <= high:
+            raise LanternError(f"temperature must be in [{low:g}, {high:g}] (lower: use greedy), got {self.temperature!r}")
+        if not self.greedy and self.top_p < MIN_TOP_P:
+            raise LanternError(f"top_p must be >= {MIN_TOP_P:g}, got {self.top_p!r}")
+        if self.cfg_scale > MAX_CFG_SCALE:
+            raise LanternError(f"cfg scale must be <= {MAX_CFG_SCALE:g}, got {self.cfg_scale!r}")
+        if self.mode == "lantern++" and self.lam > MAX_LAM:
+            raise LanternError(f"lam must be <= {MAX_LAM:g}, got {self.lam!r}")
+        for name in ("k", "top_k", "cfg_interval"):
+            value = getattr(self, name)
+            if value is not None and value > MAX_COUNT:
+                raise LanternError(f"{name} must be <= {MAX_COUNT}, got {value!r}")
 
     @property
     def cfg(self):

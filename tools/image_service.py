@@ -15,10 +15,18 @@ seed s draws from its own random stream, seeded s + j (lantern.runtime.streams),
 images equal `Engine.generate(<its settings>, <its condition>, seed=s, tree=service.tree_for(request))`
 whatever it was batched with; the draft tree is pinned per settings key (the tree tuned for the
 max batch, else the exported one) so the padded size never changes it either.
+
+The service serves one snapshot of its engine directory: the Engine holds its graphs, tables and
+manifest in memory, and the tuned trees are read here once, hash-checked against the manifest
+(a file that no longer matches drops its entry, as opening the engine does), so re-running
+`lantern-run tune` or a file changed under a running server never changes what it serves.
+Error messages never name the engine's path (`public`).
 """
 import base64
 import dataclasses
+import hashlib
 import json
+import logging
 import os
 import threading
 import time
@@ -27,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lantern.runtime.enginedir import open_file
 from lantern.runtime.errors import LanternError
 from lantern.runtime.png import encode_png
 from lantern.runtime.settings import GenerationSettings
@@ -40,6 +49,8 @@ REQUEST_FIELDS = CONDITION_FIELDS + ("n", "seed", "settings", "response")
 SETTINGS = {"mode": str, "lam": float, "delta": float, "k": int, "greedy": bool, "temperature": float, "top_k": int,
             "top_p": float, "cfg_scale": float, "cfg_interval": int}
 RESPONSES = ("json", "png")
+MAX_DEPTH = 8  # JSON nesting a request needs: object > caption > image > token > feature, with room
+logger = logging.getLogger(__name__)
 
 
 class RequestError(LanternError):
@@ -107,7 +118,49 @@ class ImageService:
             raise LanternError(f"images per request ({self.max_images}) cannot exceed the max batch ({max_batch})")
         self.max_body_bytes = max_body_bytes
         self.sizes = batch_sizes(engine, max_batch)
+        self.trees = self._tuned_trees()  # settings key -> the tree its calls use (snapshot, see above)
+        if getattr(engine.condition, "tokenizer_path", None):
+            engine.condition.tokenizer()  # read now, with the rest of the snapshot
         self._lock = threading.Lock()  # one generate at a time on the engine
+
+    def _tuned_trees(self):
+        """{settings key: Tree} of the trees `lantern-run tune` chose at the max batch on this
+        backend, each file read once and checked against its sha256 in the manifest."""
+        m, trees = self.engine.manifest, {}
+        for key, entry in m.tuned_trees.items():
+            if entry.backend != self.engine.backend.name:
+                continue
+            chosen = entry.tree_for(self.max_batch)
+            if chosen.file is None:
+                trees[key] = root_only()
+                continue
+            try:
+                trees[key] = self._read_tree(chosen)
+            except LanternError as e:
+                logger.warning("tuned tree %s ignored (%s); its settings use the exported tree until "
+                               "`lantern-run tune` runs again", key, self.public(str(e)))
+        return trees
+
+    def _read_tree(self, chosen):
+        m, name = self.engine.manifest, chosen.file
+        try:
+            with open_file(self.engine.directory, name) as f:
+                data = f.read()
+        except OSError as e:
+            raise LanternError(f"cannot read {name} ({e.strerror})") from None
+        if hashlib.sha256(data).hexdigest() != m.files[name].sha256:
+            raise LanternError(f"{name} does not match its sha256 in the manifest")
+        try:
+            spec = json.loads(data)
+        except ValueError as e:
+            raise LanternError(f"{name} is not JSON ({e})") from None
+        tree = build_tree(spec, name=chosen.name)
+        if tree.max_width > m.candidates or not tree.contiguous:
+            raise LanternError(f"{name} does not fit the drafter's {m.candidates} candidates in rank order")
+        return tree
+
+    def public(self, message):
+        return public(message, self.engine.directory)
 
     # -- what the engine serves -------------------------------------------------------------------
     def describe(self):
@@ -135,11 +188,15 @@ class ImageService:
         if len(body) > self.max_body_bytes:
             raise RequestError(413, f"request body is {len(body)} bytes; the limit is {self.max_body_bytes}")
         try:
-            data = json.loads(body)
+            data = json.loads(body, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(400, f"request body is not JSON ({str(e).splitlines()[0]})") from None
+        except RecursionError:
+            raise RequestError(400, f"request body is JSON nested deeper than {MAX_DEPTH} levels") from None
         if not isinstance(data, dict):
             raise RequestError(400, "request body must be a JSON object")
+        if _depth(data) > MAX_DEPTH:
+            raise RequestError(400, f"request body is JSON nested deeper than {MAX_DEPTH} levels")
         unknown = sorted(set(data) - set(REQUEST_FIELDS))
         if unknown:
             raise RequestError(400, f"unknown request field(s) {', '.join(unknown)}; valid: {', '.join(REQUEST_FIELDS)}")
@@ -160,6 +217,8 @@ class ImageService:
             raise RequestError(400, str(e)) from None
         except (TypeError, ValueError, OverflowError) as e:
             raise RequestError(400, f"malformed condition ({str(e).splitlines()[0]})") from None
+        if "caption" in condition and not np.isfinite(np.asarray(condition["caption"], dtype=np.float32)).all():
+            raise RequestError(400, "caption features must be finite float32 numbers")
         images = prefix.images * n
         if images > self.max_images:
             raise RequestError(400, f"{images} images in one request; the limit is {self.max_images}")
@@ -186,6 +245,8 @@ class ImageService:
             return GenerationSettings(**values).resolve(self.engine.manifest, "this engine")
         except LanternError as e:
             raise RequestError(400, str(e)) from None
+        except OverflowError as e:  # an integer too large for a float comparison
+            raise RequestError(400, f"a setting is out of range ({e})") from None
 
     # -- running ----------------------------------------------------------------------------------
     def run(self, requests):
@@ -198,7 +259,7 @@ class ImageService:
                     results[id(request)] = result
             except Exception as e:  # noqa: BLE001 -- the failure belongs to this group's requests only
                 if isinstance(e, LanternError) and not isinstance(e, RequestError):
-                    e = RequestError(503, str(e))  # e.g. the batch needs more memory than the replica has
+                    e = RequestError(503, self.public(str(e)))  # e.g. the batch needs more memory than the replica has
                 for request in group:
                     results[id(request)] = e
         return [results[id(r)] for r in requests]
@@ -226,13 +287,10 @@ class ImageService:
 
     def tree_for(self, request):
         """The draft tree every generate call of this request's settings uses: the one `lantern-run
-        tune` chose for these settings at the max batch on this backend, else the engine's."""
+        tune` chose for these settings at the max batch on this backend (read at start), else the
+        engine's."""
         s = request.settings
-        entry = self.engine.manifest.tuned_trees.get(s.key)
-        if s.mode == "ar" or entry is None or entry.backend != self.engine.backend.name:
-            return None if s.mode == "ar" else self.engine.tree
-        chosen = entry.tree_for(self.max_batch)
-        return root_only() if chosen.file is None else build_tree(os.path.join(self.engine.directory, chosen.file))
+        return None if s.mode == "ar" else self.trees.get(s.key, self.engine.tree)
 
     def _generate(self, group):
         live = [r for r in group if not r.cancelled.is_set()]
@@ -269,11 +327,11 @@ class ImageService:
     def respond(self, result):
         """ImageResult or exception -> (HTTP status, content type, body bytes)."""
         if isinstance(result, RequestError):
-            return error_response(result.status, str(result))
+            return error_response(result.status, self.public(str(result)))
         if isinstance(result, Cancelled):
             return error_response(499, str(result))
         if isinstance(result, Exception):
-            return error_response(500, f"generation failed: {type(result).__name__}: {result}")
+            return error_response(500, self.public(f"generation failed: {type(result).__name__}: {result}"))
         r = result.request
         if r.response == "png":
             return 200, "image/png", encode_png(result.images[0])
@@ -288,7 +346,34 @@ class ImageService:
 
 
 def error_response(status, message):
-    return status, "application/json", json.dumps({"error": " ".join(message.splitlines())}).encode()
+    return status, "application/json", json.dumps({"error": " ".join(message.splitlines())[:1000]}).encode()
+
+
+def public(message, directory):
+    """A message with the engine directory's path left out (responses never name server paths)."""
+    directory = os.fspath(directory)
+    for path in sorted({directory, os.path.abspath(directory), os.path.realpath(directory)}, key=len, reverse=True):
+        message = message.replace(path, "the engine")
+    return message
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth(value):
+    """How deeply a parsed JSON value nests (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, level = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_DEPTH:
+            return deepest
+        stack.extend((child, level + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
 
 
 ROWS = ("classes", "caption", "caption_mask", "prompt", "prompt_ids")  # condition entries given per image

@@ -4,19 +4,25 @@ Routes (JSON unless said otherwise):
   POST /v1/images   a request (see ImageService.parse): the images as base64 PNGs with their
                     tokens and the batch's stats, or one image/png (response "png")
   GET  /v1/engine   what the engine serves: family, modes, condition kind, batch sizes, tuned trees
-  GET  /healthz     200 while the replica is up (no API key needed)
-Every response carries `x-request-id`. With an API key configured every route but /healthz
-needs `Authorization: Bearer KEY` (or `x-api-key: KEY`).
+  GET  /healthz     200 {"status": "ok"} while a replica serves the engine; 503 with the reason
+                    when it cannot open it, or at capacity (no API key needed)
+Every response carries one `x-request-id`. With an API key configured every route but /healthz
+needs `Authorization: Bearer KEY` (or `x-api-key: KEY`). Every refusal is one JSON line; 503
+means capacity (or an engine a replica cannot open) and carries Retry-After.
 
-Ray does the production work: replicas (one per GPU with --gpus-per-replica 1), request
-batching (`serve.batch`, counted in images), backpressure (a full queue is answered 503 by Ray's
-proxy at once), health checks and replacement of dead replicas, cancellation when a client
-disconnects (the generate call stops between steps once all its clients are gone), Prometheus
-metrics (Ray's metrics export, `lantern_*` names below) and multi-node clusters (--address).
+The socket is lantern's HTTP front (lantern.tools.serve_http: head and body limits and deadlines,
+the key, routes), in this process; behind it Ray does the production work: replicas (one per
+GPU with --gpus-per-replica 1), request batching (`serve.batch`, counted in images),
+backpressure (a full queue is answered 503 at once), health checks and replacement of dead
+replicas, cancellation when a client disconnects (the generate call stops between steps once
+all its clients are gone), Prometheus metrics (Ray's metrics export, `lantern_*` names) and
+multi-node clusters (--address). Ray's own HTTP proxy is not started. With a loopback --host and
+no --address the Ray node this command starts binds every port of its own to 127.0.0.1 too.
 
-From Python: `start(engine_dir, ServeOptions(...), host, port)`, or
-`lantern.tools.serve_app.build_app(engine_dir, options)` for your own `serve.run` (the Ray
-application; this module imports no Ray, so `lantern-run` works without the `serve` extra).
+From Python: `server = start(engine_dir, ServeOptions(...), host, port)` ... `server.stop()`, or
+`lantern.tools.serve_app.build_app(engine_dir, options)` for your own `serve.run` behind Ray's
+proxy (the Ray application; this module imports no Ray, so `lantern-run` works without the
+`serve` extra).
 """
 import json
 import os
@@ -25,7 +31,11 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from lantern.runtime.errors import LanternError
+from lantern.runtime.manifest import read_manifest
 from lantern.tools.image_service import MAX_BODY_BYTES, read_api_key
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -40,25 +50,65 @@ class ServeOptions:
     max_images_per_request: Optional[int] = None  # default: max_batch
     max_queued_requests: int = 64  # beyond these (waiting for a replica) Ray answers 503 at once
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = 20.0  # the whole request body within this, or 408
     api_key: Optional[str] = None
     shutdown_timeout_s: float = 60.0  # in-flight requests get this long to finish on shutdown
 
 
+class Server:
+    """A running `lantern-run serve`: the HTTP front at `url` and the Ray application behind it."""
+
+    def __init__(self, front, url):
+        self.front, self.url = front, url
+
+    def stop(self):
+        """Stop taking requests, let Serve drain in-flight ones (shutdown_timeout_s), stop Ray."""
+        import ray
+        from ray import serve
+
+        self.front.stop()
+        serve.shutdown()
+        ray.shutdown()
+
+
 def start(engine_dir, options, host="127.0.0.1", port=8000, address=None, num_cpus=None, object_store_memory=None):
-    """Connect to (address) or start a Ray cluster, start Serve's HTTP proxy on host:port and run the app."""
+    """Connect to (address) or start a Ray cluster, run the app and lantern's HTTP front on
+    host:port. Returns a Server."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    local_only = host in LOOPBACK and not address
+    if local_only:  # Ray's single-machine mode: the node's address is 127.0.0.1 (read at import)
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
+    from ray._private import ray_constants
 
     from lantern.tools.serve_app import build_app
+    from lantern.tools.serve_http import Front, FrontServer
 
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if local_only:
+        # Ray imported before the variable was set (in a test, an embedding program) read it already;
+        # with it off, a node address of 127.0.0.1 makes gcs, raylet, workers and agents bind to it
+        ray_constants.ENABLE_RAY_CLUSTER = False
     if address:
         ray.init(address=address, include_dashboard=False)
     else:
-        ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False)
+        ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False,
+                 _node_ip_address="127.0.0.1" if local_only else None)
     from ray import serve
 
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(engine_dir, options), name="lantern", route_prefix="/")
+    try:
+        if local_only and ray.util.get_node_ip_address() != "127.0.0.1":
+            raise LanternError(f"Ray's node took address {ray.util.get_node_ip_address()}, not the loopback; "
+                               f"refusing to expose its ports for a --host {host} endpoint")
+        serve.start(proxy_location="Disabled")
+        handle = serve.run(build_app(engine_dir, options), name="lantern", route_prefix=None)
+        front = Front(handle, api_key=options.api_key, max_body_bytes=options.max_body_bytes,
+                      body_timeout_s=options.body_timeout_s)
+        server = FrontServer(front, host, port)
+    except BaseException:
+        serve.shutdown()
+        ray.shutdown()
+        raise
+    return Server(server, f"http://{host}:{server.port}")
 
 
 def add_parser(sub):
@@ -76,6 +126,7 @@ def add_parser(sub):
     p.add_argument("--batch-wait-ms", type=float, default=10.0, help="how long a batch waits to fill")
     p.add_argument("--max-images-per-request", type=int, default=None, help="default: --max-batch")
     p.add_argument("--max-queued-requests", type=int, default=64, help="beyond these Ray answers 503 at once")
+    p.add_argument("--body-timeout-s", type=float, default=20.0, help="a request body must arrive within this (408)")
     p.add_argument("--api-key-file", help="file holding the API key every route but /healthz requires")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray node (without --address)")
     p.set_defaults(func=run_serve)
@@ -86,27 +137,24 @@ def options_from(args):
                         gpus_per_replica=args.gpus_per_replica, cpus_per_replica=args.cpus_per_replica,
                         max_batch=args.max_batch, batch_wait_s=args.batch_wait_ms / 1000,
                         max_images_per_request=args.max_images_per_request,
-                        max_queued_requests=args.max_queued_requests,
+                        max_queued_requests=args.max_queued_requests, body_timeout_s=args.body_timeout_s,
                         api_key=read_api_key(args.api_key_file) if args.api_key_file else None)
 
 
 def run_serve(args):
-    import ray
-
     options = options_from(args)
-    start(args.engine, options, host=args.host, port=args.port, address=args.address, num_cpus=args.num_cpus)
-    print(f"serving {args.engine} on http://{args.host}:{args.port}/v1/images "
+    read_manifest(args.engine)  # an engine that cannot open is one error line here, before Ray starts
+    server = start(args.engine, options, host=args.host, port=args.port, address=args.address, num_cpus=args.num_cpus)
+    print(f"serving {args.engine} on {server.url}/v1/images "
           f"({json.dumps({k: v for k, v in asdict(options).items() if k != 'api_key'})}); Ctrl-C stops",
           flush=True)
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
     try:
         while not stop.wait(1.0):
             pass
     finally:  # Serve drains in-flight requests for up to shutdown_timeout_s, then stops
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
+        server.stop()
     return 0

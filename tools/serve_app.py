@@ -1,12 +1,18 @@
 """The Ray Serve deployment behind `lantern-run serve` (see lantern.tools.serve): one replica holds
-an ImageService; Ray batches, queues, health-checks and replaces replicas."""
+an ImageService; Ray batches, queues, health-checks and replaces replicas.
+
+`lantern-run serve` calls its methods health / engine_info / images through a handle from its
+HTTP front (lantern.tools.serve_http, which checks requests first); `__call__` answers the same
+routes behind Ray's own HTTP proxy, for an application run with your own `serve.run`.
+
+A replica that cannot open its engine (a damaged or missing file) stays up and answers every
+route 503 with the reason, /healthz included, at once, instead of failing its constructor in a
+loop while clients wait; it tries to open the engine again at most every REOPEN_S seconds, so a
+repaired directory is served without a restart."""
 import asyncio
-import hmac
 import json
 import logging
-import re
 import time
-import uuid
 
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -15,10 +21,11 @@ from starlette.responses import Response
 
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
-from lantern.tools.image_service import Cancelled, error_response, ImageService, RequestError
+from lantern.tools.image_service import Cancelled, error_response, ImageService, public, RequestError
+from lantern.tools.serve_http import authorized, Gone, read_body, Refused, request_id, route
 
 logger = logging.getLogger("ray.serve")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+REOPEN_S = 5.0
 _LATENCY_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60]
 
 
@@ -27,13 +34,11 @@ class ImageDeployment:
     event loop keeps taking requests and noticing disconnects)."""
 
     def __init__(self, engine_dir, options):
-        device = "cuda" if options.backend == "tensorrt" else None
-        # The Engine refuses a batch its memory headroom cannot hold (MemAvailable and the
-        # container's cgroup limit), before any work: that request gets a 503 with the reason.
-        engine = Engine(engine_dir, backend=options.backend, threads=options.threads, device=device)
-        self.service = ImageService(engine, max_batch=options.max_batch,
-                                    max_images_per_request=options.max_images_per_request,
-                                    max_body_bytes=options.max_body_bytes)
+        _replica_grpc_on_loopback()
+        self.engine_dir, self.options = engine_dir, options
+        self.service, self.problem, self.next_open = None, None, 0.0
+        self._opening = asyncio.Lock()
+        self._open()
         self.api_key = options.api_key.encode() if options.api_key else None
         self.generate_batch.set_max_batch_size(options.max_batch)
         self.generate_batch.set_batch_wait_timeout_s(options.batch_wait_s)
@@ -54,44 +59,83 @@ class ImageDeployment:
                               boundaries=_LATENCY_BOUNDARIES),
         )
 
+    def _open(self):
+        """Open the engine (ImageService: a verified snapshot of its directory), or keep why not."""
+        o = self.options
+        try:
+            # The Engine refuses a batch its memory headroom cannot hold (MemAvailable and the
+            # container's cgroup limit), before any work: that request gets a 503 with the reason.
+            engine = Engine(self.engine_dir, backend=o.backend, threads=o.threads,
+                            device="cuda" if o.backend == "tensorrt" else None)
+            self.service = ImageService(engine, max_batch=o.max_batch, max_images_per_request=o.max_images_per_request,
+                                        max_body_bytes=o.max_body_bytes)
+            self.problem = None
+        except Exception as e:  # noqa: BLE001 -- any failure to open is this replica's state, not a crash
+            self.problem = public(f"{type(e).__name__}: {e}" if not isinstance(e, LanternError) else str(e),
+                                  self.engine_dir)
+            self.next_open = time.monotonic() + REOPEN_S
+            logger.error("cannot open the engine: %s", self.problem)
+
+    async def _ready(self):
+        """The ImageService, or None (after a new try to open the engine once REOPEN_S have passed)."""
+        if self.service is None and time.monotonic() >= self.next_open:
+            async with self._opening:
+                if self.service is None and time.monotonic() >= self.next_open:
+                    await asyncio.to_thread(self._open)
+        return self.service
+
+    def _down(self):
+        return error_response(503, f"the engine cannot be opened: {self.problem}")
+
     def check_health(self):
-        if self.service.engine.backend is None:
+        # Ray's check: the replica works. An engine it cannot open is answered 503 (see above):
+        # replacing the replica would not repair the directory.
+        if self.service is not None and self.service.engine.backend is None:
             raise RuntimeError("engine closed")
 
-    async def __call__(self, request: Request) -> Response:
-        given = request.headers.get("x-request-id", "")
-        request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
-        path, method = request.url.path.rstrip("/") or "/", request.method
-        if path == "/healthz" and method == "GET":
-            return _response(200, "application/json", b'{"status": "ok"}', request_id)
-        if not self._authorized(request):
-            return _response(*error_response(401, "missing or wrong API key"), request_id)
-        if path == "/v1/engine" and method == "GET":
-            return _response(200, "application/json", json.dumps(self.service.describe()).encode(), request_id)
-        if path == "/v1/images" and method == "POST":
-            return await self._images(request, request_id)
-        if path in ("/healthz", "/v1/engine", "/v1/images"):
-            return _response(*error_response(405, f"{method} is not allowed on {path}"), request_id)
-        return _response(*error_response(404, f"no route {path}"), request_id)
+    async def health(self):
+        if await self._ready() is None:
+            body = {"status": "unavailable", "error": f"the engine cannot be opened: {self.problem}"}
+            return 503, "application/json", json.dumps(body).encode()
+        return 200, "application/json", b'{"status": "ok"}'
 
-    def _authorized(self, request):
-        if self.api_key is None:
-            return True
-        given = request.headers.get("x-api-key", "")
-        auth = request.headers.get("authorization", "")
-        if auth.lower().startswith("bearer "):
-            given = auth[7:].strip()
-        return hmac.compare_digest(given.encode(), self.api_key)
+    async def engine_info(self):
+        if await self._ready() is None:
+            return self._down()
+        return 200, "application/json", json.dumps(self.service.describe()).encode()
 
-    async def _images(self, request, request_id):
+    async def images(self, body, given_id):
+        """POST /v1/images with this body: (status, content type, body)."""
+        rid = request_id([(b"x-request-id", given_id.encode())])
         start = time.perf_counter()
+        if await self._ready() is None:
+            return self._answer(self._down(), rid, start)
         try:
-            body = await _read_body(request, self.service.max_body_bytes)
-            item = self.service.parse(body, request_id)
+            item = self.service.parse(body, rid)
         except RequestError as e:
-            return self._answer(error_response(e.status, str(e)), request_id, start)
-        except ClientDisconnect:
-            return _response(*error_response(499, "client went away"), request_id)
+            return self._answer(self.service.respond(e), rid, start)
+        return await self._generate(item, rid, start)
+
+    async def __call__(self, request: Request) -> Response:
+        """The same routes behind Ray's HTTP proxy (the front's checks, but inside the replica)."""
+        headers = request.headers.raw
+        rid = request_id(headers)
+        try:
+            name = route(request.method, request.url.path)
+            if name == "health":
+                return _response(*await self.health(), rid)
+            if not authorized(headers, self.api_key):
+                raise Refused(401, "missing or wrong API key")
+            if name == "engine_info":
+                return _response(*await self.engine_info(), rid)
+            body = await read_body(request.receive, headers, self.options.max_body_bytes, self.options.body_timeout_s)
+        except Refused as e:
+            return _response(*error_response(e.status, str(e)), rid)
+        except (Gone, ClientDisconnect):
+            return _response(*error_response(499, "client went away"), rid)
+        return _response(*await self.images(body, rid), rid)
+
+    async def _generate(self, item, request_id, start):
         self.waiting += 1
         self.metrics["queue"].set(self.waiting)
         try:
@@ -112,7 +156,7 @@ class ImageDeployment:
         self.metrics["requests"].inc(tags={"status": str(status)})
         self.metrics["latency"].observe(time.perf_counter() - start)
         logger.info("request %s -> %d in %.3f s", request_id, status, time.perf_counter() - start)
-        return _response(*answer, request_id)
+        return answer
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01, batch_size_fn=lambda items: sum(i.images for i in items))
     async def generate_batch(self, items):
@@ -134,20 +178,27 @@ class ImageDeployment:
         return results
 
 
-async def _read_body(request, limit):
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestError(413, f"request body is {declared} bytes; the limit is {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise RequestError(413, f"request body exceeds the limit of {limit} bytes")
-    return bytes(body)
+def _replica_grpc_on_loopback():
+    """Serve starts each replica's inter-deployment gRPC server on [::]:0 whatever the node's
+    address (ray 2.60, replica.py, after this constructor); on a loopback node it binds to
+    127.0.0.1 instead, like every other port of the node (tests/test_serve_hardening.py checks)."""
+    import ray
+    from ray.serve._private import replica
+
+    add_port = getattr(replica, "add_port_to_grpc_server", None)
+    if add_port is None or getattr(add_port, "loopback", False) or ray.util.get_node_ip_address() != "127.0.0.1":
+        return
+
+    def loopback(server, address):
+        return add_port(server, "127.0.0.1:0" if address == "[::]:0" else address)
+
+    loopback.loopback = True
+    replica.add_port_to_grpc_server = loopback
 
 
 def _response(status, content_type, body, request_id):
-    return Response(content=body, status_code=status, media_type=content_type, headers={"x-request-id": request_id})
+    headers = {"x-request-id": request_id, **({"retry-after": "1"} if status == 503 else {})}
+    return Response(content=body, status_code=status, media_type=content_type, headers=headers)
 
 
 def build_app(engine_dir, options):
