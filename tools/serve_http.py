@@ -4,7 +4,7 @@ calls through a deployment handle (Ray's own HTTP proxy is not started).
 
 What reaches a replica has passed here first, in this order, each refusal one JSON line:
   head     request line and headers at most MAX_HEAD_BYTES (h11 stops reading past it, so a huge
-           header costs no memory) and MAX_HEADERS headers: 400 / 431, before any key is checked
+           header costs no memory: 400) and MAX_HEADERS headers (431), before any key is checked
   route    404 / 405; GET /healthz needs no key and says only ok, busy or why the engine is down
   key      401 (constant-time compare)
   body     Content-Length over the limit: 413 at once; the whole body within body_timeout_s or
@@ -144,6 +144,9 @@ class Front:
         headers = scope["headers"]
         if len(headers) > MAX_HEADERS:
             raise Refused(431, f"{len(headers)} headers; the limit is {MAX_HEADERS}")
+        # h11 stops an incomplete head at MAX_HEAD_BYTES; one that arrived whole in a read is checked here
+        if len(scope["raw_path"]) + len(scope["query_string"]) + sum(len(n) + len(v) for n, v in headers) > MAX_HEAD_BYTES:
+            raise Refused(431, f"the request head is over {MAX_HEAD_BYTES} bytes")
         name = route(scope["method"], scope["path"])
         if name == "health":
             return await self._call("health", timeout_s=self.health_timeout_s)
