@@ -348,8 +348,9 @@ def test_trt_builds_are_atomic_and_keyed(c2i_engine, tmp_path):
     Engine(d, threads=1).generate(classes=[1], mode="ar", greedy=True)
 
 
-def test_ar_engine_builds_ar_plans(c2i_engine, tmp_path):
-    """An engine without a drafter (the c2i fixture with its drafter struck from the manifest)."""
+def test_ar_engine_builds_ar_plans(c2i_engine, tmp_path, monkeypatch):
+    """An engine without a drafter (the c2i fixture with its drafter struck from the manifest).
+    A plan changed in place after the build (same size) is refused by its sha256."""
     d = _copy(c2i_engine, tmp_path)
     strike_drafter(d)
     _, entry, _ = trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=False)
@@ -357,6 +358,15 @@ def test_ar_engine_builds_ar_plans(c2i_engine, tmp_path):
     assert [p.serves for p in entry.plans["target"].profiles] == [("prefill n1",), ("verify n1 ar",)]
     with pytest.raises(LanternError, match="--tree needs an engine with a drafter"):
         trt_export.build_engine_plans(d, compute_capabilities=["89"], trees=["mc_sim_7b_63"], force=True)
+    plan = d / entry.plans["target"].file
+    data = bytearray(plan.read_bytes())
+    data[len(data) // 2] ^= 1
+    plan.write_bytes(bytes(data))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no remembered digests: every file is hashed
+    with pytest.raises(LanternError) as err:
+        read_manifest(d)
+    assert f"{entry.plans['target'].file} does not match its sha256" in _one_line(err)
+    assert "rebuild the plans with `lantern-export trt ENGINE --force`" in _one_line(err)
 
 
 def test_no_graph_the_backend_binds_has_a_shape_tensor_input(c2i_accept_engine):
