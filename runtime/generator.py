@@ -212,6 +212,16 @@ class Engine:
         if self._plan is not None:
             self.backend.release(self._plan)
         self._plan = None  # let the old buffers go before the new ones are allocated
+        self.check_memory(tree, prefix)
+        plan = StepPlan(self.manifest, self.backend, tree, prefix, feeds)
+        self.backend.bind(plan)
+        self._plan = plan
+        return plan
+
+    def check_memory(self, tree, prefix):
+        """Refuse, in one line and before anything is allocated, a step plan for `tree` and `prefix`
+        that the machine cannot hold (the estimate from shapes alone). Commands that make plans of
+        their own (tune, its latency model) call it first too."""
         need = estimate_bytes(self.manifest, tree, prefix, np.dtype(self.backend.float_dtype).itemsize)
         limit = self.memory_limit if self.memory_limit is not None else available_memory()
         if limit is not None and need > 0.8 * limit:
@@ -219,10 +229,6 @@ class Engine:
                 f"tree {tree.name!r} ({tree.num_nodes} nodes) for {prefix.images} image(s)"
                 f"{' with CFG' if prefix.cfg else ''} needs about {need / 2**30:.2f} GiB, more than this machine "
                 f"can give ({limit / 2**30:.2f} GiB available); use a smaller tree or fewer images per call")
-        plan = StepPlan(self.manifest, self.backend, tree, prefix, feeds)
-        self.backend.bind(plan)
-        self._plan = plan
-        return plan
 
     def release(self):
         """Let the last step plan go (its buffers, bindings and CUDA graphs), so a backend this

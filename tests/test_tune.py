@@ -329,6 +329,8 @@ def test_cli_dry_run_and_errors(c2i_engine, t2i_engine, tmp_path, capsys):
         (["--images", "0"], "--images must be >= 1"),
         (["--caption", str(caption)], "give --classes, not --caption"),
         (["--classes", "3,99"], "class labels must be in [0, 9]"),
+        # more than the machine holds: refused from the estimate before calibration, not numpy's MemoryError
+        (["--batch", "4000000"], "more than this machine can give"),
     ]
     for argv, message in cases:
         assert run_main(["tune", d, "--threads", "1"] + argv) == 2

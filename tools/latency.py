@@ -29,6 +29,7 @@ def plan_for(engine, tree, images, cfg_scale, context):
     """A plan on the engine's backend with `context` cache slots filled (visible) per row."""
     prefix = engine.condition.prefix(cfg_scale > 1, **default_condition(engine, images))
     settings = dict(cfg_scale=cfg_scale, temperature=1.0, top_k=0, top_p=1.0)
+    engine.check_memory(tree, prefix)
     plan = StepPlan(engine.manifest, engine.backend, tree, prefix, settings)
     engine.backend.bind(plan)
     for cache in (plan.target_cache, plan.drafter_cache):

@@ -70,7 +70,7 @@ from lantern.runtime.plan import StepPlan
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, MAX_WIDTH, root_only
 from lantern.tools import tree_report
-from lantern.tools.latency import CLOCKS, default_condition, draft_latency, verify_latency
+from lantern.tools.latency import CLOCKS, default_condition, draft_latency, draft_tree, verify_latency, verify_tree
 from lantern.tools.tree_search import (acceptance_vectors, AcceptanceCounts, calibration_tree, Candidate, LatencyModel,
                                        search, SearchResult)
 
@@ -253,6 +253,16 @@ def call_latency(engine, settings, images, budget, depth, repeats=5, seed=0, clo
     return {T: 1000 * s for T, s in verify.items()}, {w: 1000 * s for w, s in draft.items()}
 
 
+def check_memory(engine, settings, calib, budget, depth, batches):
+    """Refuse up front (one line, before minutes of calibration) a batch whose largest plan the
+    machine cannot hold: the calibration tree and the latency model's widest calls."""
+    widest = [calib, verify_tree(max(latency_sizes(budget))), draft_tree(max(latency_sizes(max(budget - 1, depth + 1))))]
+    for images in batches:
+        prefix = engine.condition.prefix(settings.cfg, **default_condition(engine, images))
+        for tree in widest:
+            engine.check_memory(tree, prefix)
+
+
 def loop_step_ms(engine, call, settings, trees, runs=3, seed=0, clock="wall"):
     """{tree paths: the loop's milliseconds per step} for each tree (root_only(): AR), as it pays:
     the mean over a whole generation of `call`'s images, the fastest of `runs` generations. The
@@ -393,6 +403,7 @@ def tune(engine, settings, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH,
     nodes = max(budget, 1 + depth * width)
     calib = build_tree(calibration_tree(GUESS, nodes, depth, width), name=f"calibration-{nodes}-d{depth}-w{width}")
     calibration_batch = calibration_batch or max(batches)
+    check_memory(engine, settings, calib, budget, depth, sorted({calibration_batch, *batches}))
     t0 = time.perf_counter()
     counts, calib_runs = calibrate(engine, settings, calib, conds, calibration_batch, seed, clock)
     p = acceptance_vectors(counts, depth=depth, width=min(K, max(width, counts.extent()[1])))
