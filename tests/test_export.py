@@ -47,19 +47,6 @@ def sources(tmp_path_factory):
     paths = {"root": root, "c2i": str(root / "c2i.pt"), "c2i_config": str(config),
              "c2i_drafter": str(root / "c2i_drafter"), "t2i": str(root / "t2i"),
              "t2i_drafter": str(root / "t2i_drafter"), "wide_drafter": str(root / "wide_drafter")}
-    try:
-        from lantern.export import vq
-
-        torch.manual_seed(0)
-        model = vq.VQModel(vq.VQConfig(codebook_size=a.vocab_size, codebook_embed_dim=8, encoder_ch_mult=(1, 2),
-                                       decoder_ch_mult=(1, 2), z_channels=16, ch=32, num_res_blocks=1))
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.1 * torch.randn_like(p))
-        vq.save_vq(model.eval(), root / "vq.pt")
-        paths["vq"] = str(root / "vq.pt")
-    except ImportError:
-        paths["vq"] = None
     return paths
 
 
@@ -81,9 +68,8 @@ def _export_cli(sources, out, *extra):
 
 def test_c2i_engine_passes_check(c2i):
     out, manifest = c2i
-    expected = {"condition", "target", "drafter"} | ({"vq_decoder"} if manifest.vq else set())
-    assert set(manifest.graphs) == expected
-    assert manifest.modes == ("ar", "exact") + (("lantern", "lantern++") if manifest.vq else ())
+    assert set(manifest.graphs) == {"condition", "target", "drafter", "vq_decoder"}
+    assert manifest.modes == ("ar", "exact", "lantern", "lantern++")
     assert manifest.condition == Condition(kind="class", tokens=1, num_classes=10, null_class=10)
     assert (manifest.vocabulary.image_start, manifest.vocabulary.image_end) == (0, 64) and manifest.candidates == 16
     assert manifest.sources["target"]["format"] == "llamagen-pt"
@@ -99,8 +85,6 @@ def test_c2i_engine_passes_check(c2i):
 
 def test_vq_decoder_and_neighbors(c2i):
     out, manifest = c2i
-    if manifest.vq is None:
-        pytest.skip("lantern.export.vq is not available")
     from lantern.export.neighbors import nearest_neighbors
     from lantern.export.vq import load_vq
 
