@@ -121,9 +121,10 @@ class LlamaGen:
 
             models["vq"] = LoadedModel(*load_vq(vq))
             codes = models["vq"].model.config.codebook_size
-            if codes != args.vocab_size:
+            if codes != args.codes:
                 raise LanternError(f"{vq}: the VQ codebook has {codes} codes but the target's vocabulary is "
-                                   f"{args.vocab_size}; image tokens must be the codes")
+                                   f"{args.vocab_size}" + (f" with {args.codes} image codes" if args.image_codes else "")
+                                   + "; image tokens must be the codes")
         return models
 
     def cast(self, models, dtype):
@@ -178,7 +179,7 @@ class LlamaGen:
             family=self.name,
             model={"config": a.to_dict(), "config_name": t_info.get("config_name"), "parameters": t_info["parameters"]},
             target=_shape(a.n_layer, a.dim, a.n_head, a.kv_heads, a.head_dim, a.ffn_hidden), condition=condition,
-            vocabulary=engine_format.Vocabulary(size=a.vocab_size, image_start=0, image_end=a.vocab_size),
+            vocabulary=engine_format.Vocabulary(size=a.vocab_size, image_start=0, image_end=a.codes),
             image=engine_format.Image(grid_height=a.grid_size, grid_width=a.grid_size,
                                       pixels=a.grid_size * vq.config.downsample if vq is not None else None),
             max_positions=a.max_positions)

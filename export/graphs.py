@@ -73,6 +73,10 @@ class DrafterGraph(nn.Module):
         self.register_buffer("rope", target.rope.clone())
         self.candidates = candidates
         self.kv = kv
+        # Ids past the image codes (an embedded demo, lantern.export.embed) are never drafted: the
+        # head still computes them, as a model of that vocabulary would, and they lose the top-K.
+        codes, vocab = target.args.codes, target.args.vocab_size
+        self.register_buffer("not_code", torch.arange(vocab) >= codes if codes < vocab else None)
 
     def forward(self, target_hidden, input_ids, position_ids, attention_mask, past_keys_0, past_values_0,
                 cfg_pair, cfg_scale, temperature, top_k, top_p, write_index=None):
@@ -82,6 +86,8 @@ class DrafterGraph(nn.Module):
         logits = self.head(hidden).float()
         partner = logits[cfg_pair]
         combined = partner + cfg_scale * (logits - partner)
+        if self.not_code is not None:
+            combined = combined.masked_fill(self.not_code, float("-inf"))
         values, ids = torch.topk(combined, self.candidates, dim=-1)
         scaled = values / temperature
         rank = torch.arange(self.candidates, device=values.device)
@@ -115,7 +121,7 @@ def graph_modules(target, drafter=None, vq=None, candidates=None, attention="pla
         "target": ("target" + suffix, TargetGraph(target, kv)),
     }
     if drafter is not None:
-        graphs["drafter"] = ("drafter" + suffix, DrafterGraph(drafter, target, candidates or min(2048, target.args.vocab_size),
+        graphs["drafter"] = ("drafter" + suffix, DrafterGraph(drafter, target, candidates or min(2048, target.args.codes),
                                                              kv))
         if attention == "inplace":
             graphs["commit"] = ("commit", cache_forms.CommitGraph())

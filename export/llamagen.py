@@ -59,6 +59,10 @@ class ModelArgs(_Heads):
     block_size: int = 256
     # Not in LlamaGen's ModelArgs: the FFN width when a converted checkpoint states it.
     intermediate_size: Optional[int] = None
+    # Not in LlamaGen's ModelArgs: how many ids, from 0, are image tokens (VQ codes) when the
+    # vocabulary has more (the demo embedded in a larger shape, lantern.export.embed: the rest are
+    # computed and never sampled or drafted). None: every id is a code, as in LlamaGen.
+    image_codes: Optional[int] = None
 
     @property
     def ffn_hidden(self):
@@ -68,6 +72,11 @@ class ModelArgs(_Heads):
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return _find_multiple(hidden, self.multiple_of)
+
+    @property
+    def codes(self):
+        """The image tokens: ids [0, codes)."""
+        return self.image_codes or self.vocab_size
 
     @property
     def grid_size(self):
@@ -159,6 +168,7 @@ _FIELD_LIMITS = {
     "caption_dim": ("int", 1, 1 << 16, False), "class_dropout_prob": ("prob", 0, 1, False),
     "vocab_size": ("int", 2, 1 << 24, False), "cls_token_num": ("int", 1, 1 << 12, False),
     "block_size": ("int", 1, 1 << 20, False), "intermediate_size": ("int", 1, 1 << 20, True),
+    "image_codes": ("int", 1, 1 << 24, True),
 }
 
 
@@ -194,6 +204,8 @@ def validate_config(args, source=None):
         raise LanternError(f"{where}n_head {args.n_head} is not a multiple of n_kv_head {args.kv_heads}")
     if args.head_dim % 4:
         raise LanternError(f"{where}head_dim {args.head_dim} must be divisible by 4 for LlamaGen's 2D RoPE")
+    if args.codes > args.vocab_size:
+        raise LanternError(f"{where}image_codes {args.codes} exceeds vocab_size {args.vocab_size}")
     if args.grid_size ** 2 != args.block_size:
         raise LanternError(f"{where}block_size {args.block_size} is not a square number of image tokens")
     return args

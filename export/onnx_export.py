@@ -511,7 +511,7 @@ def add_parser(sub):
     p.add_argument("--vq", help="LlamaGen VQ tokenizer checkpoint: adds vq_decoder.onnx and neighbors.npy")
     p.add_argument("--tree", help=f"static draft tree: preset name or JSON file (default {DEFAULT_TREE}; needs --drafter)")
     p.add_argument("--dtype", default="fp32", help="graph precision: fp32, fp16 or bf16 (default fp32)")
-    p.add_argument("--candidates", type=int, help="top-k width K of the drafter graph (default min(2048, vocab))")
+    p.add_argument("--candidates", type=int, help="top-k width K of the drafter graph (default min(2048, image codes))")
     p.add_argument("--opset", type=int, help=f"ONNX opset (default {DEFAULT_OPSET}; {INPLACE_OPSET} with --attention inplace)")
     p.add_argument("--attention", default="plain", choices=ATTENTION_FORMS,
                    help="graph form: plain (caches in, new K/V out; any cache length) or inplace (static caches "

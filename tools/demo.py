@@ -18,6 +18,7 @@ tiny model a step is not bound by reading weights, so neither scheme is faster h
 (lantern.export.quantize). `lantern-run quality engines/demo` compares fp32, int8 and int4 in
 class accuracy and Fréchet distance as well.
 """
+import dataclasses
 import json
 import os
 import time
@@ -25,8 +26,9 @@ import time
 import numpy as np
 import torch
 
-import lantern.export
 from lantern.export.check import check_engine
+from lantern.export.checkpoints import load_target
+from lantern.export.embed import DEMO_DIR, demo_sources, embedded_config, write_embedded  # noqa: F401 (gpu_check)
 from lantern.export.onnx_export import export_engine
 from lantern.export.placement import check_engine_destination
 from lantern.export.quantize import TOLERANCES, QuantizeOptions, greedy_agreement, quantize_engine
@@ -38,7 +40,6 @@ from lantern.runtime.png import image_grid, write_png
 from lantern.runtime.settings import GenerationSettings
 from lantern.tools import tune
 
-DEMO_DIR = os.path.join(os.path.dirname(os.path.abspath(lantern.export.__file__)), "demo_model")  # package data
 REPORT_FILES = ("report.json", "report.md", "*.png")
 DEFAULTS = dict(tree="mc_sim_7b_63", lam=5.0, k=20, cfg_scale=3.0, temperature=1.0, top_k=0, per_class=2, seed=0)
 # The demo's tune run, cut to take ~10-20 s on a 2-core CPU: 8 calibration images (tune's default
@@ -50,8 +51,14 @@ QUANTIZED_RUNS = ("ar", "lantern++")  # the quantized engine's grid: the baselin
 
 def add_parser(sub):
     p = sub.add_parser("demo", help="export, check and run the bundled demo model; write a report")
-    p.add_argument("--out", default=os.path.join("engines", "demo"), help="engine directory (default engines/demo)")
+    p.add_argument("--out", help="engine directory (default engines/demo, engines/demo-gpt-b with --shape GPT-B)")
     p.add_argument("--model-dir", default=DEMO_DIR, help="the demo checkpoints (default: the bundled ones)")
+    p.add_argument("--shape", metavar="NAME",
+                   help="embed the demo exactly in a released LlamaGen shape first (GPT-B, GPT-L, GPT-XL, ...: "
+                        "lantern.export.embed): the demo's tokens at that model's cost. Its checkpoints go to "
+                        "OUT-checkpoints; with it the defaults are --batch 8, --threads 2, --quantize none")
+    p.add_argument("--batch", type=int,
+                   help="images per generate call for the grid (default: all at once; 8 with --shape)")
     p.add_argument("--tree", default=DEFAULTS["tree"])
     p.add_argument("--lam", type=float, default=DEFAULTS["lam"])
     p.add_argument("--k", type=int, default=DEFAULTS["k"])
@@ -62,23 +69,14 @@ def add_parser(sub):
                    help="where to generate: cuda runs the torch backend on the GPU with the whole step on the device "
                         "(one CUDA graph per step); cpu runs ONNX Runtime on the CPU; auto (default): cuda where "
                         "torch sees a CUDA device, else cpu")
-    p.add_argument("--threads", type=int, default=1,
-                   help="ONNX Runtime intra-op threads (default 1: the demo model is too small to gain from more)")
+    p.add_argument("--threads", type=int,
+                   help="ONNX Runtime intra-op threads (default 1: the demo model is too small to gain from more; "
+                        "2 with --shape)")
     p.add_argument("--no-tune", action="store_true", help="skip tuning the draft tree for this machine")
-    p.add_argument("--quantize", default="int8", choices=("none", "int8", "int4"),
+    p.add_argument("--quantize", choices=("none", "int8", "int4"),
                    help="also quantize the engine (weight-only) into OUT-SCHEME and report it beside fp32 "
-                        "(default int8; none: skip)")
+                        "(default int8, none with --shape; none: skip)")
     p.set_defaults(func=run)
-
-
-def demo_sources(model_dir):
-    files = {"target": "gpt.pt", "target_config": "gpt_config.json", "drafter": "drafter", "vq": "vq.pt"}
-    paths = {k: os.path.join(model_dir, v) for k, v in files.items()}
-    missing = [v for v in paths.values() if not os.path.exists(v)]
-    if missing:
-        raise LanternError(f"{model_dir}: the demo model is incomplete (missing {', '.join(missing)}); "
-                           f"retrain it with `python -m lantern.tools.train.demo --out {model_dir}`")
-    return paths
 
 
 def demo_backend(device):
@@ -101,19 +99,43 @@ def open_demo_engine(out, backend, device, threads):
     return Engine(out, threads=threads)
 
 
+def shape_defaults(args):
+    """The options --shape changes, filled in where not given (in place)."""
+    shaped = args.shape is not None
+    name = "demo" + (f"-{args.shape.lower()}" if shaped else "")
+    for option, demo_value, shaped_value in (("out", os.path.join("engines", name), os.path.join("engines", name)),
+                                             ("threads", 1, 2), ("quantize", "int8", "none"), ("batch", None, 8)):
+        if getattr(args, option) is None:
+            setattr(args, option, shaped_value if shaped else demo_value)
+    if args.batch is not None and args.batch < 1:
+        raise LanternError(f"--batch must be a positive number of images, got {args.batch}")
+    return args
+
+
 def run(args):
 
     start = time.perf_counter()
+    args = shape_defaults(args)
     backend, device = demo_backend(args.device)  # before anything is written
     src = demo_sources(args.model_dir)
     out = os.path.abspath(args.out)
+    if args.shape is not None:
+        embedded_config(load_target(src["target"], config_file=src["target_config"])[0].args, args.shape)  # refuse early
     check_engine_destination(out, force=True)  # replaces an engine, never anything else
-    steps = 4 + (not args.no_tune) + (args.quantize != "none")
-    generating = 3 + (not args.no_tune)  # the step number of the generation
-    print(f"[1/{steps}] exporting the demo model to {out}")
+    first = 1 + (args.shape is not None)  # the export's step number
+    steps = first + 3 + (not args.no_tune) + (args.quantize != "none")
+    generating = first + 2 + (not args.no_tune)  # the step number of the generation
+    embedding = None
+    if args.shape is not None:
+        print(f"[1/{steps}] embedding the demo model exactly in {args.shape}'s shapes ({out}-checkpoints)")
+        t = time.perf_counter()
+        src = write_embedded(args.model_dir, args.shape, f"{out}-checkpoints")
+        embedding = {"shape": args.shape, "checkpoints": f"{out}-checkpoints", "seconds": time.perf_counter() - t}
+        print(f"      built in {embedding['seconds']:.1f} s")
+    print(f"[{first}/{steps}] exporting the demo model to {out}")
     export_engine(out, src["target"], target_options={"config_file": src["target_config"]}, drafter=src["drafter"],
                   vq=src["vq"], tree=args.tree, force=True, progress=True)
-    print(f"[2/{steps}] checking every graph on ONNX Runtime against PyTorch")
+    print(f"[{first + 1}/{steps}] checking every graph on ONNX Runtime against PyTorch")
     report = check_engine(out)
     worst = max((r.get("max_abs", 0.0) for r in report["results"]), default=0.0)
     if not report["ok"]:
@@ -128,19 +150,20 @@ def run(args):
                   seed=args.seed)
     tuned = None
     if not args.no_tune:
-        tuned = _tune(engine, out, args, steps, device)
+        tuned = _tune(engine, out, args, f"{first + 2}/{steps}", device)
         engine = open_demo_engine(out, backend, device, args.threads)  # reopened: generate finds the tuned trees
     # the preset rows name their tree, so a tree tuned for the same settings does not replace it
     runs = [("ar", {}), ("exact", {"tree": args.tree}), ("lantern++", dict(lam=args.lam, k=args.k, tree=args.tree))]
     if tuned is not None:
         runs.append(("lantern++ tuned", dict(lam=args.lam, k=args.k)))  # generate picks the tuned tree
-    print(f"[{generating}/{steps}] generating {len(classes)} images ({args.per_class} per class) with "
+    print(f"[{generating}/{steps}] generating {len(classes)} images ({args.per_class} per class"
+          + (f", {args.batch} per call" if args.batch else "") + ") with "
           + ", ".join(m for m, _ in runs) + f" (sampling, CFG {args.cfg_scale}, tree {args.tree}"
           + (", and the tuned tree" if tuned is not None else "") + ")")
     engine.generate(mode="exact", **{**common, "classes": classes[:2]})  # warm up the sessions
     results = {}
     for mode, extra in runs:
-        results[mode] = engine.generate(mode=mode.split()[0], **common, **extra)
+        results[mode] = generate_batches(engine, args.batch, mode=mode.split()[0], **common, **extra)
     # which step path ran (Engine(step=...)): on ONNX Runtime on the CPU the host step, the
     # measured faster one there (tools/bench/device_step.py); on torch CUDA the device step
     print(f"      {results['exact'].stats['step']} step on {engine.backend.name} ({device})"
@@ -217,7 +240,7 @@ def run(args):
                                     "step": results["exact"].stats["step"]},
                    "tree": {"name": tree.name, "nodes": tree.num_nodes, "depth": tree.depth},
                    "check": {"ok": report["ok"], "worst_abs_error": worst}, "results": rows, "tuned": tuned,
-                   "quantized": quantized, "seconds_total": time.perf_counter() - start}
+                   "quantized": quantized, "embedding": embedding, "seconds_total": time.perf_counter() - start}
         summary["reading"] = reading(summary)
         with open(os.path.join(stage, "report.json"), "w") as f:
             json.dump(summary, f, indent=2)
@@ -233,7 +256,7 @@ def run(args):
     return 0
 
 
-def _tune(engine, out, args, steps, device):
+def _tune(engine, out, args, step, device):
     """`lantern-run tune` for the demo's lantern++ settings, small (TUNE), installed into the
     engine directory. Returns a summary for the report."""
 
@@ -242,7 +265,7 @@ def _tune(engine, out, args, steps, device):
         top_k=DEFAULTS["top_k"]))
     key = settings.key
     conds, note = tune.conditions(engine, TUNE["images"])
-    print(f"[3/{steps}] tuning the draft tree for this machine ({key}: {TUNE['images']} calibration images, "
+    print(f"[{step}] tuning the draft tree for this machine ({key}: {TUNE['images']} calibration images, "
           f"budget {TUNE['budget']}, depth {TUNE['depth']}, batches {', '.join(map(str, TUNE['batches']))})")
     t = time.perf_counter()
     report, chosen = tune.tune(engine, settings, conds, budget=TUNE["budget"], depth=TUNE["depth"],
@@ -259,6 +282,33 @@ def _tune(engine, out, args, steps, device):
                            "preset": args.tree, "preset_predicted_speedup": preset and preset["speedup_vs_ar"]}
     return {"key": key, "seconds": time.perf_counter() - t, "report": os.path.join(out, entry.report),
             "batches": batches, "cut": TUNE}
+
+
+def generate_batches(engine, batch, *, classes, seed, **settings):
+    """engine.generate over `classes` in calls of `batch` images (None: one call), as one
+    Generation: tokens in order, stats summed over the calls (seconds, engine calls, phases,
+    histogram) or averaged per image (steps). Image i keeps seed + i, so its tokens are those of
+    one call."""
+    batch = batch or len(classes)
+    parts = [engine.generate(classes=classes[i:i + batch], seed=seed + i, **settings)
+             for i in range(0, len(classes), batch)]
+    if len(parts) == 1:
+        return parts[0]
+    stats = dict(parts[0].stats)
+    images = np.array([p.stats["images"] for p in parts])
+    stats["images"] = int(images.sum())
+    stats["steps_per_image"] = float(np.dot(images, [p.stats["steps_per_image"] for p in parts]) / images.sum())
+    stats["mean_accepted_length"] = (stats["tokens_per_image"] - 1) / stats["steps_per_image"]
+    for key in ("seconds", "engine_seconds", "engine_calls", "host_overhead_seconds", "steps"):
+        stats[key] = sum(p.stats[key] for p in parts)
+    stats["tokens_per_second"] = stats["images"] * stats["tokens_per_image"] / stats["seconds"]
+    stats["phase_seconds"] = {k: sum(p.stats["phase_seconds"].get(k, 0.0) for p in parts)
+                              for k in parts[0].stats["phase_seconds"]}
+    if stats["accepted_histogram"]:
+        stats["accepted_histogram"] = np.sum([p.stats["accepted_histogram"] for p in parts], axis=0).tolist()
+    stats["batch"] = batch
+    return dataclasses.replace(parts[0], tokens=np.concatenate([p.tokens for p in parts]), stats=stats,
+                               body=np.concatenate([p.body for p in parts]))
 
 
 def _tuned_line(tuned):
@@ -361,6 +411,8 @@ def reading(summary):
     images, nodes = summary["settings"]["images"], summary["tree"]["nodes"]
     cfg = summary["settings"].get("cfg_scale", 1.0) > 1
     on = summary.get("generated_on", {"device": "cpu"})
+    if summary.get("embedding"):
+        return _embedded_reading(summary)
     if on["device"] != "cpu":
         return (f"On {on['device']} ({on['backend']}, the {on['step']} step) a {spec['mode']} step costs "
                 f"{spec['step_cost_vs_ar']:.2f} AR steps for {spec['mean_accepted_length']:.2f} tokens at the batch "
@@ -381,6 +433,28 @@ def reading(summary):
         f"of a large model costs little more than one token and calls can be captured in CUDA graphs, so the step "
         f"compression (steps/image) is what carries over (measure the latency curve with "
         f"`python -m lantern.tools.bench.runtime`).")
+
+
+def _embedded_reading(summary):
+    """The reading of a run on the demo embedded in a larger shape: what each step costs and where
+    speculation paid, from the rows."""
+    shape, on = summary["embedding"]["shape"], summary["generated_on"]
+    batch = summary["settings"].get("batch") or summary["settings"]["images"]
+    spec = [r for r in summary["results"] if r["mode"] != "ar" and not r.get("same_run_as")]
+    best = max(((r["speedup_batch1"], "1 image", r) for r in spec) + tuple((r["speedup_batch"], f"{batch} images", r)
+                                                                              for r in spec), default=None,
+               key=lambda x: x[0])
+    parts = [f"The demo embedded exactly in {shape}'s shapes decodes the demo's tokens at {shape}'s cost "
+             f"({on['backend']}, {on['device']}, {summary['settings']['threads']} thread(s)). A speculative step pays "
+             f"off when its accepted length exceeds its cost in AR steps:"]
+    for r in spec:
+        parts.append(f"{r['mode']} ({r['tree_batch1']} / {r['tree']}) accepts {r['mean_accepted_length']:.2f} tokens "
+                     f"per step for {r['step_cost_vs_ar_batch1']:.2f} AR steps at 1 image "
+                     f"({r['speedup_batch1']:.2f}x over ar) and {r['step_cost_vs_ar']:.2f} at {batch} images "
+                     f"({r['speedup_batch']:.2f}x);")
+    if best is not None:
+        parts.append(f"the best, measured beside ar in this run: {best[0]:.2f}x ({best[2]['mode']}, {best[1]}).")
+    return " ".join(parts)
 
 
 def _print_table(rows):
@@ -434,7 +508,12 @@ def _markdown(report_dir, summary, class_names):
              f"Engine `{summary['engine']}`; settings: " + ", ".join(f"{k}={v}" for k, v in summary["settings"].items()
                                                                  if k not in ("model_dir", "out")) + ".",
              f"Check: {'passed' if summary['check']['ok'] else 'FAILED'} (worst absolute error "
-             f"{summary['check']['worst_abs_error']:.2e}).", "",
+             f"{summary['check']['worst_abs_error']:.2e}).", ""]
+    if summary.get("embedding"):
+        e = summary["embedding"]
+        lines += [f"The demo model embedded exactly in {e['shape']}'s shapes (`lantern.export.embed`, built in "
+                  f"{e['seconds']:.1f} s into `{e['checkpoints']}`): the demo's function at {e['shape']}'s cost.", ""]
+    lines += [
              "Step cost: the seconds of one step of the mode over those of one `ar` step (the accepted length at "
              "which the mode breaks even), at the batch and at one image per call.", "",
              "| mode | tree (batch / 1 image) | steps/image | mean accepted length | batch: step cost vs ar | "

@@ -1,12 +1,15 @@
 """GPU check: one prepared command that tells a GPU host's first user whether lantern's GPU paths
 work, as one JSON file.
 
-  python -m lantern.tools.gpu_check [ENGINE ...] [--demo] [--gpt GPT-B[,GPT-XL]] [--out gpu_check.json]
+  python -m lantern.tools.gpu_check [ENGINE ...] [--demo] [--gpt GPT-B[,GPT-XL]] [--demo-shape GPT-B]
+                                    [--out gpu_check.json]
                                     [--budget-minutes 8] [--only SECTION,...] [--device cuda]
 
 Engines: the engine directories given, random-weight LlamaGens of --gpt's shapes exported in
---dtype, and/or the bundled demo model (--demo), in that order, each exported just before its
-sections. For each engine, one section per backend, in this order (the whole step first: it is
+--dtype, the demo model embedded exactly in --demo-shape's shapes (lantern.export.embed: the demo's
+trained drafts and acceptance at GPT-B's cost, so `throughput` measures a real speed-up over AR
+beside the random engines' step costs) in --dtype, and/or the bundled demo model (--demo), in that
+order, each exported just before its sections. For each engine, one section per backend, in this order (the whole step first: it is
 what a short GPU window should measure before anything else):
   torch-cuda-step-graph / -eager         the whole step on the device (greedy, CFG 4; one CUDA graph
                                          per step, or eager) against the host step: ms per AR and
@@ -64,6 +67,7 @@ from lantern.export.trt_export import build_engine_plans
 from lantern.runtime.backends.cuda import gpu_compute_capability
 from lantern.runtime.backends.tensorrt_plans import rtx_targets
 from lantern.runtime.backends.torch import TorchBackend
+from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.plan import Call
@@ -240,6 +244,18 @@ def export_demo(root):
     out = os.path.join(root, "demo")
     export_engine(out, src["target"], target_options={"config_file": src["target_config"]}, drafter=src["drafter"],
                   vq=src["vq"], tree="mc_sim_7b_63")
+    return out
+
+
+def export_demo_shape(root, shape, dtype):
+    """The demo embedded in `shape` (checkpoints built in seconds), exported in `dtype`."""
+    from lantern.export.embed import DEMO_DIR, write_embedded
+    from lantern.export.onnx_export import export_engine
+
+    src = write_embedded(DEMO_DIR, shape, os.path.join(root, f"demo-{shape}-checkpoints"))
+    out = os.path.join(root, f"demo-{shape}-{dtype}")
+    export_engine(out, src["target"], target_options={"config_file": src["target_config"]}, drafter=src["drafter"],
+                  vq=src["vq"], tree="mc_sim_7b_63", dtype=dtype)
     return out
 
 
@@ -459,6 +475,9 @@ def main(argv=None):
     p.add_argument("--demo", action="store_true", help="export and check the bundled demo model")
     p.add_argument("--gpt", help="export and check random-weight LlamaGens of these shapes (GPT-B, or GPT-B,GPT-XL) "
                                  "in --dtype")
+    p.add_argument("--demo-shape", metavar="NAME",
+                   help="export and check the demo model embedded exactly in this LlamaGen shape (GPT-B: trained "
+                        "drafts at GPT-B's cost, a real speed-up over AR), in --dtype")
     p.add_argument("--dtype", default="fp16")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batches", default="1,8")
@@ -476,6 +495,15 @@ def main(argv=None):
         p.error(f"--only: unknown section {', '.join(sorted(only - set(known))) or '(none given)'} "
                 f"(sections with --device {args.device}: {', '.join(known)})")
     shapes = list(dict.fromkeys(g for g in (args.gpt or "").split(",") if g))
+    if args.demo_shape is not None:
+        from lantern.export.embed import DEMO_DIR, demo_sources, embedded_config
+        from lantern.export.checkpoints import load_target
+
+        src = demo_sources(DEMO_DIR)
+        try:
+            embedded_config(load_target(src["target"], config_file=src["target_config"])[0].args, args.demo_shape)
+        except LanternError as e:
+            p.error(f"--demo-shape: {e}")
 
     report = Report(args.out, 60 * args.budget_minutes)
     report.section("environment", environment, args.device)
@@ -483,11 +511,15 @@ def main(argv=None):
     opts = (tokens, [int(b) for b in args.batches.split(",")], args.repeats)
     workdir = tempfile.mkdtemp(prefix="lantern-gpu-")
     try:
-        # engines given, then the GPT shapes (the goal's), then the demo: each exported just before
+        # engines given, then the GPT shapes (the goal's), the embedded demo (a real speed-up at
+        # their cost), then the demo: each exported just before
         # its sections, so a short GPU window measures the first target before exporting the next
         targets = [(os.path.basename(os.path.normpath(d)), d, None) for d in args.engines]
         targets += [(f"{shape}-{args.dtype}", None, lambda shape=shape: export_gpt(workdir, shape, args.dtype))
                     for shape in shapes]
+        if args.demo_shape is not None:
+            targets.append((f"demo-{args.demo_shape}-{args.dtype}", None,
+                            lambda: export_demo_shape(workdir, args.demo_shape, args.dtype)))
         targets += [("demo", None, lambda: export_demo(workdir))] * args.demo
         for label, engine_dir, export in targets:
             if export is not None:
