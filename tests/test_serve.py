@@ -19,6 +19,10 @@ from lantern.tools.serve_client import post, request  # noqa: E402
 
 KEY = "test-key-0123456789abcdef"
 MAX_BATCH, MAX_QUEUED = 4, 16
+# Requests sent together must reach the replica within one batch window to share a generate call:
+# generous, since on a busy machine threads and Ray's proxy can take far longer than the 10 ms a
+# server would use (a lone request waits the window once)
+BATCH_WAIT_S = 0.5
 
 
 def free_port():
@@ -39,7 +43,7 @@ def server(c2i_engine):
     ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        options = ServeOptions(threads=1, max_batch=MAX_BATCH, batch_wait_s=0.05, max_queued_requests=MAX_QUEUED,
+        options = ServeOptions(threads=1, max_batch=MAX_BATCH, batch_wait_s=BATCH_WAIT_S, max_queued_requests=MAX_QUEUED,
                                api_key=KEY, max_body_bytes=100_000, shutdown_timeout_s=5)
         serve.run(build_app(c2i_engine, options), name="lantern", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
@@ -129,9 +133,12 @@ def test_a_full_queue_is_refused_fast(server):
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         answers = list(pool.map(one, range(clients)))
     refused = [seconds for status, seconds in answers if status == 503]
-    assert refused and {status for status, _ in answers} <= {200, 503}
-    assert sum(status == 200 for status, _ in answers) >= MAX_QUEUED
-    assert max(refused) < 5.0, refused  # refused at once, not after the queue drained
+    served = sorted(seconds for status, seconds in answers if status == 200)
+    assert refused and len(refused) + len(served) == clients
+    assert len(served) >= MAX_QUEUED
+    # refused at once, not after the queue drained: every refusal came back before half the
+    # accepted requests were served (a measure relative to the work, which a busy machine slows too)
+    assert max(refused) < served[len(served) // 2], (refused, served)
 
 
 def test_disconnected_clients_free_their_slots(server):
