@@ -103,11 +103,13 @@ def server(c2i_engine, tmp_path_factory):
         while True:
             assert proc.poll() is None, f"lantern-run serve exited {proc.returncode}:\n{log_path.read_text()[-3000:]}"
             try:  # up: /healthz answers and the command has said what it serves
-                if request(server["url"] + "/healthz", timeout=5)[0] == 200 and served(log_path):
+                health = request(server["url"] + "/healthz", timeout=5)
+                if health[0] == 200 and served(log_path):
                     break
-            except LanternError:  # not listening yet
-                pass
-            assert time.monotonic() < deadline, f"not serving in {START_S} s:\n{log_path.read_text()[-3000:]}"
+            except LanternError as e:  # not listening yet
+                health = e
+            assert time.monotonic() < deadline, \
+                f"not serving in {START_S} s (/healthz: {health}):\n{log_path.read_text()[-3000:]}"
             time.sleep(0.5)
         yield server
     finally:
