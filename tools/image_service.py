@@ -353,7 +353,7 @@ def public(message, directory):
     """A message with the engine directory's path left out (responses never name server paths)."""
     directory = os.fspath(directory)
     for path in sorted({directory, os.path.abspath(directory), os.path.realpath(directory)}, key=len, reverse=True):
-        message = message.replace(path, "the engine")
+        message = message.replace(path + os.sep, "").replace(path, "the engine")
     return message
 
 
