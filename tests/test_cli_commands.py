@@ -73,7 +73,7 @@ def test_generate_option_reaches_the_engine(case, engines, caption_files, tmp_pa
     np.testing.assert_array_equal(got, want)
 
 
-def _independent_config(path):
+def _read_json(path):
     with open(path) as f:
         return json.load(f)
 
@@ -89,14 +89,14 @@ def test_inspect_json_of_a_checkpoint_states_its_facts(c2i_engine, capsys):
     assert info["format"] == "llamagen-pt" and info["role"] == "target" and info["family"] == "llamagen"
     assert info["parameters"] == sum(t.numel() for t in state.values())
     assert {str(t.dtype) for t in state.values()} == {f"torch.{info['dtype']}"}
-    config = _independent_config(config_file)
+    config = _read_json(config_file)
     assert {k: info["config"][k] for k in config} == config
 
     drafter = sources["drafter"]["path"]
     assert export_cli.main(["inspect", drafter, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     state = torch.load(os.path.join(drafter, "pytorch_model.bin"), weights_only=True)
-    hf = _independent_config(os.path.join(drafter, "config.json"))
+    hf = _read_json(os.path.join(drafter, "config.json"))
     assert info["role"] == "drafter" and info["parameters"] == sum(t.numel() for t in state.values())
     assert (info["config"]["dim"], info["config"]["n_head"], info["config"]["n_kv_head"],
             info["config"]["intermediate_size"], info["config"]["vocab_size"]) == (
