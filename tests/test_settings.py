@@ -67,8 +67,8 @@ def test_generate_takes_settings_or_their_keywords(c2i_engine):
     by_keywords = engine.generate(classes=[1, 2], seed=7, **keywords)
     by_settings = engine.generate(GenerationSettings(**keywords), classes=[1, 2], seed=7)
     assert np.array_equal(by_keywords.tokens, by_settings.tokens)
-    # and the settings reached the generation: without CFG and top-k the same seeds give other tokens
-    plain = engine.generate(classes=[1, 2], seed=7, mode="lantern++", lam=3.0, k=4)
+    # and the settings reached the generation: without CFG and top-k, hotter, the same seeds give other tokens
+    plain = engine.generate(classes=[1, 2], seed=7, mode="lantern++", lam=3.0, k=4, temperature=2.0)
     assert not np.array_equal(plain.tokens, by_keywords.tokens)
     with pytest.raises(TypeError, match="not both"):
         engine.generate(GenerationSettings(), classes=[1], mode="ar")
