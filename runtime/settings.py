@@ -68,7 +68,8 @@ class GenerationSettings:
         """The numeric bounds above (types and signs were checked by the rules and filters)."""
         low, high = TEMPERATURE_RANGE
         if not self.greedy and not low <= self.temperature <= high:
-            raise LanternError(f"temperature must be in [{low:g}, {high:g}] (lower: use greedy), got {self.temperature!r}")
+            raise LanternError(f"temperature must be in [{low:g}, {high:g}] (lower: use greedy), "
+                               f"got {self.temperature!r}")
         if not self.greedy and self.top_p < MIN_TOP_P:
             raise LanternError(f"top_p must be >= {MIN_TOP_P:g}, got {self.top_p!r}")
         if self.cfg_scale > MAX_CFG_SCALE:

@@ -47,7 +47,8 @@ def install_tuned_tree(directory, settings, tree, images):
     entry = TunedSettings(settings=settings, backend="onnxruntime", measured={},
                           trees=(TunedTree(images=images, file=file, name=tree.name, nodes=tree.num_nodes,
                                            depth=tree.depth, predicted={}),))
-    m.replace(tuned_trees={settings.key: entry}, files={**m.files, **describe_files(directory, [file])}).write(directory)
+    files = {**m.files, **describe_files(directory, [file])}
+    m.replace(tuned_trees={settings.key: entry}, files=files).write(directory)
     return file
 
 
@@ -297,6 +298,20 @@ def test_request_ids_are_one_clean_header_and_never_logged_as_given(server):
     log = server.output()
     assert "request client-42.a -> 200" in log
     assert not any(given in log for given in forged)
+
+
+def test_a_client_that_disconnects_cancels_its_request_in_the_replica(server):
+    body = json.dumps({"classes": [1, 2, 3, 4], "settings": {"mode": "lantern++", "k": 8}}).encode()
+    head = (f"POST /v1/images HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    for _ in range(2 * MAX_BATCH):  # more than one generate call's worth: some wait, and are cancelled
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(head + body)
+    deadline = time.monotonic() + 60
+    while "cancelled by its client" not in server.output() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "cancelled by its client" in server.output()
+    assert server.images({"classes": [1], "settings": {"mode": "exact", "greedy": True}})[0] == 200
 
 
 def test_the_tuned_tree_is_the_one_read_at_start_whatever_happens_to_its_file(server, engine_dir):

@@ -115,7 +115,8 @@ class Front:
     def __init__(self, handle, api_key=None, max_body_bytes=4 * 2**20, body_timeout_s=20.0, health_timeout_s=5.0):
         self.handle = handle
         self.key = api_key.encode() if api_key else None
-        self.max_body_bytes, self.body_timeout_s, self.health_timeout_s = max_body_bytes, body_timeout_s, health_timeout_s
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+        self.health_timeout_s = health_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":  # lifespan is off; no websockets
@@ -145,7 +146,8 @@ class Front:
         if len(headers) > MAX_HEADERS:
             raise Refused(431, f"{len(headers)} headers; the limit is {MAX_HEADERS}")
         # h11 stops an incomplete head at MAX_HEAD_BYTES; one that arrived whole in a read is checked here
-        if len(scope["raw_path"]) + len(scope["query_string"]) + sum(len(n) + len(v) for n, v in headers) > MAX_HEAD_BYTES:
+        head = len(scope["raw_path"]) + len(scope["query_string"]) + sum(len(n) + len(v) for n, v in headers)
+        if head > MAX_HEAD_BYTES:
             raise Refused(431, f"the request head is over {MAX_HEAD_BYTES} bytes")
         name = route(scope["method"], scope["path"])
         if name == "health":
@@ -167,15 +169,14 @@ class Front:
         async def result():
             return await response
 
-        waits = {asyncio.ensure_future(result())}
+        answer = asyncio.ensure_future(result())
         gone = asyncio.ensure_future(_until_disconnect(receive)) if receive is not None else None
         try:
-            done, _ = await asyncio.wait(waits | ({gone} if gone else set()), timeout=timeout_s,
+            done, _ = await asyncio.wait({answer} | ({gone} if gone else set()), timeout=timeout_s,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             if gone is not None:
                 gone.cancel()
-        answer = next(iter(waits))
         if answer not in done:
             response.cancel()
             answer.cancel()
@@ -214,9 +215,9 @@ class FrontServer:
     def __init__(self, app, host, port):
         import uvicorn
 
-        config = uvicorn.Config(app, host=host, port=port, http=h11_protocol(), h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-                                lifespan="off", access_log=False, log_level="warning", server_header=False,
-                                date_header=False, timeout_keep_alive=5)
+        config = uvicorn.Config(app, host=host, port=port, http=h11_protocol(),
+                                h11_max_incomplete_event_size=MAX_HEAD_BYTES, lifespan="off", access_log=False,
+                                log_level="warning", server_header=False, date_header=False, timeout_keep_alive=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="lantern-http", daemon=True)
         self.thread.start()
