@@ -30,10 +30,13 @@ def pytest_collection_modifyitems(config, items):
 def built_once(tmp_path_factory, name, build):
     """A session fixture's directory, built once for the whole run: with pytest-xdist every worker
     is its own session, so the first to get here builds under a lock in the run's shared temporary
-    directory and the others reuse what it built (read-only use: tests copy what they change)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+    directory and the others reuse what it built (read-only use: tests copy what they change).
+    $LANTERN_TEST_ENGINES names a folder that keeps them across runs instead: the mutation check
+    sets it for mutants of code the engines are not built with."""
+    keep = os.environ.get("LANTERN_TEST_ENGINES")  # a folder kept across runs (tests/mutation_check.py)
+    if os.environ.get("PYTEST_XDIST_WORKER") is None and not keep:
         return build(tmp_path_factory.mktemp(name))
-    shared = tmp_path_factory.getbasetemp().parent / f"shared-{name}"
+    shared = (pathlib.Path(keep) if keep else tmp_path_factory.getbasetemp().parent) / f"shared-{name}"
     with open(f"{shared}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = shared / "done.json"

@@ -1,0 +1,198 @@
+"""Mutation check: does the suite catch the slips a step rewrite could make?
+
+Each mutant is a one-line change to the source (an exact text that must occur once in its file,
+and its replacement). For every mutant the script copies the repository to a temporary directory,
+applies the change there, and runs the tests named for it against the copy (the copy's own
+`lantern` package comes first on PYTHONPATH, ahead of the editable install). A mutant is killed
+when a test fails. Before any mutant, the same tests run on the unchanged copy and must pass, so a
+kill means the change was caught, not that the test was already red.
+
+    python tests/mutation_check.py                  # every mutant (about 10-20 minutes on 2 cores)
+    python tests/mutation_check.py --only gen-verify-positions,cfg-interval-host
+    python tests/mutation_check.py --list
+    python tests/mutation_check.py --json out.json
+
+Prints one line per mutant and a JSON summary; exits 1 if a mutant survived.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = {"export": "export", "runtime": "runtime", "tools": "tools"}  # lantern.<name> -> folder
+
+# (name, file, text, replacement, tests): `text` must occur exactly once in `file`.
+MUTANTS = [
+    # Positions: the slips a step rewrite is most likely to make.
+    ("gen-verify-positions", "runtime/generator.py",
+     "self.positions(cache.length[:, None] + tree.depths[None, :])",
+     "self.positions(cache.length[:, None] + 1 + tree.depths[None, :])",
+     ["tests/test_references.py"]),
+    ("gen-draft0-positions", "runtime/generator.py",
+     "first = self.plan.target_cache.length - counts[self.image_of_row] + 1",
+     "first = self.plan.target_cache.length - counts[self.image_of_row] + 2",
+     ["tests/test_references.py"]),
+    ("gen-draft-depth-positions", "runtime/generator.py",
+     "self.positions(np.broadcast_to(root_slot[:, None] + level.depth, (B, T)))",
+     "self.positions(np.broadcast_to(root_slot[:, None] + level.depth + 1, (B, T)))",
+     ["tests/test_references.py"]),
+    ("torch-verify-positions", "runtime/backends/torch_step.py",
+     "self._positions(self.target.length[:, None] + self.depths[None, :])",
+     "self._positions(self.target.length[:, None] + 1 + self.depths[None, :])",
+     ["tests/test_device_step.py"]),
+    ("torch-draft0-positions", "runtime/backends/torch_step.py",
+     "first = self.target.length - counts[iob] + 1",
+     "first = self.target.length - counts[iob] + 2",
+     ["tests/test_device_step.py"]),
+    # The CLI's options reach the engine, its checks decide, the server and client pass settings on.
+    ("cli-temperature-dropped", "runtime/cli.py",
+     "temperature=args.temperature, top_k=args.top_k", "temperature=1.0, top_k=args.top_k",
+     ["tests/test_cli_commands.py::test_generate_option_reaches_the_engine"]),
+    ("cli-cfg-interval-dropped", "runtime/cli.py",
+     "cfg_interval=args.cfg_interval)", "cfg_interval=-1)",
+     ["tests/test_cli_commands.py::test_generate_option_reaches_the_engine"]),
+    ("cli-caption-mask-dropped", "runtime/cli.py",
+     "caption=caption, caption_mask=mask,", "caption=caption, caption_mask=None,",
+     ["tests/test_cli_commands.py::test_generate_option_reaches_the_engine"]),
+    ("check-rtol-unscaled", "export/check.py",
+     '"ok": max_abs <= atol + rtol * scale', '"ok": max_abs <= atol + rtol',
+     ["tests/test_cli_commands.py::test_check_tolerances_decide_the_verdict"]),
+    ("client-n-dropped", "tools/serve_client.py",
+     'payload = {"n": args.n,', 'payload = {"n": 1,',
+     ["tests/test_serve_cli.py"]),
+    # CFG interval: the boundary token.
+    ("cfg-interval-host", "runtime/generator.py",
+     "late = token_index >= self.cfg_interval",
+     "late = token_index > self.cfg_interval",
+     ["tests/test_generator.py"]),
+]
+
+
+# Mutants of code that builds the test engines (export, the engine directory's records, the demo
+# command) run with engines built afresh; the others share engines built once from the unchanged
+# copy (conftest's $LANTERN_TEST_ENGINES), which saves a minute or two per mutant.
+BUILDS_ENGINES = ("export/", "tests/", "runtime/manifest.py", "runtime/enginedir.py", "runtime/integrity.py",
+                  "runtime/outdir.py", "tools/demo.py", "tools/export_cli.py")
+
+
+def lines(text):
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def make_copy(root):
+    """The repository's sources and tests in `root`, and a `lantern` package over them."""
+    ignore = shutil.ignore_patterns(".git", ".venv", "engines", "__pycache__", "*.egg-info", ".pytest_cache",
+                                    ".hypothesis", "out")
+    src = os.path.join(root, "repo")
+    shutil.copytree(REPO, src, ignore=ignore)
+    package = os.path.join(root, "pkg", "lantern")
+    os.makedirs(package)
+    open(os.path.join(package, "__init__.py"), "w").close()
+    for name, folder in PACKAGES.items():
+        os.symlink(os.path.join(src, folder), os.path.join(package, name))
+    return src, os.path.join(root, "pkg")
+
+
+def apply(src, file, text, replacement):
+    path = os.path.join(src, file)
+    with open(path) as f:
+        code = f.read()
+    count = code.count(text)
+    if count != 1:
+        raise SystemExit(f"mutation_check: {file}: the mutated text occurs {count} times, not once: {text!r}")
+    code = code.replace(text, replacement)
+    compile(code, path, "exec")  # a mutant must be valid Python: a syntax error kills nothing worth knowing
+    with open(path, "w") as f:
+        f.write(code)
+    return code
+
+
+def run_tests(src, pkg, tests, basetemp, timeout, engines=None):
+    env = dict(os.environ, PYTHONPATH=pkg + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONDONTWRITEBYTECODE="1")
+    env.pop("LANTERN_TEST_ENGINES", None)
+    if engines:
+        env["LANTERN_TEST_ENGINES"] = engines
+    probe = subprocess.run([sys.executable, "-c", "import lantern.runtime; print(lantern.runtime.__file__)"],
+                           env=env, cwd=src, capture_output=True, text=True)
+    if not probe.stdout.strip().startswith(pkg):
+        raise SystemExit(f"mutation_check: the copy's lantern is not the one imported ({probe.stdout.strip()} "
+                         f"{probe.stderr.strip()[-200:]})")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
+           *tests]
+    start = time.time()
+    try:
+        r = subprocess.run(cmd, env=env, cwd=src, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, [], time.time() - start, "timeout"
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", r.stdout, flags=re.M)))
+    summary = (lines(r.stdout) or ["(no output)"])[-1]
+    return r.returncode, failed, time.time() - start, summary
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", help="comma-separated mutant names")
+    p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per test run")
+    a = p.parse_args(argv)
+    known = {m[0]: m for m in MUTANTS}
+    chosen = MUTANTS
+    if a.only:
+        wrong = [n for n in a.only.split(",") if n not in known]
+        if wrong:
+            p.error(f"unknown mutant(s) {', '.join(wrong)}; known: {', '.join(known)}")
+        chosen = [known[n] for n in a.only.split(",")]
+    if a.list:
+        for name, file, text, replacement, tests in chosen:
+            print(f"{name}: {file}: {text!r} -> {replacement!r}  [{' '.join(tests)}]")
+        return 0
+    results = []
+    with tempfile.TemporaryDirectory(prefix="lantern-mutants-") as root:
+        src, pkg = make_copy(root)
+        engines = os.path.join(root, "engines")
+        os.makedirs(engines)
+        originals = {}
+        baseline = {}
+        for name, file, text, replacement, tests in chosen:
+            key = tuple(tests)
+            if key not in baseline:  # the unchanged copy must pass these tests first
+                rc, failed, seconds, summary = run_tests(src, pkg, tests, os.path.join(root, "t"), a.timeout, engines)
+                baseline[key] = rc == 0
+                if rc != 0:
+                    print(f"baseline FAILED for {' '.join(tests)}: {summary} {failed}", flush=True)
+            if not baseline[key]:
+                results.append(dict(mutant=name, file=file, status="no-baseline", tests=tests))
+                continue
+            path = os.path.join(src, file)
+            originals.setdefault(path, open(path).read())
+            apply(src, file, text, replacement)
+            shared = None if file.startswith(BUILDS_ENGINES) else engines
+            try:
+                rc, failed, seconds, summary = run_tests(src, pkg, tests, os.path.join(root, "t"), a.timeout, shared)
+            finally:
+                with open(path, "w") as f:
+                    f.write(originals[path])
+            status = "survived" if rc == 0 else "killed"
+            results.append(dict(mutant=name, file=file, change=[text, replacement], status=status,
+                                killed_by=failed, seconds=round(seconds, 1), tests=tests, summary=summary))
+            print(f"{status:8s} {name:32s} {seconds:6.1f}s  {', '.join(failed) or summary}", flush=True)
+    survived = [r["mutant"] for r in results if r["status"] != "killed"]
+    report = {"mutants": len(results), "killed": len(results) - len(survived), "not_killed": survived,
+              "results": results}
+    print(json.dumps({k: report[k] for k in ("mutants", "killed", "not_killed")}))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
