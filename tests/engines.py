@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from lantern.export import checkpoints, cli, vq
-from tiny import tiny_drafter, tiny_target
+from tiny import imitate_target, OLD_STD, PEAKED_STD, tiny_chameleon_target, tiny_drafter, tiny_target
 
 
 def tiny_vq(vocab, seed=0):
@@ -18,12 +18,14 @@ def tiny_vq(vocab, seed=0):
 
 
 def build_engine(root, model_type="c2i", tree="mc_sim_7b_63", drafter=True, with_vq=True, block_size=36,
-                 vocab=64, extra=()):
+                 vocab=64, extra=(), peaked=True):
     """Write a tiny target (+ drafter, VQ) to disk and export it. Returns the engine directory.
     c2i targets are written as LlamaGen .pt files with a config JSON, t2i targets in LANTERN's
-    Hugging Face layout, so the session's engines go through both loaders."""
+    Hugging Face layout, so the session's engines go through both loaders. peaked=False: the
+    near-uniform models before issue 30 (tests/tiny.py), which tests/data/regression_v1 was made on."""
     root = str(root)
-    target = tiny_target(model_type, n_kv_head=2, block_size=block_size, vocab_size=vocab)
+    target = tiny_target(model_type, std=PEAKED_STD if peaked else OLD_STD, n_kv_head=2, block_size=block_size,
+                         vocab_size=vocab)
     src = os.path.join(root, f"src-{model_type}")
     os.makedirs(src, exist_ok=True)
     out = os.path.join(root, f"engine-{model_type}")
@@ -39,7 +41,7 @@ def build_engine(root, model_type="c2i", tree="mc_sim_7b_63", drafter=True, with
         checkpoints.save_hf_target(target, os.path.join(src, "target"))
         argv = ["onnx", "--target", os.path.join(src, "target"), "--out", out]
     if drafter:
-        checkpoints.save_drafter(tiny_drafter(target), os.path.join(src, "drafter"))
+        checkpoints.save_drafter(tiny_drafter(target, imitate=peaked), os.path.join(src, "drafter"))
         argv += ["--drafter", os.path.join(src, "drafter"), "--tree", tree, "--candidates", "16"]
     if with_vq:
         vq.save_vq(tiny_vq(vocab), os.path.join(src, "vq.pt"))
@@ -84,8 +86,9 @@ def build_chameleon_engines(root, vocab=9400):
     out = {}
     for family, save in (("anole", ck.save_hf_anole), ("lumina_mgpt", ck.save_xllmx_lumina)):
         config = ck.tiny_config(family=family, num_key_value_heads=2, vocab_size=vocab)
-        target = ch.init_random(ch.ChameleonTarget(config), seed=0).eval()
-        drafter = ch.init_random(ch.ChameleonDrafter(ck.tiny_drafter_config(config)), seed=1).eval()
+        target = tiny_chameleon_target(config, seed=0)
+        drafter = imitate_target(ch.init_random(ch.ChameleonDrafter(ck.tiny_drafter_config(config)), seed=1).eval(),
+                                 target)
         if family == "lumina_mgpt":
             target, drafter = ck.tie_qk_norm_rows(target), ck.tie_qk_norm_rows(drafter)
         save(target, root / family)

@@ -15,16 +15,18 @@ from lantern.export import chameleon_checkpoints as ck
 from lantern.export import chameleon_vq as cvq
 from lantern.runtime import chameleon_prompts as prompts
 from lantern.runtime.errors import LanternError
+from tiny import imitate_target, tiny_chameleon_target
 
 IMAGE = slice(4, 8196)  # image-token ids of every checkpoint written here
 
 
 def _target(seed=0, **overrides):
-    return ch.init_random(ch.ChameleonTarget(ck.tiny_config(**overrides)), seed=seed).eval()
+    return tiny_chameleon_target(ck.tiny_config(**overrides), seed=seed)  # peaked (tests/tiny.py)
 
 
 def _drafter(target, seed=1, **overrides):
-    return ch.init_random(ch.ChameleonDrafter(ck.tiny_drafter_config(target.config, **overrides)), seed=seed).eval()
+    drafter = ch.init_random(ch.ChameleonDrafter(ck.tiny_drafter_config(target.config, **overrides)), seed=seed).eval()
+    return imitate_target(drafter, target)
 
 
 def _bf16_round(model):

@@ -1,6 +1,7 @@
 """Made the regression data in regression_v1.npz with the decoding loop as it was at commit
 c071357 (the loop before step plans). Kept to show how the data was made; it runs
-only against that commit's API:  python tests/data/make_regression_v1.py"""
+only against that commit's API:  python tests/data/make_regression_v1.py
+(That commit's build_engine made the near-uniform models build_engine(peaked=False) makes now.)"""
 import itertools
 import json
 import os
