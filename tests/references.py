@@ -74,21 +74,34 @@ def load_llamagen(engine_dir):
 
 
 def llamagen_drafts(engine_dir, tokens, hidden):
-    """LlamaGen drafter logits [N, T, V] over the finished sequences tokens [N, T] (no CFG):
-    row j is the drafter's prediction of token j + 1 from the pairs (h_{i-1}, token i), i <= j,
-    each at its token's position (the drafter's cache holds every committed pair, DESIGN.md),
-    through the target's head. hidden [N, T, D]: the full forward's target hidden states
-    (llamagen_forward), row j the one before token j."""
+    """LlamaGen drafter logits over the finished sequences tokens [N, T] (no CFG), through the
+    target's head, at the first two depths of a step whose root is token j:
+      depth 1 [N, T, V], row j: from the pairs (h_{i-1}, token i), i <= j, each at its token's
+        position (the drafter's cache holds every committed pair, DESIGN.md) -> token j + 1;
+      depth 2 [N, T - 1, V], row j: from those pairs and (d_j, token j + 1) at token j + 1's
+        position, d_j the drafter's own output at pair j (EAGLE feeds a draft its parent's
+        drafter state) -> token j + 2.
+    hidden [N, T, D]: the full forward's target hidden states (llamagen_forward), row j the one
+    before token j."""
     target = load_llamagen(engine_dir)
     s = source(engine_dir, "drafter")
     drafter = checkpoints.load_drafter(s["path"], target.args)[0].float().eval()
     N, T = tokens.shape
+    tokens = torch.from_numpy(np.asarray(tokens))
     pos = torch.arange(T).expand(N, T) + target.args.cls_token_num
-    mask = torch.tril(torch.ones(T, T, dtype=torch.bool)).expand(N, 1, T, T)
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
     with torch.no_grad():
-        h = drafter(torch.from_numpy(hidden), torch.from_numpy(np.asarray(tokens)), pos, mask, *drafter.empty_cache(N),
-                    target.rope)[0]
-        return target.output(h).float().numpy()
+        first = drafter(torch.from_numpy(hidden), tokens, pos, causal.expand(N, 1, T, T), *drafter.empty_cache(N),
+                        target.rope)[0]
+        # one call: the T committed pairs, then T - 1 depth-2 pairs, each seeing pairs 0..j and itself
+        mask = torch.zeros(2 * T - 1, 2 * T - 1, dtype=torch.bool)
+        mask[:T, :T] = causal
+        mask[T:, :T - 1] = causal[:-1, :-1]
+        mask[T:, T:] = torch.eye(T - 1, dtype=torch.bool)
+        second = drafter(torch.cat([torch.from_numpy(hidden), first[:, :-1]], 1), torch.cat([tokens, tokens[:, 1:]], 1),
+                         torch.cat([pos, pos[:, 1:]], 1), mask.expand(N, 1, 2 * T - 1, 2 * T - 1),
+                         *drafter.empty_cache(N), target.rope)[0][:, T:]
+        return target.output(first).float().numpy(), target.output(second).float().numpy()
 
 
 def chameleon_forward(engine, body, cfg, shift=0, **request):

@@ -113,25 +113,36 @@ def test_the_reference_check_rejects_wrong_tokens(c2i_engine):
 
 
 @pytest.mark.parametrize("family, step", [("c2i", "host"), ("c2i", "device"), ("t2i", "host")])
-def test_first_drafts_match_a_full_drafter_forward(request, family, step):
+def test_drafts_match_a_full_drafter_forward(request, family, step):
     """Drafts do not change greedy exact tokens, so the token references cannot see a slip in
-    the draft phase (draft0's pairs, positions, hidden states). This pins it: in greedy exact, a
-    step accepts a draft exactly when the target's next token is among the root's children,
-    which are the first tree-width candidates of a drafter forward over every committed pair
-    (tests/references.py: llamagen_drafts)."""
+    the draft phase (draft0's pairs, positions, hidden states; the deeper drafter calls). This
+    pins the first two depths: in greedy exact a step accepts a draft exactly when the target's
+    next token is one of the root's children, and two when the token after it is one of that
+    child's children, each node's children being the candidates of the ranks the tree gives it
+    from a drafter forward over every committed pair (tests/references.py: llamagen_drafts)."""
     engine = open_engine(request, family, step)
     cond = conditions(family)
     records = []
     out = engine.generate(mode="exact", greedy=True, cfg_scale=1.0, observer=records.append, **cond)
-    hidden = llamagen_forward(engine.directory, family, out.tokens, cond, 1.0)[1]
-    children = np.argsort(-llamagen_drafts(engine.directory, out.tokens, hidden), axis=-1, kind="stable")[
-        ..., :engine.tree.levels[0].width]
-    count, checked = np.ones(len(out.tokens), dtype=np.int64), 0
+    tokens, tree = out.tokens, engine.tree
+    hidden = llamagen_forward(engine.directory, family, tokens, cond, 1.0)[1]
+    depth1, depth2 = (np.argsort(-logits, axis=-1, kind="stable") for logits in
+                      llamagen_drafts(engine.directory, tokens, hidden))
+
+    def child(node, ranking, token):  # the child of node holding token, or -1
+        rank = int(np.flatnonzero(ranking == token)[0])
+        return tree.child_at[node, rank] if rank < tree.child_at.shape[1] else -1
+
+    count, hits = np.ones(len(tokens), dtype=np.int64), [0, 0]
     for r in records:
         for n in np.flatnonzero(r.active):
             root = count[n] - 1
-            hit = out.tokens[n, root + 1] in children[n, root]
-            assert (r.accepted[n] > 0) == hit, (n, root, r.accepted[n])
-            checked += hit
+            node = child(0, depth1[n, root], tokens[n, root + 1])
+            assert (r.accepted[n] >= 1) == (node >= 0), (n, root, r.accepted[n])
+            if node >= 0 and root + 2 < tokens.shape[1]:
+                deeper = child(node, depth2[n, root], tokens[n, root + 2])
+                assert (r.accepted[n] >= 2) == (deeper >= 0), (n, root, r.accepted[n])
+                hits[1] += deeper >= 0
+            hits[0] += node >= 0
             count[n] += r.accepted[n] + 1
-    assert checked > 0  # some steps accepted drafts
+    assert hits[0] > 0 and hits[1] > 0  # steps accepted drafts at both depths
