@@ -9,7 +9,7 @@ from lantern.export import checkpoints, embed, llamagen
 from lantern.export.onnx_export import export_engine
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
-from lantern.tools import export_cli
+from lantern.tools import export_cli, gpu_check
 
 # wider heads (64 = 2 x the demo's 32: queries rescaled, RoPE pairs moved), a wider stream and FFN,
 # more layers and ids than the demo; few enough weights to export in seconds
@@ -118,3 +118,24 @@ def test_engines_decode_the_demos_tokens(demo_engine, embedded_engine, mode):
         a, b = (e.generate(seed=seed, **common) for e in (small, big))
         assert np.array_equal(a.tokens, b.tokens)
     assert np.array_equal(small.decode(a.tokens), big.decode(b.tokens))
+
+
+def test_gpu_check_refuses_a_shape_that_cannot_hold_the_demo(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--demo-shape", "GPT-3B", "--device", "cpu"])
+    assert e.value.code == 2 and "GPT-3B cannot hold the demo model exactly" in capsys.readouterr().err
+
+
+def test_the_grid_in_calls_of_a_batch_is_the_grid_in_one_call(demo_engine):
+    """`demo --batch`: images keep their seeds across calls, so the tokens are one call's; the
+    stats add up over the calls."""
+    from lantern.tools.demo import generate_batches
+
+    engine = Engine(demo_engine)
+    kw = dict(classes=[0, 3, 6, 9, 12], seed=4, mode="exact", tree="chain-2", cfg_scale=3.0)
+    whole = generate_batches(engine, None, **kw)
+    parts = generate_batches(engine, 2, **kw)
+    assert np.array_equal(whole.tokens, parts.tokens)
+    assert parts.stats["images"] == 5 and parts.stats["batch"] == 2
+    assert parts.stats["steps_per_image"] == pytest.approx(whole.stats["steps_per_image"])
+    assert sum(parts.stats["accepted_histogram"]) == sum(whole.stats["accepted_histogram"])

@@ -46,6 +46,7 @@ DEFAULTS = dict(tree="mc_sim_7b_63", lam=5.0, k=20, cfg_scale=3.0, temperature=1
 # 16), budget 32 and depth 5 (64 and 6), 3 timed repeats per call size (5), one loop run per tree
 # (3), batch sizes 1 and 8 only (the grid's 30 images use the batch-8 tree, the nearest tuned batch).
 TUNE = dict(images=8, budget=32, depth=5, batches=(1, 8), repeats=3, loop_runs=1)
+SHAPED_TREE = "chain-2"  # --shape's preset tree: on a CPU, verifying a GPT-B step of 63 tokens costs ~10 AR steps
 QUANTIZED_RUNS = ("ar", "lantern++")  # the quantized engine's grid: the baseline and the demo's method
 
 
@@ -59,7 +60,8 @@ def add_parser(sub):
                         "OUT-checkpoints; with it the defaults are --batch 8, --threads 2, --quantize none")
     p.add_argument("--batch", type=int,
                    help="images per generate call for the grid (default: all at once; 8 with --shape)")
-    p.add_argument("--tree", default=DEFAULTS["tree"])
+    p.add_argument("--tree", help=f"the preset rows' draft tree (default {DEFAULTS['tree']}; {SHAPED_TREE} with "
+                                  f"--shape: a CPU verifies few tokens per step cheaply)")
     p.add_argument("--lam", type=float, default=DEFAULTS["lam"])
     p.add_argument("--k", type=int, default=DEFAULTS["k"])
     p.add_argument("--cfg-scale", type=float, default=DEFAULTS["cfg_scale"])
@@ -104,7 +106,8 @@ def shape_defaults(args):
     shaped = args.shape is not None
     name = "demo" + (f"-{args.shape.lower()}" if shaped else "")
     for option, demo_value, shaped_value in (("out", os.path.join("engines", name), os.path.join("engines", name)),
-                                             ("threads", 1, 2), ("quantize", "int8", "none"), ("batch", None, 8)):
+                                             ("threads", 1, 2), ("quantize", "int8", "none"), ("batch", None, 8),
+                                             ("tree", DEFAULTS["tree"], SHAPED_TREE)):
         if getattr(args, option) is None:
             setattr(args, option, shaped_value if shaped else demo_value)
     if args.batch is not None and args.batch < 1:
@@ -134,7 +137,8 @@ def run(args):
         print(f"      built in {embedding['seconds']:.1f} s")
     print(f"[{first}/{steps}] exporting the demo model to {out}")
     export_engine(out, src["target"], target_options={"config_file": src["target_config"]}, drafter=src["drafter"],
-                  vq=src["vq"], tree=args.tree, force=True, progress=True)
+                  vq=src["vq"], tree=args.tree, force=True, progress=True,
+                  graph_cache=os.environ.get("LANTERN_GRAPH_CACHE") or None)  # as `lantern-export onnx` does
     print(f"[{first + 1}/{steps}] checking every graph on ONNX Runtime against PyTorch")
     report = check_engine(out)
     worst = max((r.get("max_abs", 0.0) for r in report["results"]), default=0.0)
@@ -176,7 +180,7 @@ def run(args):
         stats = [engine.generate(mode=mode.split()[0], **{**common, "classes": [c]}, **extra).stats
                  for c in range(0, len(class_names), max(1, len(class_names) // 5))]
         single[mode] = {key: float(np.median([_stat(st, key) for st in stats]))
-                        for key in ("seconds", "steps_per_image", "engine_calls", "verify")}
+                        for key in ("seconds", "steps_per_image", "engine_calls", "verify", "mean_accepted_length")}
         single_trees[mode] = stats[0]["tree"]
 
     quantized = None
@@ -212,6 +216,8 @@ def run(args):
                          "step_cost_vs_ar": (s["seconds"] / s["steps_per_image"])
                          / (ar_batch["seconds"] / ar_batch["steps_per_image"]),
                          "latency_batch1_seconds": one["seconds"], "speedup_batch1": ar_single["seconds"] / one["seconds"],
+                         "steps_per_image_batch1": one["steps_per_image"],
+                         "mean_accepted_length_batch1": one["mean_accepted_length"],
                          "step_cost_vs_ar_batch1": (one["seconds"] / one["steps_per_image"])
                          / (ar_single["seconds"] / ar_single["steps_per_image"]),
                          "engine_calls_per_step_batch1": one["engine_calls"] / one["steps_per_image"],
@@ -441,17 +447,17 @@ def _embedded_reading(summary):
     shape, on = summary["embedding"]["shape"], summary["generated_on"]
     batch = summary["settings"].get("batch") or summary["settings"]["images"]
     spec = [r for r in summary["results"] if r["mode"] != "ar" and not r.get("same_run_as")]
-    best = max(((r["speedup_batch1"], "1 image", r) for r in spec) + tuple((r["speedup_batch"], f"{batch} images", r)
-                                                                              for r in spec), default=None,
-               key=lambda x: x[0])
+    measured = [(r["speedup_batch1"], "1 image", r) for r in spec] + [(r["speedup_batch"], f"{batch} images", r)
+                                                                        for r in spec]
+    best = max(measured, default=None, key=lambda x: x[0])
     parts = [f"The demo embedded exactly in {shape}'s shapes decodes the demo's tokens at {shape}'s cost "
              f"({on['backend']}, {on['device']}, {summary['settings']['threads']} thread(s)). A speculative step pays "
              f"off when its accepted length exceeds its cost in AR steps:"]
     for r in spec:
-        parts.append(f"{r['mode']} ({r['tree_batch1']} / {r['tree']}) accepts {r['mean_accepted_length']:.2f} tokens "
-                     f"per step for {r['step_cost_vs_ar_batch1']:.2f} AR steps at 1 image "
-                     f"({r['speedup_batch1']:.2f}x over ar) and {r['step_cost_vs_ar']:.2f} at {batch} images "
-                     f"({r['speedup_batch']:.2f}x);")
+        parts.append(f"{r['mode']} accepts {r['mean_accepted_length_batch1']:.2f} tokens per step for "
+                     f"{r['step_cost_vs_ar_batch1']:.2f} AR steps at 1 image (tree {r['tree_batch1']}: "
+                     f"{r['speedup_batch1']:.2f}x over ar) and {r['mean_accepted_length']:.2f} for "
+                     f"{r['step_cost_vs_ar']:.2f} at {batch} images (tree {r['tree']}: {r['speedup_batch']:.2f}x);")
     if best is not None:
         parts.append(f"the best, measured beside ar in this run: {best[0]:.2f}x ({best[2]['mode']}, {best[1]}).")
     return " ".join(parts)
