@@ -48,7 +48,7 @@ class ServeOptions:
     max_batch: int = 8  # images per generate call
     batch_wait_s: float = 0.01  # how long a batch waits to fill
     max_images_per_request: Optional[int] = None  # default: max_batch
-    max_queued_requests: int = 64  # beyond these (waiting for a replica) Ray answers 503 at once
+    max_queued_requests: int = 64  # beyond these (waiting for a replica) a request is answered 503 at once
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = 20.0  # the whole request body within this, or 408
     api_key: Optional[str] = None
@@ -71,9 +71,10 @@ class Server:
         ray.shutdown()
 
 
-def start(engine_dir, options, host="127.0.0.1", port=8000, address=None, num_cpus=None, object_store_memory=None):
+def start(engine_dir, options, host="127.0.0.1", port=8000, address=None, num_cpus=None, object_store_memory=None,
+          log_to_driver=True):
     """Connect to (address) or start a Ray cluster, run the app and lantern's HTTP front on
-    host:port. Returns a Server."""
+    host:port (0: a free port; Server.url says which). Returns a Server."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     local_only = host in LOOPBACK and not address
     if local_only:  # Ray's single-machine mode: the node's address is 127.0.0.1 (read at import)
@@ -89,10 +90,10 @@ def start(engine_dir, options, host="127.0.0.1", port=8000, address=None, num_cp
         # with it off, a node address of 127.0.0.1 makes gcs, raylet, workers and agents bind to it
         ray_constants.ENABLE_RAY_CLUSTER = False
     if address:
-        ray.init(address=address, include_dashboard=False)
+        ray.init(address=address, include_dashboard=False, log_to_driver=log_to_driver)
     else:
         ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False,
-                 _node_ip_address="127.0.0.1" if local_only else None)
+                 log_to_driver=log_to_driver, _node_ip_address="127.0.0.1" if local_only else None)
     from ray import serve
 
     try:
@@ -125,7 +126,7 @@ def add_parser(sub):
     p.add_argument("--max-batch", type=int, default=8, help="images per generate call")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, help="how long a batch waits to fill")
     p.add_argument("--max-images-per-request", type=int, default=None, help="default: --max-batch")
-    p.add_argument("--max-queued-requests", type=int, default=64, help="beyond these Ray answers 503 at once")
+    p.add_argument("--max-queued-requests", type=int, default=64, help="beyond these a request is answered 503 at once")
     p.add_argument("--body-timeout-s", type=float, default=20.0, help="a request body must arrive within this (408)")
     p.add_argument("--api-key-file", help="file holding the API key every route but /healthz requires")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray node (without --address)")

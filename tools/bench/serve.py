@@ -13,9 +13,9 @@ come from 3C directly generated images (per-image seeds) before the server start
 """
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
-import socket
 import sys
 import time
 
@@ -24,12 +24,6 @@ from lantern.runtime.generator import Engine
 from lantern.tools.image_service import ImageService
 from lantern.tools.serve import ServeOptions, start
 from lantern.tools.serve_client import post
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tree_rss(root_pid):
@@ -104,6 +98,30 @@ def _level(url, clients, requests, settings, classes, expected, replicas):
     }
 
 
+def _replicas(args, replicas, levels, settings, classes, expected):
+    """One server with this many replicas, measured at every level."""
+    options = ServeOptions(threads=max(1, os.cpu_count() // replicas), replicas=replicas,
+                           cpus_per_replica=min(1.0, os.cpu_count() / replicas), max_batch=args.max_batch,
+                           batch_wait_s=args.batch_wait_ms / 1000, max_queued_requests=max(args.clients) * 2)
+    t = time.perf_counter()
+    server = start(args.engine, options, port=0, num_cpus=os.cpu_count(), object_store_memory=100 * 2**20,
+                   log_to_driver=False)  # stdout is the report
+    try:
+        url = server.url
+        result = {"startup_s": time.perf_counter() - t, "levels": []}
+        _level(url, 2, 4, settings, classes, expected, replicas)  # warm every replica's plans
+        for clients, requests in levels:
+            result["levels"].append(_level(url, clients, requests, settings, classes, expected, replicas))
+            print(json.dumps(result["levels"][-1]), file=sys.stderr, flush=True)
+        if args.long_run and replicas == max(args.replicas):
+            result["long_run"] = _level(url, max(args.clients), args.long_run, settings, classes, expected,
+                                        replicas)
+        result["ray_rss_bytes"] = _tree_rss(os.getpid())
+    finally:
+        server.stop()
+    return result
+
+
 def run(args):
     settings = {"mode": args.mode, "cfg_scale": args.cfg_scale, "lam": args.lam, "k": args.k}
     engine = Engine(args.engine, threads=1)
@@ -112,8 +130,8 @@ def run(args):
     classes = np.arange(engine.manifest.condition.num_classes)
     wanted = [_request(i, classes) for i in range(3 * len(classes))]
     expected = {}
-    for start in range(0, len(wanted), len(classes)):
-        part = wanted[start: start + len(classes)]
+    for first in range(0, len(wanted), len(classes)):
+        part = wanted[first: first + len(classes)]
         tokens = engine.generate(probe.settings, classes=[c for c, _ in part], seed=[s for _, s in part],
                                  tree=service.tree_for(probe)).tokens
         expected.update({key: row.tolist() for key, row in zip(part, tokens)})
@@ -121,27 +139,9 @@ def run(args):
     report = {"engine": os.path.abspath(args.engine), "settings": settings, "max_batch": args.max_batch,
               "cpus": os.cpu_count(), "load_average": os.getloadavg(), "replicas": {}}
     levels = [(c, max(args.requests_per_client * c, 4 * c)) for c in args.clients]
-    for replicas in args.replicas:
-        options = ServeOptions(threads=max(1, os.cpu_count() // replicas), replicas=replicas,
-                               cpus_per_replica=min(1.0, os.cpu_count() / replicas), max_batch=args.max_batch,
-                               batch_wait_s=args.batch_wait_ms / 1000, max_queued_requests=max(args.clients) * 2)
-        t = time.perf_counter()
-        server = start(args.engine, options, port=_free_port(), num_cpus=os.cpu_count(),
-                       object_store_memory=100 * 2**20)
-        try:
-            url = server.url
-            result = {"startup_s": time.perf_counter() - t, "levels": []}
-            _level(url, 2, 4, settings, classes, expected, replicas)  # warm every replica's plans
-            for clients, requests in levels:
-                result["levels"].append(_level(url, clients, requests, settings, classes, expected, replicas))
-                print(json.dumps(result["levels"][-1]), file=sys.stderr, flush=True)
-            if args.long_run and replicas == max(args.replicas):
-                result["long_run"] = _level(url, max(args.clients), args.long_run, settings, classes, expected,
-                                            replicas)
-            result["ray_rss_bytes"] = _tree_rss(os.getpid())
-            report["replicas"][str(replicas)] = result
-        finally:
-            server.stop()
+    with contextlib.redirect_stdout(sys.stderr):  # Ray prints its shutdown notes to stdout; it holds the report
+        for replicas in args.replicas:
+            report["replicas"][str(replicas)] = _replicas(args, replicas, levels, settings, classes, expected)
     one = report["replicas"].get(str(min(args.replicas)), {}).get("levels", [])
     rate = {lv["clients"]: lv["images_per_s"] for lv in one}
     if 1 in rate and 32 in rate:
@@ -149,7 +149,8 @@ def run(args):
     if rate:  # throughput past saturation: the most clients' rate against the best level's
         report["last_vs_peak"] = rate[max(rate)] / max(rate.values())
     if len(args.replicas) > 1:
-        a, b = (report["replicas"][str(r)]["levels"][-1]["images_per_s"] for r in (min(args.replicas), max(args.replicas)))
+        a, b = (report["replicas"][str(r)]["levels"][-1]["images_per_s"]
+                for r in (min(args.replicas), max(args.replicas)))
         report["speedup_replicas"] = b / a
     print(json.dumps(report, indent=2))
     return 0
