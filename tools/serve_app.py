@@ -135,27 +135,27 @@ class ImageDeployment:
             return _response(*error_response(499, "client went away"), rid)
         return _response(*await self.images(body, rid), rid)
 
-    async def _generate(self, item, request_id, start):
+    async def _generate(self, item, rid, start):
         self.waiting += 1
         self.metrics["queue"].set(self.waiting)
         try:
             result = await self.generate_batch(item)
         except asyncio.CancelledError:
             item.cancelled.set()  # the batch's observer stops the generate call between steps
-            logger.info("request %s cancelled by its client", request_id)
+            logger.info("request %s cancelled by its client", rid)
             raise
         finally:
             self.waiting -= 1
             self.metrics["queue"].set(self.waiting)
         if isinstance(result, Exception) and not isinstance(result, (RequestError, Cancelled)):
-            logger.error("request %s failed: %s: %s", request_id, type(result).__name__, result)
-        return self._answer(self.service.respond(result), request_id, start)
+            logger.error("request %s failed: %s: %s", rid, type(result).__name__, result)
+        return self._answer(self.service.respond(result), rid, start)
 
-    def _answer(self, answer, request_id, start):
+    def _answer(self, answer, rid, start):
         status = answer[0]
         self.metrics["requests"].inc(tags={"status": str(status)})
         self.metrics["latency"].observe(time.perf_counter() - start)
-        logger.info("request %s -> %d in %.3f s", request_id, status, time.perf_counter() - start)
+        logger.info("request %s -> %d in %.3f s", rid, status, time.perf_counter() - start)
         return answer
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01, batch_size_fn=lambda items: sum(i.images for i in items))
