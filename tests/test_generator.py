@@ -69,7 +69,8 @@ def test_cfg_interval_switches_to_conditional_logits_at_its_index(request, step)
     """cfg_interval I: body tokens 0..I-1 from the CFG-combined logits, token I on from the
     conditional ones. The whole sequence must be the greedy decode of a full forward that
     switches at exactly I, on the host step and both device steps (each compares on its own:
-    generator.combined_logits, torch_step's acceptance feeds, the acceptance graph)."""
+    generator.combined_logits, the acceptance graph the torch step and ONNX Runtime run), and
+    the torch step's sampling must draw what the host step draws."""
     I = 5
     cond = inputs("c2i")
     if step == "host":
@@ -89,6 +90,10 @@ def test_cfg_interval_switches_to_conditional_logits_at_its_index(request, step)
     # the boundary shows: at index I the CFG-combined argmax is another token for some image
     combined = llamagen_forward(directory, "c2i", out.tokens, cond, 4.0)[0]
     assert (combined[:, I].argmax(-1) != switched[:, I].argmax(-1)).any()
+    if step == "torch-device":  # its sampling step combines on its own (torch_step._combined): the host's draws
+        kw = dict(mode="exact", temperature=1.0, top_k=20, cfg_scale=4.0, cfg_interval=I, seed=3, classes=list(range(10)))
+        host = Engine(directory, threads=2, step="host").generate(**kw)
+        np.testing.assert_array_equal(engine.generate(**kw).tokens, host.tokens)
 
 
 def test_torch_backend_agrees_with_onnxruntime(c2i):
@@ -138,9 +143,10 @@ def test_exact_sampling_matches_the_target_distribution(small_vocab, mode):
         assert stats.chi2.sf(chi2, dof) > 1e-3, (t, chi2, dof)
 
 
-def first_step_spec(engine, directory, tokens0, logits1, rule, sampling, draws, seed=0):
-    """The numpy specification's (lantern.runtime.accept) first speculative step, draws times per
-    context: the distribution of body token 1 given token 0 as counts [contexts, V]. The target
+def first_step_spec(engine, directory, class_id, tokens0, logits1, rule, sampling, draws, seed=0):
+    """The numpy specification's (lantern.runtime.accept) first speculative step of class
+    class_id (no CFG), draws times per context: the distribution of body token 1 given token 0
+    as counts [contexts, V]. The target
     is the full forward's logits1 [contexts, V]; q the drafter's top-K at the root, computed
     here from the drafter checkpoint over the pair (h_prefix, token 0) at token 0's position;
     the root's children drawn from q without replacement (sequentially), as acceptance assumes.
@@ -154,8 +160,7 @@ def first_step_spec(engine, directory, tokens0, logits1, rule, sampling, draws, 
     V = logits1.shape[-1]
     counts = np.zeros((len(tokens0), V), dtype=np.int64)
     for c, (x0, row) in enumerate(zip(tokens0, logits1)):
-        cls = torch.tensor([2])
-        hidden = target(target.embed_condition(cls), torch.zeros(1, 1, dtype=torch.long),
+        hidden = target(target.embed_condition(torch.tensor([class_id])), torch.zeros(1, 1, dtype=torch.long),
                         torch.ones(1, 1, 1, 1, dtype=torch.bool), *target.empty_cache(1))[1]
         h = drafter(hidden, torch.tensor([[x0]]), torch.ones(1, 1, dtype=torch.long),
                     torch.ones(1, 1, 1, 1, dtype=torch.bool), *drafter.empty_cache(1), target.rope)[0]
@@ -218,7 +223,7 @@ def test_relaxed_sampling_matches_the_specification(small_vocab, mode, extra):
     logits = llamagen_forward(small_vocab, "c2i", out.tokens, cond, 1.0)[0]
     contexts, first = np.unique(out.tokens[:, 0], return_index=True)
     observed = np.stack([np.bincount(out.tokens[out.tokens[:, 0] == c, 1], minlength=16) for c in contexts])
-    spec = first_step_spec(engine, small_vocab, contexts, logits[first, 1], acceptance.rule_for(mode, **extra),
+    spec = first_step_spec(engine, small_vocab, 2, contexts, logits[first, 1], acceptance.rule_for(mode, **extra),
                            sampling, draws=20000)
     chi2, dof = pooled_chi2(observed, spec)
     assert stats.chi2.sf(chi2, dof) > 1e-3, (chi2, dof)
