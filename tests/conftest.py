@@ -105,12 +105,15 @@ def t2i_engine(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fp16_engine(tmp_path_factory):
-    """The c2i checkpoints exported in fp16 without a VQ decoder (the other session engines are
-    fp32): test_export's fp16 check and test_tensorrt_build's fp16 plans."""
+    """c2i checkpoints exported in fp16 without a VQ decoder (the other session engines are fp32):
+    test_export's fp16 check and test_tensorrt_build's fp16 plans. Near-uniform weights (not the
+    peaked ones): these tests hold fp16 numerics to check's fp16 tolerance, which is set for a
+    trained model's activations; the peaked models' drafter hidden states reach ~20, where fp16's
+    rounding alone moves its top-k probabilities by 0.027 (the bound is 0.011)."""
     from engines import build_engine
 
     return built_once(tmp_path_factory, "c2i-fp16-novq",
-                      lambda root: build_engine(root, "c2i", with_vq=False, extra=["--dtype", "fp16"]))
+                      lambda root: build_engine(root, "c2i", with_vq=False, extra=["--dtype", "fp16"], peaked=False))
 
 
 @pytest.fixture(scope="session")
