@@ -50,6 +50,21 @@ MUTANTS = [
      "first = self.target.length - counts[iob] + 1",
      "first = self.target.length - counts[iob] + 2",
      ["tests/test_device_step.py"]),
+    # The engine directory's integrity: a file changed while hashed, the neighbor table's k, plan hashes.
+    ("hash-changed-guard-off", "runtime/integrity.py",
+     "if _version(os.stat(path)) != key:", "if False:",
+     ["tests/test_integrity.py::test_a_file_changed_between_its_stat_and_its_hash_is_not_remembered"]),
+    ("neighbors-k-unchecked", "runtime/integrity.py",
+     "if k is not None and table.shape[1] != k:", "if False:",
+     ["tests/test_integrity.py::test_an_engine_whose_neighbor_table_has_another_k_than_its_manifest_is_refused"]),
+    ("plan-sha-skipped", "runtime/manifest.py",
+     ", (sorted(plans), REBUILD_PLANS)]", "]",
+     ["tests/test_tensorrt_build.py::test_ar_engine_builds_ar_plans"]),
+    # Settings reach the loop.
+    ("settings-ignored", "runtime/generator.py",
+     "settings = settings.resolve(self.manifest, self.directory)",
+     "settings = GenerationSettings().resolve(self.manifest, self.directory)",
+     ["tests/test_settings.py"]),
     # The CLI's options reach the engine, its checks decide, the server and client pass settings on.
     ("cli-temperature-dropped", "runtime/cli.py",
      "temperature=args.temperature, top_k=args.top_k", "temperature=1.0, top_k=args.top_k",
