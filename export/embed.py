@@ -167,8 +167,10 @@ def embed_drafter(demo_drafter, demo_args, big_args):
     ratio = b.dim / d.dim
     args = llamagen.DrafterArgs(dim=b.dim, n_head=b.n_head, n_kv_head=None, intermediate_size=b.ffn_hidden,
                                 vocab_size=b.vocab_size, norm_eps=d.norm_eps / ratio, fc_bias=d.fc_bias)
-    if d.intermediate_size > args.intermediate_size or (d.dim, d.n_head) != (demo_args.dim, demo_args.n_head):
-        raise LanternError("the demo drafter's FFN or heads do not fit the larger shape")
+    if d.intermediate_size > args.intermediate_size or (d.dim, d.n_head, d.kv_heads) != (demo_args.dim,) + (
+            demo_args.n_head,) * 2:
+        raise LanternError("the demo drafter's FFN or heads do not fit the larger shape (it must have the target's "
+                           "width and heads, without grouped-query attention)")
     big = _zeros(llamagen.Drafter, args)
     _corner(big.embed_tokens.weight, demo_drafter.embed_tokens.weight)
     fc = demo_drafter.fc.weight  # [d, 2d]: token embedding half, then target hidden half
