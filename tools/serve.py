@@ -34,6 +34,7 @@ from typing import Optional
 from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import read_manifest
 from lantern.tools.image_service import MAX_BODY_BYTES, read_api_key
+from lantern.tools.serve_http import Front, FrontServer
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -83,7 +84,6 @@ def start(engine_dir, options, host="127.0.0.1", port=8000, address=None, num_cp
     from ray._private import ray_constants
 
     from lantern.tools.serve_app import build_app
-    from lantern.tools.serve_http import Front, FrontServer
 
     if local_only:
         # Ray imported before the variable was set (in a test, an embedding program) read it already;
