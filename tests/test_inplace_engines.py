@@ -19,7 +19,7 @@ from lantern.runtime.contracts import graph_io
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.plan import Call, StepPlan
 from lantern.runtime.tree import build_tree
-from tiny import tiny_drafter, tiny_target
+from tiny import OLD_STD, tiny_drafter, tiny_target
 
 torch.set_grad_enabled(False)
 MODES = [dict(mode="ar"), dict(mode="exact"), dict(mode="lantern", delta=0.2, k=8),
@@ -40,11 +40,13 @@ def inplace_anole(chameleon_engines, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inplace_fp16(tmp_path_factory):
-    """fp16, head_dim 16 (TensorRT has no fused attention kernel for head_dim 8), no VQ: ar and exact."""
+    """fp16, head_dim 16 (TensorRT has no fused attention kernel for head_dim 8), no VQ: ar and exact.
+    init_random's near-uniform models (OLD_STD): the peaked ones' fp16 rounding through random
+    std-0.3 layers exceeds check's fp16 tolerances, which this compares the forms at."""
     root = tmp_path_factory.mktemp("inplace-fp16")
-    target = tiny_target("c2i", dim=64, n_head=4, n_kv_head=2, block_size=36)
+    target = tiny_target("c2i", std=OLD_STD, dim=64, n_head=4, n_kv_head=2, block_size=36)
     checkpoints.save_hf_target(target, root / "target")
-    checkpoints.save_drafter(tiny_drafter(target), root / "drafter")
+    checkpoints.save_drafter(tiny_drafter(target, imitate=False), root / "drafter")
     out = root / "engine"
     assert cli.main(["onnx", "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--candidates", "8",
                      "--dtype", "fp16", "--attention", "inplace", "--out", str(out), "--no-progress"]) == 0
@@ -244,10 +246,12 @@ def test_onnxruntime_updates_the_bound_caches_in_place(inplace_c2i, capfd):
         assert np.shares_memory(plan.calls[regime].outputs["present_keys_1"], keys)
     # a verification writes its nodes at write_index .. + M - 1 of the very buffer
     verify = plan.calls["verify"]
-    M, before = verify.tokens, keys.copy()
+    M = verify.tokens
     plan.target_cache.mask_into(verify)
-    engine.backend.run(verify)
     start = int(verify.feeds["write_index"][0])
+    keys[:, :, :, start:start + M] = 0  # the last step's commit may have left these slots as the call writes them
+    before = keys.copy()
+    engine.backend.run(verify)
     changed = np.flatnonzero(np.any(keys[1, 0] != before[1, 0], axis=(0, 2)))
     assert changed.min() >= start and changed.max() < start + M and len(changed) > M // 2
     # the commit graph moves entries inside the same buffer: node slots -> contiguous slots

@@ -95,7 +95,8 @@ def test_tree_node_logits_equal_causal_path(which):
         L = len(path)
         logits, _, _ = forward(node_tokens[:, path], positions(B, 1 + past, L), causal_mask(B, L, past), (k, v),
                                hidden_in[:, past:][:, path])
-        torch.testing.assert_close(tree_logits[:, i], logits[:, -1], rtol=1e-5, atol=1e-5)
+        # float32 rounding relative to the peaked models' logits (tens, not tenths)
+        torch.testing.assert_close(tree_logits[:, i], logits[:, -1], rtol=1e-5, atol=1e-5 * max(1.0, logits.abs().max().item()))
 
 
 def test_rope_matches_complex_rotation_by_row_and_column():

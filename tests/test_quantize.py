@@ -22,6 +22,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from engines import build_engine
 from lantern.export import cli, quantize
 from lantern.export.check import check_engine
 from lantern.export.quantize import QuantizeOptions, quantize_engine
@@ -34,9 +35,13 @@ GRAPHS = ("target", "drafter")
 
 
 @pytest.fixture(scope="module")
-def c2i(c2i_engine):
-    # Tiny dims: D = 32, FFN 96, drafter fc 64 -> every K is a multiple of 32 (and of 16).
-    return c2i_engine
+def c2i(tmp_path_factory):
+    """The tiny c2i engine with init_random's near-uniform models (build_engine(peaked=False)):
+    the session's peaked ones (random std-0.3 weights through two layers) carry int8/int4
+    rounding past the schemes' tolerances, which are set for trained weights; positions are not
+    what this file tests. Tiny dims: D = 32, FFN 96, drafter fc 64 -> every K is a multiple of
+    32 (and of 16)."""
+    return build_engine(tmp_path_factory.mktemp("c2i-near-uniform"), "c2i", peaked=False)
 
 
 @pytest.fixture(scope="module")
