@@ -14,6 +14,12 @@ def run(model, embeds, pos, mask, cache):
     return model(embeds, pos, mask, *cache)
 
 
+def close(got, want):
+    """Equal up to float32 rounding, which scales with the largest value (the peaked tiny
+    models' logits are tens: an element near 0 beside them may differ by ~1e-5)."""
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
+
+
 @pytest.mark.parametrize("n_kv_head", [None, 2])
 def test_incremental_decoding_equals_full_forward(n_kv_head):
     model = tiny_target(n_kv_head=n_kv_head)
@@ -28,8 +34,8 @@ def test_incremental_decoding_equals_full_forward(n_kv_head):
     for t in range(T):
         logits, hidden, nk, nv = run(model, embeds[:, t:t + 1], positions(B, t, 1), causal_mask(B, 1, past=t), (k, v))
         k, v = torch.cat([k, nk], dim=3), torch.cat([v, nv], dim=3)
-        torch.testing.assert_close(logits[:, 0], full_logits[:, t], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(hidden[:, 0], full_hidden[:, t], rtol=1e-5, atol=1e-5)
+        close(logits[:, 0], full_logits[:, t])
+        close(hidden[:, 0], full_hidden[:, t])
 
 
 def test_cache_slots_beyond_the_mask_are_ignored():
@@ -46,7 +52,7 @@ def test_cache_slots_beyond_the_mask_are_ignored():
     mask[..., :past] = True
     mask[..., -1] = True
     got = run(model, embeds[:, past:], positions(B, past, 1), mask, (big_k, big_v))[0]
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    close(got, expected)
 
 
 # A small branching tree given as parent indices (node 0 = root), written out by hand so this
@@ -95,8 +101,7 @@ def test_tree_node_logits_equal_causal_path(which):
         L = len(path)
         logits, _, _ = forward(node_tokens[:, path], positions(B, 1 + past, L), causal_mask(B, L, past), (k, v),
                                hidden_in[:, past:][:, path])
-        # float32 rounding relative to the peaked models' logits (tens, not tenths)
-        torch.testing.assert_close(tree_logits[:, i], logits[:, -1], rtol=1e-5, atol=1e-5 * max(1.0, logits.abs().max().item()))
+        close(tree_logits[:, i], logits[:, -1])
 
 
 def test_rope_matches_complex_rotation_by_row_and_column():
@@ -187,7 +192,7 @@ def test_t2i_left_padded_caption_keys_are_invisible():
     changed = caption.clone()
     changed[0, :2] = torch.randn(2, 24) * 10  # whatever sits in the padded slots
     moved = forward(changed)
-    torch.testing.assert_close(moved[0, 2:], base[0, 2:], rtol=1e-5, atol=1e-5)
+    close(moved[0, 2:], base[0, 2:])
     torch.testing.assert_close(moved[1], base[1])
     # The same perturbation on visible caption tokens does change the image tokens' logits.
     changed[0, 3] += 5
