@@ -27,6 +27,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"export": "export", "runtime": "runtime", "tools": "tools"}  # lantern.<name> -> folder
 
+CFG_TEST = "tests/test_generator.py::test_cfg_interval_switches_to_conditional_logits_at_its_index"
+
 # (name, file, text, replacement, tests): `text` must occur exactly once in `file`.
 MUTANTS = [
     # Positions: the slips a step rewrite is most likely to make.
@@ -45,11 +47,15 @@ MUTANTS = [
     ("torch-verify-positions", "runtime/backends/torch_step.py",
      "self._positions(self.target.length[:, None] + self.depths[None, :])",
      "self._positions(self.target.length[:, None] + 1 + self.depths[None, :])",
-     ["tests/test_device_step.py"]),
+     ["tests/test_references.py"]),
     ("torch-draft0-positions", "runtime/backends/torch_step.py",
      "first = self.target.length - counts[iob] + 1",
      "first = self.target.length - counts[iob] + 2",
-     ["tests/test_device_step.py"]),
+     ["tests/test_references.py"]),
+    ("torch-draft-depth-positions", "runtime/backends/torch_step.py",
+     "self._positions((root_slot + depth)[:, None].expand(B, T))",
+     "self._positions((root_slot + depth + 1)[:, None].expand(B, T))",
+     ["tests/test_references.py"]),
     # The engine directory's integrity: a file changed while hashed, the neighbor table's k, plan hashes.
     ("hash-changed-guard-off", "runtime/integrity.py",
      "if _version(os.stat(path)) != key:", "if False:",
@@ -85,7 +91,36 @@ MUTANTS = [
     ("cfg-interval-host", "runtime/generator.py",
      "late = token_index >= self.cfg_interval",
      "late = token_index > self.cfg_interval",
-     ["tests/test_generator.py"]),
+     [CFG_TEST]),
+    ("cfg-interval-host-drafter", "runtime/generator.py",
+     "late = (self.count >= self.cfg_interval)[self.image_of_row]",
+     "late = (self.count > self.cfg_interval)[self.image_of_row]",
+     [CFG_TEST]),
+    ("cfg-interval-device-drafter", "runtime/backends/torch_step.py",
+     'late = (self.count >= self.accept_feeds["cfg_interval"])[iob]',
+     'late = (self.count > self.accept_feeds["cfg_interval"])[iob]',
+     [CFG_TEST]),
+    ("cfg-interval-device-verify", "runtime/backends/torch_step.py",
+     'late = (self.count[:, None] + self.depths[None, :]) >= a["cfg_interval"]',
+     'late = (self.count[:, None] + self.depths[None, :]) > a["cfg_interval"]',
+     [CFG_TEST]),
+    ("cfg-interval-accept-graph", "export/accept_graphs.py",
+     "((cfg_interval >= 0) & (body >= cfg_interval))", "((cfg_interval >= 0) & (body > cfg_interval))",
+     [CFG_TEST]),
+    ("sampling-race-inverted", "runtime/sampling.py",
+     "keys = -np.log(race) / probs.astype(np.float64)", "keys = -np.log(race) * probs.astype(np.float64)",
+     ["tests/test_generator.py::test_relaxed_sampling_matches_the_specification"]),
+    # What the net already guarded (acceptance, cache commits, streams), kept in the list so a
+    # rewrite of the step is checked against all of it.
+    ("lanternpp-bound-exclusive", "runtime/accept.py",
+     "j = (cum <= bound[:, None]).sum(axis=1)", "j = (cum < bound[:, None]).sum(axis=1)",
+     ["tests/test_accept.py"]),
+    ("cache-commit-slot", "runtime/kvcache.py",
+     "dst = self.length[r] + np.nonzero(keep)[1]", "dst = self.length[r] + np.nonzero(keep)[1] + 1",
+     ["tests/test_generator.py", "tests/test_references.py"]),
+    ("image-streams-shared", "runtime/streams.py",
+     "return [int(seed) + i for i in range(images)]", "return [int(seed) for i in range(images)]",
+     ["tests/test_streams.py"]),
 ]
 
 
