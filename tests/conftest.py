@@ -16,7 +16,8 @@ sys.dont_write_bytecode = True
 # the other core idles; the demo engine's first user and the other session engines' first user
 # lead on different workers, so neither waits for the other's build.
 LONGEST_FIRST = ["test_demo_command.py", "test_inplace_engines.py", "test_generator.py", "test_reliability.py",
-                 "test_tensorrt_build.py", "test_export.py", "test_quantize.py", "test_serve.py", "test_tune.py",
+                 "test_tensorrt_build.py", "test_export.py", "test_quantize.py", "test_serve.py", "test_serve_hardening.py",
+                 "test_tune.py", "test_demo_embed.py", "test_references.py",
                  "test_real_size.py", "test_fuzz.py", "test_vq.py", "test_fused_forms.py", "test_placement.py",
                  "test_polygraphy.py", "test_image_service.py", "test_chameleon_engine.py",
                  "test_serve_cli.py"]
