@@ -25,6 +25,7 @@ from lantern.runtime.manifest import describe_files, read_manifest, TunedSetting
 from lantern.runtime.settings import GenerationSettings  # noqa: E402
 from lantern.runtime.tree import build_tree  # noqa: E402
 from lantern.tools.image_service import ImageService, RequestError  # noqa: E402
+from lantern.tools.bench.serve import process_family  # noqa: E402
 
 KEY = "hardening-key-0123456789"
 MAX_BATCH, MAX_QUEUED, BODY_TIMEOUT_S = 4, 2, 3
@@ -100,20 +101,7 @@ class Server:
 
     def pids(self):
         """The server's process and every descendant (Ray's processes and workers)."""
-        parents = {}
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    with open(f"/proc/{entry}/stat") as f:
-                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    pass
-        family = {self.process.pid}
-        while True:
-            more = {pid for pid, parent in parents.items() if parent in family} - family
-            if not more:
-                return family
-            family |= more
+        return process_family(self.process.pid)
 
     def output(self):
         self.log.flush()

@@ -26,8 +26,8 @@ from lantern.tools.serve import ServeOptions, start
 from lantern.tools.serve_client import post
 
 
-def _tree_rss(root_pid):
-    """Bytes resident in root_pid and all its descendants (Ray's processes are the driver's)."""
+def process_family(root_pid):
+    """root_pid and every descendant (Ray's processes are the driver's), read from /proc."""
     parents = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -43,6 +43,12 @@ def _tree_rss(root_pid):
             if parent == pid and child not in family:
                 family.add(child)
                 frontier.append(child)
+    return family
+
+
+def _tree_rss(root_pid):
+    """Bytes resident in root_pid and all its descendants."""
+    family = process_family(root_pid)
     total = 0
     for pid in family:
         try:
