@@ -153,6 +153,7 @@ def run_generate(args):
         images = engine.decode(result.tokens, result.grid) if "vq_decoder" in engine.manifest.graphs else None
         write_outputs(stage, result.tokens, result.stats, images)
     s = result.stats
+    print(f"tree {s['tree']}: {s['tree_reason']}")
     if s["tree_source"] == "tuned":  # say so when the request's tree (or mode) was not what ran
         ran = "AR, " if s["mode"] == "ar" else f"tree {s['tree']}, "
         s_mode = f"{s['mode']} ({ran}tuned for mode {s['requested_mode']} with these settings)"

@@ -112,8 +112,12 @@ class Engine:
         Lumina-mGPT). Returns a Generation.
         settings: a GenerationSettings, or its fields as keywords (mode=, lam=, k=, cfg_scale=, ...).
         tree: another draft tree for this call (preset name, JSON file or paths); its widest node
-        must fit the drafter graph's candidates. Default: the tree `lantern-run tune` chose for
-        these settings on this backend (manifest tuned_trees), else the one exported with.
+        must fit the drafter graph's candidates; it always wins. Default: the tree `lantern-run
+        tune` chose for these settings on this backend (manifest tuned_trees), else the one
+        exported with. stats["tree"], ["tree_source"] and ["tree_reason"] say which ran and why.
+        A tree changes speed only for `exact` (its distribution, and its greedy tokens, are the
+        target's whatever the tree); in the relaxed modes it changes which drafts are offered,
+        so the images too.
         observer: called with a StepRecord after every step's acceptance.
         seed: an int s (image i gets seed s + i) or one int per image; an image's tokens depend on
         its own seed and settings only, never on the images beside it (lantern.runtime.streams)."""
@@ -137,11 +141,11 @@ class Engine:
                                        prompt=prompt, prompt_ids=prompt_ids, grid=grid)
         seeds = image_seeds(seed, prefix.images)
         self._check_positions(prefix)
-        source = "given" if given is not None else "exported"
+        source, why = self._tree_source(given, settings)
         if given is None and settings.mode != "ar":
             chosen = self._tuned_tree(settings, prefix.images)
             if chosen is not None:
-                tree, source = chosen, "tuned"
+                tree, (source, why) = chosen
         feeds = dict(cfg_scale=settings.cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
                      top_k=sampler.top_k, top_p=sampler.top_p)
         plan = self._plan_for(tree, prefix, feeds)
@@ -149,9 +153,17 @@ class Engine:
         run = _Decoding(self, plan, rule, sampler, settings.cfg_scale, settings.cfg_interval, streams, observer,
                         self._step_path(plan, sampler))
         out = run.generate()
-        # what ran, when it is not what the request named: a tuned tree (or AR) in its place
-        out.stats.update(requested_mode=settings.mode, tree_source=source)
+        # which tree ran and why: a tuned tree (or AR) may stand in for the exported one
+        out.stats.update(requested_mode=settings.mode, tree_source=source, tree_reason=why)
         return out
+
+    def _tree_source(self, given, settings):
+        """(source, why) of the tree a request names or defaults to, before any tuned one."""
+        if settings.mode == "ar":
+            return "ar", "mode ar drafts nothing" + (" (the given tree is not used)" if given is not None else "")
+        if given is not None:
+            return "given", "given for this call"
+        return "exported", "exported with the engine (no tree tuned for these settings on this backend)"
 
     def _step_path(self, plan, sampler):
         """Where this generation's steps run: the engine's step path, except that a default device
@@ -189,19 +201,22 @@ class Engine:
         return tree
 
     def _tuned_tree(self, settings, images):
-        """The tree tuned for these settings on this backend, for the tuned batch nearest `images`;
-        root_only() where the tuner found AR fastest; None if untuned."""
+        """(tree, ("tuned", why)) of the tree tuned for these settings on this backend, for the
+        tuned batch nearest `images`; root_only() where the tuner found AR fastest; None if untuned."""
         entry = self.manifest.tuned_trees.get(settings.key)
         if entry is None or entry.backend != self.backend.name:
             return None
         chosen = entry.tree_for(images)
+        what = "AR was fastest" if chosen.file is None else chosen.file
+        why = (f"tuned by `lantern-run tune` for these settings on {entry.backend}, batch {chosen.images} "
+               f"({what}); --tree picks another")
         if chosen.file is None:
-            return root_only()
+            return root_only(), ("tuned", why)
         tree = build_tree(os.path.join(self.directory, chosen.file))
         if tree.max_width > self.manifest.candidates or not tree.contiguous:
             raise LanternError(f"{self.directory}: tuned tree {chosen.file} does not fit the drafter's "
                                f"{self.manifest.candidates} candidates in rank order; run `lantern-run tune` again")
-        return tree
+        return tree, ("tuned", why)
 
     def _plan_for(self, tree, prefix, feeds):
         """The step plan for this tree and batch: the last one when it fits (its bound buffers are

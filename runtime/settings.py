@@ -7,8 +7,12 @@
 
 Validation happens once, on construction, with the one-line errors of the CLI and the Python
 API; `resolve` adds what only the engine knows (the modes it serves, its neighbor table's
-width). The seed and the draft tree are not settings: an image depends on its own seed, and a
-tree changes speed, never the distribution. Requests with equal keys can share one batch.
+width). The seed and the draft tree are not settings: an image depends on its own seed, and the
+tree is chosen per engine and machine (`lantern-run tune`). A tree changes only the speed of
+`exact` (lossless: the target's distribution whatever the tree), but the images of the relaxed
+modes (lantern, lantern++ accept drafts by their neighbours, so other drafts give other
+images); every generation says which tree ran and why. Requests with equal keys can share one
+batch.
 """
 import dataclasses
 from dataclasses import dataclass

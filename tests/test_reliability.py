@@ -546,12 +546,22 @@ def test_a_tuned_choice_is_said_in_the_summary_and_stats(c2i_engine, report, tmp
     tune.install(d, {1: root_only()}, {**report, "key": settings.key, "settings": settings.canonical()})
     assert run_main(["generate", d, "--mode", "exact", "--greedy", "--classes", "1", "--threads", "1",
                      "--out", str(tmp_path / "out")]) == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
+    tree_line, line = capsys.readouterr().out.strip().splitlines()[-2:]
     assert "mode ar (AR, tuned for mode exact with these settings)" in line
+    assert tree_line.startswith("tree ar: tuned by `lantern-run tune`") and "batch 1 (AR was fastest)" in tree_line
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert (stats["mode"], stats["requested_mode"], stats["tree_source"]) == ("ar", "exact", "tuned")
+    assert stats["tree_reason"] in tree_line
+    # an explicit tree wins over the tuned one, on the CLI and in the API, and says so
+    assert run_main(["generate", d, "--mode", "exact", "--greedy", "--classes", "1", "--threads", "1",
+                     "--tree", "chain-1", "--out", str(tmp_path / "given")]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-2] == "tree chain-1: given for this call"
     out = Engine(d, threads=1).generate(classes=[1], mode="exact", greedy=True, tree="chain-1")
     assert (out.stats["tree_source"], out.stats["tree"]) == ("given", "chain-1")
+    # other settings were not tuned: the exported tree, said so
+    out = Engine(d, threads=1).generate(classes=[1], mode="lantern++", lam=2.0, greedy=True)
+    assert (out.stats["tree_source"], out.stats["tree"]) == ("exported", Engine(d).tree.name)
+    assert out.stats["tree_reason"].startswith("exported with the engine")
 
 
 @pytest.mark.parametrize("location", ["unlisted.bin", "../outside.bin"])
