@@ -43,3 +43,28 @@ def test_projection_keeps_the_main_directions():
     p = project(ref, ref, 1)
     assert p.shape == (500, 1)
     assert abs(np.corrcoef(p[:, 0], ref[:, 0])[0, 1]) > 0.999
+
+
+@pytest.mark.parametrize("sizes,says", [
+    (["--per-class", "10000", "--batch", "100000"], "needs about"),  # the widest step plan
+    (["--per-class", str(10**12), "--batch", "8"], "decoded"),  # a row's decoded images
+])
+def test_quality_refuses_what_the_machine_cannot_hold_up_front(c2i_engine, tmp_path, monkeypatch, capsys, sizes,
+                                                                says):
+    from lantern.runtime import generator
+    from lantern.tools import quality, run_cli
+
+    one_gib = lambda: 2**30  # noqa: E731 - this machine, as the memory readers would report it
+    monkeypatch.setattr(generator, "available_memory", one_gib)
+    monkeypatch.setattr(quality, "available_memory", one_gib)
+    out = tmp_path / "report"
+    # A classifier that does not exist: the refusal must come before it is loaded (and before any
+    # plan or quantized copy), not from the sweep's first generate call.
+    argv = ["quality", c2i_engine, "--schemes", "int8", "--classifier", str(tmp_path / "missing.safetensors"),
+            "--no-progress", "--out", str(out)] + sizes
+    assert run_cli.main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "GiB" in lines[0] and "1.00 GiB available" in lines[0], lines
+    assert captured.out == ""
+    assert not out.exists() and list(tmp_path.iterdir()) == []

@@ -39,9 +39,11 @@ import numpy as np
 
 from lantern.export.quantize import greedy_agreement, quantize_engine, QuantizeOptions
 from lantern.runtime.errors import LanternError
-from lantern.runtime.generator import Engine
+from lantern.runtime.generator import DECODE_CHUNK, Engine
 from lantern.runtime.manifest import quantization_scheme
+from lantern.runtime.memory import available_memory
 from lantern.runtime.outdir import only_files, OutputDirectory
+from lantern.runtime.plan import decode_bytes
 from lantern.runtime.png import image_grid, write_png
 from lantern.runtime.settings import GenerationSettings
 
@@ -173,6 +175,7 @@ def _engines(args, work):
     if args.schemes and label != "fp32":
         raise LanternError(f"{args.engine} is {label}; the scheme comparison quantizes an fp32 engine (give the fp32 "
                            f"engine, or --schemes none to judge this one alone)")
+    check_memory(reference, args)
     engines = {label: reference}
     if args.schemes:
 
@@ -181,6 +184,22 @@ def _engines(args, work):
             quantize_engine(args.engine, out, QuantizeOptions(scheme))
             engines[scheme] = Engine(out, threads=args.threads)
     return engines
+
+
+def check_memory(engine, args):
+    """Refuse, in one line and before anything is quantized or allocated, a sweep this machine
+    cannot hold: its widest step plan (the exported tree over --batch images, or over the greedy
+    rows' one image per class) as generate refuses one, and a row's images decoded at once."""
+    n_classes = engine.manifest.condition.num_classes
+    row = n_classes * args.per_class
+    widest = max(min(args.batch, row), n_classes)
+    engine.check_memory(engine.tree, engine.condition.prefix(args.cfg_scale > 1,
+                                                             classes=np.arange(widest) % n_classes))
+    need, limit = decode_bytes(engine.manifest, row, DECODE_CHUNK), available_memory()
+    if limit is not None and need > 0.8 * limit:  # Engine.decode's margin
+        raise LanternError(f"a row of {row} images ({args.per_class} per class) needs about {need / 2**30:.2f} GiB "
+                           f"decoded, more than this machine can give ({limit / 2**30:.2f} GiB available); "
+                           f"use a smaller --per-class")
 
 
 def sweep(args, out_dir):
@@ -295,6 +314,7 @@ def _sweep(args, out_dir, work):
             bar.write(f"{scheme:5s} {name:24s} accuracy {r['accuracy']:.3f}  frechet {r['frechet_vs_ar']:8.3f}  "
                       f"greedy agreement {r['greedy_agreement']:.3f}  accepted {r['mean_accepted_length']:.2f}  "
                       f"speedup {r['speedup']:.2f}x")
+        engine.release()  # one scheme's step plan at a time: what check_memory measured
     bar.close()
     summary = {"engine": os.path.abspath(args.engine), "classifier": path, "images_per_row": len(classes),
                "greedy_images_per_row": len(greedy_classes), "reference": f"{reference_scheme} ar",
