@@ -70,7 +70,7 @@ import numpy as np
 
 from lantern.export import polygraphy_check, quantize
 from lantern.export.polygraphy_check import NAME as POLYGRAPHY
-from lantern.runtime.backends import BACKENDS, open_backend
+from lantern.runtime.backends import DEFAULT, names, open_backend, RUNNERS, runner, TENSORRT, TORCH
 from lantern.runtime.backends.cuda import gpu_compute_capability
 from lantern.runtime.backends.tensorrt import TensorRTBackend
 from lantern.runtime.backends.torch import TorchBackend
@@ -416,8 +416,7 @@ def open_check_backend(directory, manifest, name, modules=None, tmp=None):
     """One backend for a check. torch runs the modules rebuilt from the sources (or `modules`
     given); a bf16 engine runs on ONNX Runtime through an fp32 upcast copy made in `tmp`."""
 
-    if name == "torch":
-
+    if runner(name).reference:
         mods = modules
         if mods is None:
             from lantern.export.onnx_export import load_graph_modules
@@ -428,13 +427,13 @@ def open_check_backend(directory, manifest, name, modules=None, tmp=None):
             mods = {g: m.float() for g, m in mods.items()}
             return TorchBackend(mods, manifest.replace(dtype="fp32"), threads=THREADS)
         return TorchBackend(mods, manifest, threads=THREADS)
-    if name == "onnxruntime" and manifest.dtype == "bf16":
+    if manifest.dtype == "bf16" and runner(name).onnx and not runner(name).hybrid:  # ORT's CPU kernels run no bf16
         where = _upcast_engine(directory, manifest, tmp)
         return open_backend(name, where, read_manifest(where), threads=THREADS, io_binding=False)
     return open_backend(name, directory, manifest, threads=THREADS)
 
 
-def check_engine(directory, *, backend="onnxruntime", against="torch", verify=True, atol=None, rtol=None, seed=0,
+def check_engine(directory, *, backend=DEFAULT, against=TORCH.name, verify=True, atol=None, rtol=None, seed=0,
                  modules=None, quant_tolerance=None):
     """Compare every graph of an engine on two backends over the same cases.
 
@@ -447,12 +446,12 @@ def check_engine(directory, *, backend="onnxruntime", against="torch", verify=Tr
     directory = os.fspath(directory)
     manifest = read_manifest(directory, verify=verify)
     quantized = quantization_tolerances(directory, manifest, quant_tolerance)
-    if verify and against == "torch" and modules is None:
+    if verify and runner(against).reference and modules is None:
         from lantern.export.onnx_export import verify_sources
 
         verify_sources(manifest)
     default_atol, default_rtol = TOLERANCES[manifest.dtype]
-    if manifest.dtype == "bf16" and "tensorrt" in (backend, against):
+    if manifest.dtype == "bf16" and any(runner(n).plans for n in (backend, against)):
         default_atol, default_rtol = BF16_COMPUTED
     atol = default_atol if atol is None else atol
     rtol = default_rtol if rtol is None else rtol
@@ -547,7 +546,7 @@ class ToleranceCompare:
         return verdict
 
 
-def check_engine_polygraphy(directory, *, backend="onnxruntime", verify=True, atol=None, rtol=None, seed=0):
+def check_engine_polygraphy(directory, *, backend=DEFAULT, verify=True, atol=None, rtol=None, seed=0):
     """Compare lantern's tensorrt backend, Polygraphy's TrtRunner on the same plans and `backend`
     over `check`'s cases in every profile of every plan. Needs an NVIDIA GPU (reading a plan
     does). Returns a report shaped like lantern.export.check.check_engine's."""
@@ -555,9 +554,10 @@ def check_engine_polygraphy(directory, *, backend="onnxruntime", verify=True, at
 
 
     directory = os.fspath(directory)
-    if backend in ("tensorrt", POLYGRAPHY):
-        raise LanternError(f"--against {POLYGRAPHY} compares lantern's tensorrt backend and Polygraphy's TrtRunner; "
-                           f"--backend names the third runner (onnxruntime or torch), not {backend}")
+    if backend == POLYGRAPHY or runner(backend).plans:
+        raise LanternError(f"--against {POLYGRAPHY} compares lantern's {TENSORRT.name} backend and Polygraphy's "
+                           f"TrtRunner; --backend names the third runner (one of {', '.join(names(plans=False))}), not "
+                           f"{backend}")
     if gpu_compute_capability() is None:
         raise LanternError(f"--against {POLYGRAPHY} runs the engine's TensorRT plans, and reading a plan needs an NVIDIA GPU "
                            f"and driver; none is visible here (compare the ONNX graphs with `lantern-export check "
@@ -589,14 +589,14 @@ def check_engine_polygraphy(directory, *, backend="onnxruntime", verify=True, at
                           for p in points]
                 cases = check_cases(graph, manifest, rng, shapes)
                 compare = ToleranceCompare(graph, atol, rtol, [name for name, _ in cases])
-                runners = [polygraphy_check.backend_runner(trt_backend, graph, manifest, "tensorrt"),
+                runners = [polygraphy_check.backend_runner(trt_backend, graph, manifest, trt_backend.name),
                            FeedsAsPlanTakes(engine, name=POLYGRAPHY, optimization_profile=index, allocation_strategy="profile"),
                            polygraphy_check.backend_runner(third, graph, manifest, backend)]
                 ok &= polygraphy_check.compare_runners(runners, [feeds for _, feeds in cases], compare, comparisons=[(0, 1), (0, 2)])
                 rows += compare.rows
     failures = [f"{r['graph']}/{r['case']}/{r['output']}: " + (r.get("note") or f"max abs error {r['max_abs']:.3g} > "
                                                                f"bound {r['bound']:.3g}") for r in rows if not r["ok"]]
-    return {"engine": directory, "dtype": manifest.dtype, "backend": "tensorrt", "against": f"{POLYGRAPHY} and {backend}",
+    return {"engine": directory, "dtype": manifest.dtype, "backend": trt_backend.name, "against": f"{POLYGRAPHY} and {backend}",
             "atol": atol, "rtol": rtol, "quantization": {}, "ok": ok and not failures, "results": rows,
             "failures": failures}
 
@@ -605,10 +605,11 @@ def add_parser(sub):
     p = sub.add_parser("check", help="compare an engine's graphs on two backends, output by output",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("engine", help="engine directory (engines/NAME)")
-    p.add_argument("--backend", default="onnxruntime", choices=sorted(BACKENDS), help="the backend tested")
-    p.add_argument("--against", default="torch", choices=sorted(BACKENDS) + [POLYGRAPHY],
-                   help="the reference backend (default torch: the modules rebuilt from the source checkpoints); "
-                        f"{POLYGRAPHY}: the engine's TensorRT plans on lantern's tensorrt backend and on Polygraphy's "
+    p.add_argument("--backend", default=DEFAULT, choices=sorted(RUNNERS), help="the backend tested")
+    p.add_argument("--against", default=TORCH.name, choices=sorted(RUNNERS) + [POLYGRAPHY],
+                   help=f"the reference backend (default {TORCH.name}: the modules rebuilt from the source "
+                        f"checkpoints); {POLYGRAPHY}: the engine's TensorRT plans on lantern's {TENSORRT.name} backend "
+                        f"and on Polygraphy's "
                         "TrtRunner, each against the other and the first against --backend (needs a GPU)")
     p.add_argument("--verify-hashes", dest="verify", action="store_true", default=True,
                    help="check the sha256 of the engine files and the source checkpoints (default)")

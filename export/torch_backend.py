@@ -5,6 +5,7 @@ lantern.export, so this is where the two meet."""
 from lantern.export.accept_graphs import KINDS
 from lantern.export.onnx_export import load_graph_modules
 from lantern.runtime import manifest as engine_format
+from lantern.runtime.backends import ONNXRUNTIME, ONNXRUNTIME_TORCH, TENSORRT_TORCH, TORCH
 from lantern.runtime.backends.onnxruntime_torch import OnnxRuntimeTorchBackend
 from lantern.runtime.backends.tensorrt_torch import TensorRTTorchBackend
 from lantern.runtime.backends.torch import TorchBackend
@@ -18,7 +19,8 @@ def open_torch_backend(directory, threads=None, device="cpu", manifest=None, acc
     manifest = manifest or read_manifest(directory)
     if (scheme := engine_format.quantization_scheme(manifest)) != "none":  # it would serve fp32 numerics
         raise LanternError(f"{directory} has {scheme}-quantized graphs, which the torch backend cannot run (it runs the "
-                           f"fp32 modules); use --backend onnxruntime, or the fp32 engine for the torch reference")
+                           f"fp32 modules); use --backend {ONNXRUNTIME.name}, or the fp32 engine for the torch "
+                           f"reference")
     modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
     return TorchBackend(modules, manifest, threads=threads, device=device, acceptance=KINDS,
                         accept_precision=accept_precision)
@@ -44,5 +46,5 @@ def open_onnxruntime_torch_backend(directory, threads=None, device="cpu", manife
 
 
 # by backend name (lantern-run's --backend): each (directory, threads=, device=, ...) -> the backend
-OPENERS = {"torch": open_torch_backend, "tensorrt-torch": open_tensorrt_torch_backend,
-           "onnxruntime-torch": open_onnxruntime_torch_backend}
+OPENERS = {TORCH.name: open_torch_backend, TENSORRT_TORCH.name: open_tensorrt_torch_backend,
+           ONNXRUNTIME_TORCH.name: open_onnxruntime_torch_backend}

@@ -49,6 +49,7 @@ import numpy as np
 
 from lantern.export import tensorrt_build as tb
 from lantern.runtime import enginedir
+from lantern.runtime.backends import runs_plans
 from lantern.runtime.backends.cuda import gpu_compute_capability
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
@@ -203,12 +204,12 @@ def _trees(manifest, specs, directory):
 
 
 def _tuned(manifest, directory):
-    """The trees `lantern-run tune` chose on the tensorrt backend (generate uses them there), so a
-    rebuild of the plans keeps covering them; other backends' tuned trees are never run on plans."""
+    """The trees `lantern-run tune` chose on a backend that runs the plans (generate uses them there),
+    so a rebuild of the plans keeps covering them; other backends' tuned trees never run on plans."""
     out, seen = [], {build_tree(manifest.tree).paths}
     for entry in manifest.tuned_trees.values():
         for t in entry.trees:
-            if entry.backend == "tensorrt" and t.file is not None:
+            if runs_plans(entry.backend) and t.file is not None:
                 # named after its file (tuned/KEY.bN.json), which is unique
                 tree = build_tree(os.path.join(directory, t.file), name=os.path.basename(t.file)[:-len(".json")])
                 if tree.paths not in seen:

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from lantern.runtime.backends import BACKENDS
+from lantern.runtime.backends import DEFAULT, RUNNERS, TORCH, names, runner, spoken
 from lantern.runtime.errors import cli_main, LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.outdir import OutputDirectory, write_file
@@ -60,20 +60,22 @@ def add_generation_options(p, tree=True):
     if tree:
         p.add_argument("--tree", help="draft tree for this run (preset or JSON file; default: the engine's tuned "
                                       "tree for these settings, else its exported one)")
-    p.add_argument("--backend", default="onnxruntime", choices=tuple(BACKENDS))
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda for tensorrt and tensorrt-torch, "
-                                                  "else cpu)")
+    cuda = names(device="cuda")
+    p.add_argument("--backend", default=DEFAULT, choices=tuple(RUNNERS),
+                   help=f"the runner (default {DEFAULT}); {spoken(names(export=True))} are built from torch modules "
+                        f"lantern.export makes ({TORCH.install})")
+    p.add_argument("--device", default=None, help=f"cpu or cuda[:N] (default: cuda for {spoken(cuda)}, else cpu)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="tensorrt: enqueue every call instead of replaying a CUDA graph per call regime "
-                        "(torch and tensorrt-torch capture theirs always on CUDA)")
+                   help=f"{spoken(names(cuda_graphs_option=True))}: enqueue every call instead of replaying a CUDA "
+                        f"graph per call regime ({spoken(names(export=True, onnx=False))} capture theirs always on "
+                        f"CUDA)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
+    torch_based, graphs = spoken(names(export=True)), spoken(names(export=False))
     p.add_argument("--step", choices=("host", "device"), default=None,
-                   help="where each decoding step runs: host (acceptance in numpy over logits read back) or device "
-                        "(torch, tensorrt-torch and onnxruntime-torch: the whole step on its device, plain or "
-                        "in-place engines; "
-                        "onnxruntime and tensorrt: acceptance, greedy or sampling, by the graphs `lantern-export "
-                        "accept` writes, the rest on the host); default: the backend's (device on CUDA for torch, "
-                        "tensorrt-torch and onnxruntime-torch, else host)")
+                   help=f"where each decoding step runs: host (acceptance in numpy over logits read back) or device "
+                        f"({torch_based}: the whole step on its device, plain or in-place engines; {graphs}: "
+                        f"acceptance, greedy or sampling, by the graphs `lantern-export accept` writes, the rest on "
+                        f"the host); default: the backend's (device on CUDA for {torch_based}, else host)")
 
 
 def generation_settings(args):
@@ -117,9 +119,14 @@ def _load_npy(path, what):
         raise LanternError(f"{path}: cannot read {what} ({str(e).splitlines()[0]})") from None
 
 
+def device_of(args):
+    """The device a command runs on: --device, else its runner's."""
+    return args.device or runner(args.backend).device
+
+
 def open_engine(args):
-    device = args.device or ("cuda" if args.backend in ("tensorrt", "tensorrt-torch") else "cpu")
-    options = {"cuda_graphs": args.cuda_graphs} if args.backend == "tensorrt" else {}
+    device = device_of(args)
+    options = {"cuda_graphs": args.cuda_graphs} if runner(args.backend).cuda_graphs_option else {}
     loader = args.backend_loaders.get(args.backend)
     backend = loader(args.engine, args.threads, device) if loader else args.backend
     return Engine(args.engine, backend=backend, threads=args.threads, device=device, step=args.step, **options)

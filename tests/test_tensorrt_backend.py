@@ -3,6 +3,7 @@ installed version and the GPU), which calls a plan's profiles cover, the one-lin
 device-memory address arithmetic (checked by replaying it on host bytes) and `check`'s cases in
 a fixed-shape backend's shapes. With a GPU: device arrays through the CUDA bindings, and (where
 a TensorRT flavor targets the GPU) generations and `check` on real plans."""
+import dataclasses
 import json
 import os
 import shutil
@@ -359,7 +360,8 @@ class _FixedShapes:
 
 def test_check_runs_in_the_shapes_a_fixed_shape_backend_serves(planned, monkeypatch):
     made = []
-    monkeypatch.setitem(backends.BACKENDS, "fixed", lambda d, m, **o: made.append(_FixedShapes(d, m, **o)) or made[-1])
+    monkeypatch.setitem(backends.RUNNERS, "fixed", dataclasses.replace(
+        backends.ONNXRUNTIME, name="fixed", open=lambda d, m, **o: made.append(_FixedShapes(d, m, **o)) or made[-1]))
     report = check_engine(planned, backend="fixed", against="torch", verify=False)
     assert report["ok"], report["failures"]
     entry = read_manifest(planned).tensorrt["tensorrt-rtx-SM89"]

@@ -15,7 +15,7 @@ from lantern.runtime.manifest import PlanFile, PlanProfile, TensorRTPlans, read_
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, root_only
 from lantern.tools import tune
-from lantern.tools.run_cli import main as run_main
+from lantern.tools.run_cli import build_parser, main as run_main
 from lantern.tools.tree_search import AcceptanceCounts, LatencyModel, count_accepted_paths
 
 SETTINGS = dict(mode="lantern++", lam=3.0, k=8, cfg_scale=2.0)
@@ -297,13 +297,14 @@ def test_plans_coverage_of_a_tuned_tree(c2i_engine):
     assert "within plans/tensorrt-rtx-SM89" in tune.coverage_note({"tensorrt-rtx-SM89": []})
 
 
-def test_trt_export_builds_for_trees_tuned_on_tensorrt(c2i_engine, tuned_report, tmp_path):
+@pytest.mark.parametrize("backend", ["tensorrt", "tensorrt-torch"])  # both run the engine's plans
+def test_trt_export_builds_for_trees_tuned_on_plans(c2i_engine, tuned_report, tmp_path, backend):
     from lantern.export import trt_export
 
     report, _ = tuned_report
     d = engine_copy(c2i_engine, tmp_path)
     exported = read_manifest(d).tree["name"]
-    install_trees(d, {**report, "backend": "tensorrt"}, {1: build_tree("kary-2-2", name="k"), 2: root_only()})
+    install_trees(d, {**report, "backend": backend}, {1: build_tree("kary-2-2", name="k"), 2: root_only()})
     m = read_manifest(d)
     trees = trt_export._trees(m, [], d)
     assert [t.name for t in trees] == [exported, f"{report['key']}.b1"]
@@ -316,6 +317,21 @@ def test_trt_export_builds_for_trees_tuned_on_tensorrt(c2i_engine, tuned_report,
 
 # ---------------------------------------------------------------------------------------------
 # The command
+
+
+@pytest.mark.parametrize("argv, clock", [
+    ([], "cpu"),  # ONNX Runtime on the CPU, one thread: its CPU time is its wall time
+    (["--backend", "torch"], "cpu"),
+    (["--backend", "onnxruntime-torch"], "cpu"),
+    (["--backend", "tensorrt"], "wall"),  # CUDA work: the host's CPU time would miss it
+    (["--backend", "tensorrt-torch"], "wall"),
+    (["--backend", "torch", "--device", "cuda"], "wall"),
+    (["--threads", "2"], "wall"),
+    (["--backend", "tensorrt", "--clock", "cpu"], "cpu"),  # --clock wins
+])
+def test_auto_clock_follows_where_the_runner_runs(argv, clock):
+    args = build_parser().parse_args(["tune", "ENGINE", "--threads", "1"] + argv)
+    assert tune.clock_of(args) == clock
 
 
 def test_cli_dry_run_and_errors(c2i_engine, t2i_engine, tmp_path, capsys):

@@ -1,11 +1,12 @@
-"""`lantern-run`: `generate` (the runtime's, torch-free on ONNX Runtime; `--backend torch` runs the
-graphs' PyTorch modules, rebuilt through lantern.export), `quality` (the harness), `tune` (the
+"""`lantern-run`: `generate` (the runtime's, torch-free on ONNX Runtime; the torch-based backends
+run PyTorch modules built through lantern.export), `quality` (the harness), `tune` (the
 fastest draft tree for this machine) and `whatif` (the same search on a latency model from a
 file: a planning aid), `serve` (an HTTP endpoint on Ray Serve) and `client` (its client)."""
 import argparse
 import sys
 
 from lantern.runtime import cli as runtime_cli
+from lantern.runtime.backends import names, runner
 from lantern.runtime.errors import LanternError
 from lantern.tools import quality, serve, serve_client, tree_report, tune
 
@@ -19,13 +20,13 @@ def _opener(name):
             import lantern.export.torch_backend as torch_backend
         except ImportError as e:  # torch (or another export dependency) is missing
             raise LanternError(f"--backend {name} needs PyTorch and lantern's export extra ({e}); "
-                               f"pip install torch==2.13.0 -e '.[export]'") from None
+                               f"{runner(name).install}") from None
         return torch_backend.OPENERS[name](engine_dir, threads=threads, device=device)
 
     return load
 
 
-LOADERS = {name: _opener(name) for name in ("torch", "tensorrt-torch", "onnxruntime-torch")}
+LOADERS = {name: _opener(name) for name in names(export=True)}
 
 
 def build_parser():

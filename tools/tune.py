@@ -62,7 +62,9 @@ import time
 import numpy as np
 
 from lantern.runtime import enginedir
-from lantern.runtime.cli import _classes, _load_npy, add_generation_options, generation_settings, open_engine
+from lantern.runtime.backends import runs_plans
+from lantern.runtime.cli import (_classes, _load_npy, add_generation_options, device_of, generation_settings,
+                                 open_engine)
 from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import describe_files, read_manifest, TunedSettings, TunedTree
 from lantern.runtime.outdir import write_file
@@ -304,6 +306,11 @@ def default_clock(threads, device):
     return "cpu" if threads == 1 and device == "cpu" else "wall"
 
 
+def clock_of(args):
+    """The clock the command's --clock names, for the device its runner runs on (as generate's)."""
+    return default_clock(args.threads, device_of(args)) if args.clock == "auto" else args.clock
+
+
 # ---------------------------------------------------------------------------------------------
 # Compiled plans
 
@@ -415,7 +422,7 @@ def tune(engine, settings, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH,
 
     cfg = settings.cfg
     per_batch, chosen = {}, {}
-    on_plans = engine.backend.name == "tensorrt"  # its calls must fall in the plans' profiles
+    on_plans = runs_plans(engine.backend.name)  # its calls must fall in the plans' profiles
     for images in batches:
         t0 = time.perf_counter()
         generation = (m.image.tokens - 1, images)  # the first token comes from the prefill
@@ -672,8 +679,7 @@ def run(args):
     if not args.dry_run:  # before minutes of measurements, not after them
         enginedir.check_writable(args.engine, "lantern-run tune")
     batches = sorted({1, args.batch})
-    device = args.device or ("cuda" if args.backend == "tensorrt" else "cpu")  # as generate's
-    clock = default_clock(args.threads, device) if args.clock == "auto" else args.clock
+    clock = clock_of(args)
     print(f"tuning {key} on {args.engine} ({engine.backend.name}, {args.threads or os.cpu_count()} thread(s), "
           f"{clock} clock)")
     print(f"conditions: {note}")

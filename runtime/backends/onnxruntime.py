@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from lantern.runtime.backends import graph_acceptance
+from lantern.runtime.backends import ONNXRUNTIME, graph_acceptance
 from lantern.runtime.contracts import graph_io
 from lantern.runtime.errors import LanternError
 
@@ -28,7 +28,7 @@ _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tenso
 
 
 class OnnxRuntimeBackend:
-    name = "onnxruntime"
+    name = ONNXRUNTIME.name
     key = None  # runs the ONNX graphs (or their modules), no compiled plans
     default_step = "host"  # its device step (acceptance as a graph) is slower on a CPU: bench.device_step
 

@@ -25,6 +25,7 @@ import weakref
 
 import numpy as np
 
+from lantern.runtime.backends import ONNXRUNTIME_TORCH
 from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.contracts import graph_io
@@ -129,7 +130,7 @@ class OnnxRuntimeTorchBackend(TorchBackend):
     ONNX Runtime's intra-op threads per session, and torch's (process-wide, as TorchBackend
     sets them)."""
 
-    name = "onnxruntime-torch"
+    name = ONNXRUNTIME_TORCH.name
 
     def __init__(self, directory, manifest, threads=None, device="cpu", acceptance=None,
                  accept_precision="float64"):

@@ -45,7 +45,7 @@ present_* outputs are bound to the past_* cache buffers they update (untested on
 import importlib
 import os
 
-from lantern.runtime.backends import graph_acceptance
+from lantern.runtime.backends import TENSORRT, graph_acceptance
 from lantern.runtime.backends.cuda import CudaArrays, DeviceArray, _host_values
 from lantern.runtime.backends.tensorrt_plans import (FLAVOR_MODULES, assign_profiles, call_shapes, find_profile,
                                                      installed_versions, rebuild_command, select_plans, uncovered_call)
@@ -84,7 +84,7 @@ class _Bound:
 
 
 class TensorRTBackend(CudaArrays):
-    name = "tensorrt"
+    name = TENSORRT.name
     default_step = "host"  # the device step (acceptance plans) has not yet run on a GPU: no measurement says faster
 
     def __init__(self, directory, manifest, threads=None, device="cuda", flavor=None, plans=None, cuda_graphs=True):

@@ -20,6 +20,7 @@ Needs a CUDA GPU, PyTorch with CUDA and the TensorRT flavor that built the plans
 one (no machine here has full TensorRT, and TensorRT for RTX runs plans only on a GPU)."""
 import importlib
 
+from lantern.runtime.backends import TENSORRT_TORCH
 from lantern.runtime.backends.tensorrt import TRT_DTYPES, error_logger, load_plan
 from lantern.runtime.backends.tensorrt_plans import (FLAVOR_MODULES, find_profile, installed_versions,
                                                      rebuild_command, select_plans)
@@ -144,7 +145,7 @@ class TensorRTTorchBackend(TorchBackend):
     acceptance: the device step's acceptance module factories (lantern.export.torch_backend.
     open_tensorrt_torch_backend hands them in); without them only the host step runs."""
 
-    name = "tensorrt-torch"
+    name = TENSORRT_TORCH.name
 
     def __init__(self, directory, manifest, threads=None, device="cuda", flavor=None, plans=None, cuda_graphs=True,
                  acceptance=None, accept_precision="float64"):

@@ -24,6 +24,7 @@ import sys
 
 import numpy as np
 
+from lantern.runtime.backends import TORCH
 from lantern.runtime.errors import LanternError
 from lantern.runtime.contracts import graph_io
 from lantern.runtime.backends.torch_step import TorchDeviceStep, refusal
@@ -33,7 +34,7 @@ _TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 class TorchBackend:
-    name = "torch"
+    name = TORCH.name
     key = None  # runs the ONNX graphs (or their modules), no compiled plans
 
     def __init__(self, modules, manifest, threads=None, device="cpu", cuda_graphs=True, acceptance=None,
