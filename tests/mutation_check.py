@@ -63,7 +63,7 @@ MUTANTS = [
     ("neighbors-k-unchecked", "runtime/integrity.py",
      "if k is not None and table.shape[1] != k:", "if False:",
      ["tests/test_integrity.py::test_an_engine_whose_neighbor_table_has_another_k_than_its_manifest_is_refused"]),
-    ("plan-sha-skipped", "runtime/manifest.py",
+    ("plan-sha-skipped", "runtime/manifest/io.py",
      ", (sorted(plans), REBUILD_PLANS)]", "]",
      ["tests/test_tensorrt_build.py::test_ar_engine_builds_ar_plans"]),
     # Settings reach the loop.
@@ -127,7 +127,7 @@ MUTANTS = [
 # Mutants of code that builds the test engines (export, the engine directory's records, the demo
 # command) run with engines built afresh; the others share engines built once from the unchanged
 # copy (conftest's $LANTERN_TEST_ENGINES), which saves a minute or two per mutant.
-BUILDS_ENGINES = ("export/", "tests/", "runtime/manifest.py", "runtime/enginedir.py", "runtime/integrity.py",
+BUILDS_ENGINES = ("export/", "tests/", "runtime/manifest/", "runtime/enginedir.py", "runtime/integrity.py",
                   "runtime/outdir.py", "tools/demo.py", "tools/export_cli.py")
 
 
