@@ -35,6 +35,7 @@ from lantern.export.onnx_export import _apply_contract, _quiet_exporter
 from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT, GRAPHS, resolved_io
 from lantern.runtime.errors import LanternError
 from lantern.runtime import accept as acceptance, enginedir
+from lantern.runtime.backends import ONNXRUNTIME, TORCH
 from lantern.runtime.chameleon_prompts import forced_tokens
 from lantern.runtime.enginedir import inside
 from lantern.runtime.manifest import AcceptanceGraphs, Graph, TensorSpec, describe_files, read_manifest
@@ -598,7 +599,8 @@ def check_acceptance(directory, manifest, rng, cases=4, images=3, sampled_images
                 what = f"{rule.name}{' cfg' if (feeds['cond_rows'] != feeds['uncond_rows']).any() else ''}"
                 if kind == "greedy":
                     want = acceptance.accept_greedy_batch(tree, feeds["tokens"], logits, rule, feeds["neighbors"])
-                    rows += [_same_rows(label, what, "onnxruntime", got, want), _same_rows(label, what, "torch", mine, want)]
+                    rows += [_same_rows(label, what, ONNXRUNTIME.name, got, want),
+                             _same_rows(label, what, TORCH.name, mine, want)]
                     continue
                 temperature, top_k, top_p = filters
                 want = acceptance.accept_sampling_batch(tree, feeds["tokens"], logits, feeds["draft_ids"],
@@ -610,7 +612,7 @@ def check_acceptance(directory, manifest, rng, cases=4, images=3, sampled_images
                     exact = dict(zip(OUTPUTS, (o.numpy() for o in module(*(wide[n] for n in names)))))
                 what += f" T{temperature:g} top-k {top_k} top-p {top_p:g}"
                 rows.append(_same_rows(label, what, "torch float64", exact, want))
-                rows += [_agreement_row(label, what, who, out, want) for who, out in (("onnxruntime", got),
+                rows += [_agreement_row(label, what, who, out, want) for who, out in ((ONNXRUNTIME.name, got),
                                                                                       ("torch float32", mine))]
     return rows
 

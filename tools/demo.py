@@ -33,6 +33,7 @@ from lantern.export.onnx_export import export_engine
 from lantern.export.placement import check_engine_destination
 from lantern.export.quantize import TOLERANCES, QuantizeOptions, greedy_agreement, quantize_engine
 from lantern.export.torch_backend import open_torch_backend
+from lantern.runtime.backends import ONNXRUNTIME, ONNXRUNTIME_TORCH, TORCH
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.outdir import OutputDirectory, only_files
@@ -86,17 +87,17 @@ def demo_backend(device):
     (the torch backend's whole step on the device, one CUDA graph per step), else
     ("onnxruntime", "cpu"); device "auto", "cpu" or "cuda" (a LanternError where there is none)."""
     if device == "cpu":
-        return "onnxruntime", "cpu"
+        return ONNXRUNTIME.name, "cpu"
     if torch.cuda.is_available():
-        return "torch", "cuda"
+        return TORCH.name, "cuda"
     if device == "cuda":
         raise LanternError("--device cuda: torch sees no CUDA device here (a CUDA build of torch and an NVIDIA driver "
                            "are needed); use --device cpu")
-    return "onnxruntime", "cpu"
+    return ONNXRUNTIME.name, "cpu"
 
 
 def open_demo_engine(out, backend, device, threads):
-    if backend == "torch":
+    if backend == TORCH.name:
         return Engine(out, backend=open_torch_backend(out, device=device))
     return Engine(out, threads=threads)
 
@@ -171,8 +172,8 @@ def run(args):
     # which step path ran (Engine(step=...)): on ONNX Runtime on the CPU the host step, the
     # measured faster one there (tools/bench/device_step.py); on torch CUDA the device step
     print(f"      {results['exact'].stats['step']} step on {engine.backend.name} ({device})"
-          + (" (the whole step runs on the device with lantern-run generate --backend onnxruntime-torch or torch "
-             "--step device)"
+          + (f" (the whole step runs on the device with lantern-run generate --backend {ONNXRUNTIME_TORCH.name} or "
+             f"{TORCH.name} --step device)"
              if results['exact'].stats['step'] == "host" else ""))
     # One image per call, the setting of the paper's speedups: medians over a few classes.
     single, single_trees = {}, {}
@@ -189,7 +190,7 @@ def run(args):
               f"{out}-{args.quantize}, checked at the {args.quantize} tolerance, the same grid with "
               f"{' and '.join(QUANTIZED_RUNS)}")
         fp32, fp32_results = engine, results
-        if backend != "onnxruntime":  # the quantized graphs run on ONNX Runtime: fp32 beside them there too
+        if backend != ONNXRUNTIME.name:  # the quantized graphs run on ONNX Runtime: fp32 beside them there too
             fp32 = Engine(out, threads=args.threads)
             fp32_results = {mode: fp32.generate(mode=mode, **common, **extra) for mode, extra in runs
                             if mode in QUANTIZED_RUNS}

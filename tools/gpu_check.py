@@ -62,8 +62,9 @@ import time
 
 import numpy as np
 from lantern.export.check import _compare_float, check_cases
-from lantern.export.tensorrt_build import available_flavors
+from lantern.export.tensorrt_build import available_flavors, FLAVORS
 from lantern.export.trt_export import build_engine_plans
+from lantern.runtime.backends import ONNXRUNTIME, ONNXRUNTIME_TORCH, TENSORRT, TORCH
 from lantern.runtime.backends.cuda import gpu_compute_capability
 from lantern.runtime.backends.tensorrt_plans import rtx_targets
 from lantern.runtime.backends.torch import TorchBackend
@@ -302,7 +303,7 @@ def _needs_ort_cuda():
 
 def onnxruntime_cuda(engine_dir, reference, opts):
     _needs_ort_cuda()
-    return measure(engine_dir, Engine(engine_dir, backend="onnxruntime", device="cuda"), reference(), *opts)
+    return measure(engine_dir, Engine(engine_dir, backend=ONNXRUNTIME.name, device="cuda"), reference(), *opts)
 
 
 def onnxruntime_torch(engine_dir, batches, device):
@@ -355,12 +356,12 @@ def tensorrt(engine_dir, reference, opts, flavor, workdir):
     for graphs in (True, False):
         label = "cuda_graphs" if graphs else "no_cuda_graphs"
         try:
-            engine = Engine(copy, backend="tensorrt", flavor=flavor, cuda_graphs=graphs)
+            engine = Engine(copy, backend=TENSORRT.name, flavor=flavor, cuda_graphs=graphs)
             out[label] = measure(copy, engine, cpu, *opts, numerics_too=graphs)
         except Exception as e:
             out[label] = {"error": one_line(e)}
     try:  # host step vs the acceptance plan on the logits where they are (greedy, CFG 4): same tokens_sha1
-        backend = Engine(copy, backend="tensorrt", flavor=flavor).backend
+        backend = Engine(copy, backend=TENSORRT.name, flavor=flavor).backend
         out["step_paths"] = whole_step(copy, batches=opts[1], samplings=(False,), backends={flavor: backend})
     except Exception as e:
         out["step_paths"] = {"error": one_line(e)}
@@ -415,8 +416,9 @@ def polygraphy_check(engine_dir):
 
 def section_names(device):
     """Each engine's sections in the order they run, for `device` (cuda, or cpu's dry run)."""
-    return [f"torch-{device}-step-graph", f"torch-{device}-step-eager", f"torch-{device}-graphs",
-            f"torch-{device}-eager", "onnxruntime-cuda", f"onnxruntime-torch-{device}", "tensorrt", "tensorrt-rtx"]
+    t = f"{TORCH.name}-{device}"
+    return [f"{t}-step-graph", f"{t}-step-eager", f"{t}-graphs", f"{t}-eager", f"{ONNXRUNTIME.name}-cuda",
+            f"{ONNXRUNTIME_TORCH.name}-{device}", *FLAVORS]
 
 
 def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir, device="cuda", only=None):
@@ -438,8 +440,8 @@ def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir, devi
                 eager: (torch_reference, engine_dir, cpu, opts, False, device),
                 ort_cuda: (onnxruntime_cuda, engine_dir, cpu, opts),
                 ort_torch: (onnxruntime_torch, engine_dir, opts[1], device),
-                trt: (tensorrt, engine_dir, cpu, opts, "tensorrt", workdir),
-                rtx: (tensorrt, engine_dir, cpu, opts, "tensorrt-rtx", workdir)}
+                trt: (tensorrt, engine_dir, cpu, opts, trt, workdir),  # named by their TensorRT flavors
+                rtx: (tensorrt, engine_dir, cpu, opts, rtx, workdir)}
     for name, (fn, *args) in sections.items():
         if only is None or name in only:
             report.section(f"{label}/{name}", fn, *args)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lantern.runtime.backends import runs_plans
 from lantern.runtime.enginedir import open_file
 from lantern.runtime.errors import LanternError
 from lantern.runtime.png import encode_png
@@ -95,9 +96,9 @@ def _typed(name, value, kind):
 
 
 def batch_sizes(engine, max_batch):
-    """Images per generate call the service pads to: the TensorRT plans' batches on the tensorrt
-    backend (the shapes that have plans), else powers of two up to max_batch, and max_batch."""
-    if engine.backend.name == "tensorrt" and engine.manifest.tensorrt:
+    """Images per generate call the service pads to: the TensorRT plans' batches on a backend that
+    runs them (the shapes that have plans), else powers of two up to max_batch, and max_batch."""
+    if runs_plans(engine.backend.name) and engine.manifest.tensorrt:
         sizes = sorted({b for p in engine.manifest.tensorrt for b in p.batches if b <= max_batch})
         if sizes:
             return tuple(sizes)

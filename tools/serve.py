@@ -31,6 +31,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from lantern.runtime.backends import DEFAULT, names
 from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import read_manifest
 from lantern.tools.image_service import MAX_BODY_BYTES, read_api_key
@@ -41,7 +42,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 @dataclass(frozen=True)
 class ServeOptions:
-    backend: str = "onnxruntime"
+    backend: str = DEFAULT
     threads: Optional[int] = None  # intra-op threads per replica (None: the backend's default)
     replicas: int = 1
     gpus_per_replica: float = 0.0
@@ -121,7 +122,8 @@ def add_parser(sub):
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--gpus-per-replica", type=float, default=0.0, help="1 pins one replica per GPU")
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
-    p.add_argument("--backend", default="onnxruntime", choices=("onnxruntime", "tensorrt"))
+    p.add_argument("--backend", default=DEFAULT, choices=names(export=False),  # the runtime opens these alone
+                   help=f"the runner (default {DEFAULT})")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per replica")
     p.add_argument("--max-batch", type=int, default=8, help="images per generate call")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, help="how long a batch waits to fill")

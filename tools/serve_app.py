@@ -19,6 +19,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from lantern.runtime.backends import runner
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.tools.image_service import Cancelled, error_response, ImageService, public, RequestError
@@ -66,7 +67,7 @@ class ImageDeployment:
             # The Engine refuses a batch its memory headroom cannot hold (MemAvailable and the
             # container's cgroup limit), before any work: that request gets a 503 with the reason.
             engine = Engine(self.engine_dir, backend=o.backend, threads=o.threads,
-                            device="cuda" if o.backend == "tensorrt" else None)
+                            device=runner(o.backend).device)
             self.service = ImageService(engine, max_batch=o.max_batch, max_images_per_request=o.max_images_per_request,
                                         max_body_bytes=o.max_body_bytes)
             self.problem = None
