@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from lantern.export import cache_forms
 from lantern.export.cache_forms import PLAIN
-from lantern.export.layers import RMSNorm, count_parameters, init_random, run_layers  # noqa: F401 (count_parameters, init_random: this family's too)
+from lantern.export.layers import GatedMLP, RMSNorm, count_parameters, init_random, run_layers  # noqa: F401 (count_parameters, init_random: this family's too)
 from lantern.runtime.errors import LanternError
 from lantern.export.graphs import VQDecoderGraph
 
@@ -249,24 +249,13 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
 
-class MLP(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm: h = x + attn(norm(x)); out = h + mlp(norm(h)) (ChameleonDecoderLayer)."""
 
     def __init__(self, c):
         super().__init__()
         self.self_attn = Attention(c)
-        self.mlp = MLP(c)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, ("gate_proj", "up_proj", "down_proj"))
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

@@ -1,11 +1,12 @@
-"""The layers both model families share (LlamaGen, the Chameleon family): RMSNorm, attention over
-[cache, new tokens], the layer runner, random initialisation. Each family's module keeps what is
-its own (parameter names, RoPE, qk-norm, block order) and builds on these.
+"""The layers both model families share (LlamaGen, the Chameleon family): RMSNorm, the gated MLP,
+attention over [cache, new tokens], the layer runner, random initialisation. Each family's module
+keeps what is its own (parameter names, RoPE, qk-norm, block order) and builds on these.
 """
 import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +20,21 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class GatedMLP(nn.Module):
+    """The SiLU-gated MLP without biases, down(silu(gate(x)) * up(x)). `names`: the family's names
+    of the gate, up and down projections, which its checkpoints' parameter names follow."""
+
+    def __init__(self, dim, hidden, names):
+        super().__init__()
+        self.names = names
+        for name, (fan_in, fan_out) in zip(names, ((dim, hidden), (dim, hidden), (hidden, dim))):
+            setattr(self, name, nn.Linear(fan_in, fan_out, bias=False))
+
+    def forward(self, x):
+        gate, up, down = (getattr(self, name) for name in self.names)
+        return down(F.silu(gate(x)) * up(x))
 
 
 def attend(q, past_k, past_v, k, v, mask):

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lantern.export.cache_forms import PLAIN
-from lantern.export.layers import RMSNorm, count_parameters, init_random, run_layers  # noqa: F401 (count_parameters, init_random: this family's too)
+from lantern.export.layers import GatedMLP, RMSNorm, count_parameters, init_random, run_layers  # noqa: F401 (count_parameters, init_random: this family's too)
 from lantern.runtime.errors import LanternError
 
 # ---------------------------------------------------------------------------------------------
@@ -261,17 +261,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, T, -1)), k, v
 
 
-class FeedForward(nn.Module):
-    def __init__(self, args):
-        super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
     def __init__(self, args, input_norm=True):
         super().__init__()
@@ -279,7 +268,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps) if input_norm else nn.Identity()
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = GatedMLP(args.dim, args.ffn_hidden, ("w1", "w3", "w2"))
 
     def forward(self, x, rope, mask, past_k, past_v, write_index=None, kv=PLAIN):
         attn, k, v = self.attention(self.attention_norm(x), rope, mask, past_k, past_v, write_index, kv)
