@@ -1,5 +1,5 @@
 """Confined, locked, atomic access to an engine directory, which is untrusted input (downloaded,
-shared, or written by another user): engines/README.md "Threat model".
+shared, or written by another user): docs/threat-model.md.
 
 Reading and writing: `inside(directory, name)` is the only way from a manifest name to a path.
 It refuses absolute names, `..`, and a symbolic link anywhere below the engine directory (a
