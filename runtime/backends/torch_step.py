@@ -110,6 +110,7 @@ class TorchDeviceStep:
         self.inplace = isinstance(plan.target_cache, InPlaceKVCache)
         # each call's block (its new tokens among themselves) and, for the in-place form, where it
         # writes: draft0's block is state (_set_pending), the others are constants of the plan
+        # (plain caches: load points every block at its mask's block columns, which the plan filled)
         self.blocks = {"verify": up(tree.mask)}
         self.first_slots = {}
         if tree.depth:
@@ -209,6 +210,10 @@ class TorchDeviceStep:
             self.cfg_pairs = [f["cfg_pair"] for r, f in self.feeds.items() if r.startswith("draft") and "cfg_pair" in f]
             self.cfg_partners = keep("cfg_partners", plan.cfg_partners)
             self.blocks["draft0"] = keep("draft0/block", plan.calls["draft0"].block)  # the prefill's pair
+        if not self.inplace:  # a plain mask's block columns hold its block (uploaded with it): write there
+            for regime, feeds in self.feeds.items():
+                mask = feeds["attention_mask"]
+                self.blocks[regime] = mask[:, 0, :, mask.shape[3] - mask.shape[2]:]
         rule = d.rule
         neighbors = d.neighbors if d.neighbors is not None else np.zeros((view.size, 1), dtype=np.int64)
         cond_rows = np.arange(d.N)
@@ -298,31 +303,33 @@ class TorchDeviceStep:
 
     def _ids(self, columns):
         if self.plain_view:
-            return columns + self.start
+            return columns + self.start if self.start else columns
         extra = self.extra[(columns - self.codes).clamp(min=0) % self.extra.shape[0]]
         return self.torch.where(columns < self.codes, columns + self.start, extra)
 
     def _mask(self, regime, cache, start, extra=None):
         cache.mask(self.feeds[regime], self.blocks[regime], start, extra)
 
-    def _take_candidates(self, out, nodes, cols):
-        """The drafter's top-K (as columns) of the conditional rows at columns cols [N, n]."""
-        index = cols[..., None].expand(-1, -1, self.candidates.shape[2])
-        self.candidates[:, nodes] = self.column_of_id[out["topk_ids"][: self.N].gather(1, index)]
-        if self.sampling:
-            self.candidate_probs[:, nodes] = out["topk_probs"][: self.N].gather(1, index).float()
-
-    def _children(self, nodes, width, race):
-        """The first `width` children (columns) of each parent at nodes [N, n, width]: greedy,
-        the drafter's top candidates in rank order; sampling, drawn without replacement in draw
-        order by the exponential race (lantern.runtime.sampling.Sampling.children) over the
-        race uniforms [N, n, K]."""
-        candidates = self.candidates[:, nodes]
+    def _children(self, out, cols, nodes, width, race):
+        """The first `width` children (vocabulary ids) [N, n, width] of the n parents at the
+        call's columns cols [N, n] (None: every column, in order), tree nodes `nodes`: greedy,
+        the drafter's top candidates in rank order, straight from its top-K ids (always image
+        ids); sampling, drawn without replacement in draw order by the exponential race
+        (lantern.runtime.sampling.Sampling.children) over the race uniforms [N, n, K], and the
+        candidates (as columns) and their probabilities kept for acceptance."""
+        ids = out["topk_ids"][: self.N]
+        if cols is not None:
+            ids = ids.gather(1, cols[..., None].expand(-1, -1, ids.shape[2]))
         if not self.sampling:
-            return candidates[..., :width]
+            return ids[..., :width]
+        probs = out["topk_probs"][: self.N]
+        if cols is not None:
+            probs = probs.gather(1, cols[..., None].expand(-1, -1, probs.shape[2]))
+        self.candidates[:, nodes] = self.column_of_id[ids]
+        self.candidate_probs[:, nodes] = probs.float()
         keys = -self.torch.log(race) / self.candidate_probs[:, nodes].to(self.torch.float64)
         first = self.torch.sort(keys, dim=-1, stable=True).indices[..., :width]
-        return candidates.gather(2, first)
+        return ids.gather(2, first)
 
     def _force_drafts(self, level):
         """As _Decoding.force_drafts: every draft at a forced body index is the forced token,
@@ -352,31 +359,33 @@ class TorchDeviceStep:
                 cfg_pair.copy_(pairs)
         self._mask("draft0", cache, cache.length)
         out = self._run("draft0", "drafter")
-        kept = torch.where(active[iob], self.pending[iob], torch.zeros_like(self.pending[iob]))
-        cache.append(out, self.pair_index[None, :].expand(B, -1), kept)
+        cache.append(out, self.pair_index[None, :].expand(B, -1), torch.where(active, self.pending, 0)[iob])
         last = self.pending - 1
-        self._take_candidates(out, slice(0, 1), last[:, None])
-        parents = self._children(slice(0, 1), self.widths[0], race[:, :1] if self.sampling else None)
-        hidden, parent_cols = out["hidden_out"], last[iob][:, None]
-        root_slot = self.target.length
+        parents = self._children(out, last[:, None], slice(0, 1), self.widths[0], race[:, :1] if self.sampling else None)
+        hidden = out["hidden_out"]
+        root_position = self.target.length - self.offset  # [B]: every node of depth d sits at root + d
         for index, level in enumerate(self.levels):
             depth, nodes = level["depth"], level["nodes"]
-            self.node_tokens[:, nodes] = self._ids(parents[:, level["slots"], level["ranks"]])
-            self._force_drafts(level)
+            tokens = parents[:, level["slots"], level["ranks"]]  # [N, T]
+            self.node_tokens[:, nodes] = tokens
+            if not self.plain_view:  # a prompt style that forces tokens (Lumina-mGPT's line ends)
+                self._force_drafts(level)
+                tokens = self.node_tokens[:, nodes]
             if depth == self.depth:
                 break
             regime = f"draft{depth}"
             feeds = self.feeds[regime]
-            T = nodes.shape[0]
-            cols = parent_cols.expand(B, T) if depth == 1 else level["slots"][None, :].expand(B, T)
-            feeds["target_hidden"].copy_(hidden[self.batch_rows[:, None], cols])
-            feeds["input_ids"].copy_(self.node_tokens[:, nodes][iob])
-            feeds["position_ids"].copy_(self._positions((root_slot + depth)[:, None].expand(B, T)))
+            if depth == 1:  # every depth-1 node's parent is the root, at draft0's column `last`
+                column = last[iob][:, None, None].expand(feeds["target_hidden"].shape)
+                torch.gather(hidden, 1, column, out=feeds["target_hidden"])
+            else:  # the parents are the last call's nodes, in the tree's order
+                torch.index_select(hidden, 1, level["slots"], out=feeds["target_hidden"])
+            torch.index_select(tokens, 0, iob, out=feeds["input_ids"])
+            feeds["position_ids"].copy_((root_position + depth).clamp(0, self.max_position)[:, None])
             self._mask(regime, cache, self.first_slots[regime], self.ancestors[depth])
             out = self._run(regime, "drafter")
             cache.write(out, self.scratch_slots[depth])
-            self._take_candidates(out, nodes, torch.arange(T, device=nodes.device)[None, :].expand(N, T))
-            parents = self._children(nodes, self.widths[index + 1], race[:, nodes] if self.sampling else None)
+            parents = self._children(out, None, nodes, self.widths[index + 1], race[:, nodes] if self.sampling else None)
             hidden = out["hidden_out"]
 
     def _step(self):
@@ -394,13 +403,13 @@ class TorchDeviceStep:
             self._draft(active, race)
         # verify
         feeds = self.feeds["verify"]
-        feeds["input_ids"].copy_(self.node_tokens[iob])
+        torch.index_select(self.node_tokens, 0, iob, out=feeds["input_ids"])
         feeds["position_ids"].copy_(self._positions(self.target.length[:, None] + self.depths[None, :]))
         self._mask("verify", self.target, self.target.length)
         out = self._run("verify", "target")
         # accept
         a = self.accept_feeds
-        tokens = self.column_of_id[self.node_tokens]
+        tokens = self.node_tokens if self.plain_view and not self.start else self.column_of_id[self.node_tokens]
         if self.sampling:
             accepted, next_column, path, decisions, invalid = self.accept_module(
                 self._combined(out["logits"]).to(self.accept_dtype), a["cond_rows"], a["cond_rows"],
@@ -414,18 +423,18 @@ class TorchDeviceStep:
         # commit
         emitted = self.node_tokens.gather(1, torch.roll(path, -1, 1).clamp(min=0))
         emitted.scatter_(1, accepted[:, None], self._ids(next_column)[:, None])
-        emit = torch.where(active, torch.minimum(accepted + 1, self.length - self.count), torch.zeros_like(accepted))
+        emit = torch.where(active, torch.minimum(accepted + 1, self.length - self.count), 0)
         cols = path.clamp(min=0)[iob]
         self.target.append(out, cols, emit[iob])
         if self.depth:
-            counts = torch.where(active, emit.clamp(min=1), torch.ones_like(emit))
-            tokens = torch.where(active[:, None], emitted, torch.zeros_like(emitted))
-            self._set_pending(out["hidden"], torch.where(active[iob][:, None], cols, torch.zeros_like(cols)), tokens,
+            counts = torch.where(active, emit.clamp(min=1), 1)
+            tokens = torch.where(active[:, None], emitted, 0)
+            self._set_pending(out["hidden"], torch.where(active[iob][:, None], cols, 0), tokens,
                               counts)
         self.root.copy_(torch.where(active, emitted.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0], self.root))
         self.count += emit
         D = self.depth
-        self.report[:, 0] = torch.where(active, accepted, torch.zeros_like(accepted))
+        self.report[:, 0] = torch.where(active, accepted, 0)
         self.report[:, 1: D + 2] = emitted
         self.report[:, D + 2] = (invalid & active).to(torch.int64)
         self.report[:, D + 3:] = decisions
@@ -453,12 +462,11 @@ class TorchDeviceStep:
         iob, W = self.image_of_row, self.depth + 1
         feeds = self.feeds["draft0"]
         real = self.pair_index[None, :] < counts[:, None]  # [N, W]
-        feeds["target_hidden"].copy_(hidden[self.batch_rows[:, None], cols])
-        feeds["input_ids"].copy_(torch.where(real, tokens, torch.zeros_like(tokens))[iob])
-        first = self.target.length - counts[iob] + 1
-        feeds["position_ids"].copy_(self._positions(first[:, None] + self.pair_index[None, :]))
-        block = (self.pair_block[None] & real[iob][:, None, :]) | self.pair_self[None]
-        self.blocks["draft0"].copy_(block)
+        torch.gather(hidden, 1, cols[..., None].expand(feeds["target_hidden"].shape), out=feeds["target_hidden"])
+        torch.index_select(torch.where(real, tokens, 0), 0, iob, out=feeds["input_ids"])
+        first = self.target.length - self.offset - counts[iob] + 1  # the first pair's position
+        torch.clamp(first[:, None] + self.pair_index[None, :], 0, self.max_position, out=feeds["position_ids"])
+        torch.bitwise_or(self.pair_block[None] & real[iob][:, None, :], self.pair_self[None], out=self.blocks["draft0"])
         self.pending.copy_(counts)
 
 
@@ -474,12 +482,15 @@ class _Cache:
         self.length = step._keep(f"{name}/length", cache.length, np.int64)
 
     def mask(self, feeds, block, start, extra=None):
-        """The call's mask: the rows' visible slots (| extra [T, capacity]), then its block
-        [B or 1, T, T] in the new tokens' columns (start: where the in-place form writes them)."""
+        """The call's mask: the rows' visible slots (| extra [T, capacity]); its block columns
+        are `block` itself (TorchDeviceStep.load made it their view). start: where the in-place
+        form writes the call's entries."""
         visible = self.visible[:, None, :]
-        mask = feeds["attention_mask"][:, 0]
-        mask[:, :, : self.capacity] = visible if extra is None else visible | extra[None]
-        mask[:, :, self.capacity:] = block
+        mask = feeds["attention_mask"][:, 0, :, : self.capacity]
+        if extra is None:
+            mask.copy_(visible.expand_as(mask))
+        else:
+            self.torch.bitwise_or(visible, extra[None], out=mask)
 
     def _kept(self, counts, W):
         """Rows, entry indices and slots [B, W] of a W-wide block of which row b keeps its first

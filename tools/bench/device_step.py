@@ -34,6 +34,7 @@ so the speculative step's kernels over AR's predict its cost in AR steps.
 What it does not measure: any GPU (tools/gpu_check.py has the device step's CUDA section).
 """
 import argparse
+import collections
 import hashlib
 import json
 import os
@@ -46,6 +47,7 @@ from lantern.runtime import accept as acceptance
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.tree import build_tree, root_only
+from lantern.runtime.backends import ONNXRUNTIME, ONNXRUNTIME_TORCH, TORCH
 from lantern.runtime.backends.graph_acceptance import STEP_INPUTS
 from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from lantern.runtime.backends.torch import TorchBackend
@@ -332,10 +334,10 @@ def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), c
 
     manifest = read_manifest(engine_dir)
     if backends is None:
-        backends = {"onnxruntime-cpu": OnnxRuntimeBackend(engine_dir, manifest, threads=threads),
-                    "onnxruntime-torch-cpu": open_onnxruntime_torch_backend(engine_dir, threads=threads,
-                                                                            manifest=manifest),
-                    "torch-cpu": open_torch_backend(engine_dir, threads=threads, manifest=manifest)}
+        backends = {f"{ONNXRUNTIME.name}-cpu": OnnxRuntimeBackend(engine_dir, manifest, threads=threads),
+                    f"{ONNXRUNTIME_TORCH.name}-cpu": open_onnxruntime_torch_backend(engine_dir, threads=threads,
+                                                                                    manifest=manifest),
+                    f"{TORCH.name}-cpu": open_torch_backend(engine_dir, threads=threads, manifest=manifest)}
     num_classes = manifest.condition.num_classes or 1
     warm_mode = next((m for m in modes if m != "ar" and m in manifest.modes), modes[0])
     results = []
@@ -416,13 +418,12 @@ def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact
             "runs": runs}
 
 
-def count_kernels(fn, parts=()):
+def count_kernels(fn, parts=(), ops=None):
     """{part: ops fn() dispatches that write memory} (a new tensor, or an in-place write; views,
     no-op conversions and bare allocations write none): each is about one kernel in a CUDA graph
     of fn (a sort, a top-k or a split-K matmul may launch a few). parts: {name: module}; an op
-    inside a call of one counts under its name, the rest under "step"."""
-    import collections
-
+    inside a call of one counts under its name, the rest under "step". ops: a Counter that also
+    gets (part, op name) counts, to see where a part's kernels go."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -454,7 +455,10 @@ def count_kernels(fn, parts=()):
             writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
             flat = out if isinstance(out, (tuple, list)) else (out,)
             if writes or storages(flat) - storages(list(args) + list(kwargs.values())):
-                counts[inside[-1] if inside else "step"] += 1
+                part = inside[-1] if inside else "step"
+                counts[part] += 1
+                if ops is not None:
+                    ops[part, func._schema.name.split("::")[-1]] += 1
             return out
 
     try:
@@ -484,8 +488,10 @@ def step_kernels(engine_dir, backend, modes=("ar", "exact", "lantern++"), images
         k = min(100, manifest.neighbors.k) if mode == "lantern++" and manifest.neighbors else None
         engine.generate(mode=mode, greedy=True, cfg_scale=cfg, classes=classes, k=k)
         step = backend._steps[id(engine._plan)]
-        counts = count_kernels(step._step, {**modules, "accept": step.accept_module})
-        out[mode] = {"kernels": sum(counts.values()), "by_part": dict(sorted(counts.items()))}
+        ops = collections.Counter()
+        counts = count_kernels(step._step, {**modules, "accept": step.accept_module}, ops)
+        out[mode] = {"kernels": sum(counts.values()), "by_part": dict(sorted(counts.items())),
+                     "step_ops": {f"{part}/{op}": n for (part, op), n in ops.most_common() if part in ("step", "accept")}}
     engine.release()
     ar = out.get("ar", {}).get("kernels")
     for mode, row in out.items():
