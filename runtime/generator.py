@@ -40,7 +40,7 @@ from lantern.runtime.errors import LanternError
 from lantern.runtime.integrity import load_neighbors
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.memory import available_memory
-from lantern.runtime.plan import Call, decode_bytes, estimate_bytes, StepPlan
+from lantern.runtime.plan import Call, check_memory as check_plan_memory, decode_bytes, StepPlan
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.streams import image_seeds, RandomStreams
 from lantern.runtime.tree import build_tree, root_only
@@ -234,16 +234,11 @@ class Engine:
         return plan
 
     def check_memory(self, tree, prefix):
-        """Refuse, in one line and before anything is allocated, a step plan for `tree` and `prefix`
-        that the machine cannot hold (the estimate from shapes alone). Commands that make plans of
-        their own (tune, its latency model) call it first too."""
-        need = estimate_bytes(self.manifest, tree, prefix, np.dtype(self.backend.float_dtype).itemsize)
+        """Refuse, in one line and before anything is allocated, a step plan for `tree` and
+        `prefix` that the machine cannot hold (the estimate from shapes alone). Commands that make
+        plans of their own (tune, its latency model, quality) call it first too."""
         limit = self.memory_limit if self.memory_limit is not None else available_memory()
-        if limit is not None and need > 0.8 * limit:
-            raise LanternError(
-                f"tree {tree.name!r} ({tree.num_nodes} nodes) for {prefix.images} image(s)"
-                f"{' with CFG' if prefix.cfg else ''} needs about {need / 2**30:.2f} GiB, more than this machine "
-                f"can give ({limit / 2**30:.2f} GiB available); use a smaller tree or fewer images per call")
+        check_plan_memory(self.manifest, tree, prefix, np.dtype(self.backend.float_dtype).itemsize, limit)
 
     def release(self):
         """Let the last step plan go (its buffers, bindings and CUDA graphs), so a backend this

@@ -30,6 +30,7 @@ from typing import Optional
 
 import numpy as np
 
+from lantern.runtime.errors import LanternError
 from lantern.runtime.kvcache import cache_layout
 
 
@@ -211,6 +212,20 @@ def estimate_bytes(manifest, tree, prefix, itemsize):
         peak = max(peak, scores + mlp)
     acceptance = 4 * N * M * m.vocabulary.codes + 8 * 6 * N * m.vocabulary.codes
     return held + ARENA * peak + acceptance
+
+
+def check_memory(manifest, tree, prefix, itemsize, limit, copies=1):
+    """Refuse, in one line and before anything is allocated, `copies` step plans for `tree` and
+    `prefix` (each replica of a server holds one) that `limit` bytes cannot hold, with 20% kept
+    for everything else; limit None: no check."""
+    need = copies * estimate_bytes(manifest, tree, prefix, itemsize)
+    if limit is not None and need > 0.8 * limit:
+        held = f"{copies} replicas' plans of " if copies > 1 else ""
+        raise LanternError(
+            f"{held}tree {tree.name!r} ({tree.num_nodes} nodes) for {prefix.images} image(s)"
+            f"{' with CFG' if prefix.cfg else ''} need{'s' if copies == 1 else ''} about {need / 2**30:.2f} GiB, more "
+            f"than this machine can give ({limit / 2**30:.2f} GiB available); use a smaller tree or fewer images per "
+            f"call")
 
 
 def decode_bytes(manifest, images, chunk, grid=None):

@@ -173,3 +173,27 @@ def test_ctrl_c_stops_the_server_and_its_ray_processes(server):
     assert code == 0 and killed == [], server["log"].read_text()[-3000:]
     with pytest.raises(LanternError, match="cannot reach"):
         request(server["url"] + "/healthz", timeout=5)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--max-batch", "100000"], "for 100000 image(s) with CFG needs about"),  # one replica's widest plan
+    (["--max-batch", "64", "--replicas", "5000"], "5000 replicas' plans of"),  # every replica holds one
+])
+def test_serve_refuses_what_the_machine_cannot_hold_before_ray_starts(c2i_engine, monkeypatch, capsys, args, says):
+    """`lantern-run serve` refuses up front, in one line with the estimate, replicas whose step
+    plans this machine cannot hold (as generate refuses a plan), before any Ray process starts."""
+    import ray
+
+    from lantern.tools import run_cli, serve
+
+    monkeypatch.setattr(serve, "available_memory", lambda: 2**30)  # this machine, as the reader would report it
+
+    def start(*args, **kwargs):
+        raise AssertionError("the server started: nothing refused it")
+
+    monkeypatch.setattr(serve, "start", start)
+    assert run_cli.main(["serve", c2i_engine, "--port", "0", *args]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "1.00 GiB available" in lines[0], lines
+    assert captured.out == "" and not ray.is_initialized()

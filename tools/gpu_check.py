@@ -163,7 +163,7 @@ def classes_for(engine, n):
     c = engine.manifest.condition
     if c.kind == "class":
         return {"classes": [(7 * i) % c.num_classes for i in range(n)]}
-    return default_condition(engine, n)
+    return default_condition(engine.manifest, n)
 
 
 def exactness(engine, cpu, n=4):

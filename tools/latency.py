@@ -27,7 +27,7 @@ def draft_tree(width):
 
 def plan_for(engine, tree, images, cfg_scale, context):
     """A plan on the engine's backend with `context` cache slots filled (visible) per row."""
-    prefix = engine.condition.prefix(cfg_scale > 1, **default_condition(engine, images))
+    prefix = engine.condition.prefix(cfg_scale > 1, **default_condition(engine.manifest, images))
     settings = dict(cfg_scale=cfg_scale, temperature=1.0, top_k=0, top_p=1.0)
     engine.check_memory(tree, prefix)
     plan = StepPlan(engine.manifest, engine.backend, tree, prefix, settings)
@@ -40,10 +40,10 @@ def plan_for(engine, tree, images, cfg_scale, context):
     return plan
 
 
-def default_condition(engine, images):
+def default_condition(manifest, images):
     """Inputs for `images` images of any condition kind (classes, blank captions, or prompts of
     five token ids)."""
-    c = engine.manifest.condition
+    c = manifest.condition
     if c.kind == "class":
         return {"classes": [i % c.num_classes for i in range(images)]}
     if c.kind == "caption":

@@ -31,9 +31,17 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+import numpy as np
+
 from lantern.runtime.backends import DEFAULT, names
+from lantern.runtime.conditions import condition_adapter
+from lantern.runtime.enginedir import inside
 from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import read_manifest
+from lantern.runtime.memory import available_memory
+from lantern.runtime.plan import check_memory as check_plan_memory
+from lantern.runtime.tree import build_tree, root_only
+from lantern.tools.latency import default_condition
 from lantern.tools.image_service import MAX_BODY_BYTES, read_api_key
 from lantern.tools.serve_http import Front, FrontServer
 
@@ -144,9 +152,25 @@ def options_from(args):
                         api_key=read_api_key(args.api_key_file) if args.api_key_file else None)
 
 
+def check_memory(engine_dir, manifest, options):
+    """Refuse, in one line before Ray starts, replicas this machine cannot hold: each holds the
+    step plan of its widest call (max_batch images with CFG, over the exported tree and every
+    tuned one), as generate refuses one."""
+    dtype = np.dtype(np.float16 if manifest.dtype == "fp16" else np.float32)  # the runners' cache dtype
+    prefix = condition_adapter(manifest, dtype, engine_dir).prefix(
+        True, **default_condition(manifest, options.max_batch))
+    trees = [build_tree(manifest.tree) if manifest.tree else root_only()]
+    trees += [build_tree(inside(engine_dir, t.file)) for entry in manifest.tuned_trees.values() for t in entry.trees
+              if t.file is not None]
+    for tree in trees:
+        check_plan_memory(manifest, tree, prefix, dtype.itemsize, available_memory(), copies=options.replicas)
+
+
 def run_serve(args):
     options = options_from(args)
-    read_manifest(args.engine)  # an engine that cannot open is one error line here, before Ray starts
+    manifest = read_manifest(args.engine)  # an engine that cannot open is one error line here, before Ray starts
+    if not args.address:  # a cluster's replicas run on its nodes, with memory of their own
+        check_memory(args.engine, manifest, options)
     server = start(args.engine, options, host=args.host, port=args.port, address=args.address, num_cpus=args.num_cpus)
     print(f"serving {args.engine} on {server.url}/v1/images "
           f"({json.dumps({k: v for k, v in asdict(options).items() if k != 'api_key'})}); Ctrl-C stops",

@@ -129,7 +129,7 @@ def conditions(engine, images, classes=None, caption=None, caption_mask=None, pr
         note = f"{len(texts)} prompt(s)" + (" (default: everyday scenes)" if prompt is None else "")
         return [{"prompt": texts[i % len(texts)]} for i in range(images)], note + f", cycled to {images} images"
     if caption is None:
-        blank = default_condition(engine, 1)["caption"][0]
+        blank = default_condition(engine.manifest, 1)["caption"][0]
         note = ("blank (all-zero) caption features: no --caption was given, so acceptance is measured on an "
                 "empty prompt; pass real T5 caption features for statistics that match real prompts")
         return [{"caption": blank} for _ in range(images)], note
@@ -247,7 +247,7 @@ def call_latency(engine, settings, images, budget, depth, repeats=5, seed=0, clo
     """(verify_ms, draft_ms): engine calls alone for `images` images, timed through real step
     plans at a mid-generation cache length, the fastest of `repeats` runs per size."""
     cfg = settings.cfg_scale
-    prefix = engine.condition.prefix(cfg > 1, **default_condition(engine, 1))
+    prefix = engine.condition.prefix(cfg > 1, **default_condition(engine.manifest, 1))
     context = prefix.tokens + engine.manifest.image.tokens // 2  # mid-generation
     verify = verify_latency(engine, latency_sizes(budget), images, cfg, context, repeats, seed, "min", clock)
     draft = draft_latency(engine, latency_sizes(max(budget - 1, depth + 1)), images, cfg, context, repeats, seed,
@@ -260,7 +260,7 @@ def check_memory(engine, settings, calib, budget, depth, batches):
     machine cannot hold: the calibration tree and the latency model's widest calls."""
     widest = [calib, verify_tree(max(latency_sizes(budget))), draft_tree(max(latency_sizes(max(budget - 1, depth + 1))))]
     for images in batches:
-        prefix = engine.condition.prefix(settings.cfg, **default_condition(engine, images))
+        prefix = engine.condition.prefix(settings.cfg, **default_condition(engine.manifest, images))
         for tree in widest:
             engine.check_memory(tree, prefix)
 

@@ -221,7 +221,7 @@ def stage_tokens(spec):
     """A few speculative steps (greedy lantern++; exact without a VQ decoder) on ONNX Runtime CPU."""
 
     engine = Engine(spec["engine"], threads=2)
-    condition = default_condition(engine, 1)  # a class, a blank caption or a five-token prompt
+    condition = default_condition(engine.manifest, 1)  # a class, a blank caption or a five-token prompt
     records = []
 
     def observer(record):
