@@ -8,7 +8,7 @@ import sys
 from lantern.runtime import cli as runtime_cli
 from lantern.runtime.backends import names, runner
 from lantern.runtime.errors import LanternError
-from lantern.tools import quality, serve, serve_client, tree_report, tune
+from lantern.tools import profile, quality, serve, serve_client, tree_report, tune
 
 
 def _opener(name):
@@ -35,6 +35,7 @@ def build_parser():
     runtime_cli.add_parser(sub, backend_loaders=LOADERS)
     quality.add_parser(sub)
     tune.add_parser(sub, backend_loaders=LOADERS)
+    profile.add_parser(sub, backend_loaders=LOADERS)
     tree_report.add_parser(sub, "whatif")
     serve.add_parser(sub)
     serve_client.add_parser(sub)

@@ -1,0 +1,80 @@
+"""`lantern-run profile` on the tiny c2i engine: its figures agree with what they claim, its trace
+opens as Chrome trace events, and what it cannot run is refused in one line before any work."""
+import importlib.util
+import json
+
+import pytest
+
+from lantern.runtime.manifest import read_manifest
+from lantern.runtime.tree import build_tree
+
+
+def test_profile_figures_agree_with_what_they_claim(c2i_engine, tmp_path, capsys):
+    from lantern.tools import run_cli
+
+    out = tmp_path / "profile"
+    argv = ["profile", c2i_engine, "--images", "2", "--threads", "1", "--cfg-scale", "4", "--repeats", "1",
+            "--out", str(out)]
+    assert run_cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "speed-up over ar" in printed and "L(T)" in printed
+    report = json.loads((out / "profile.json").read_text())
+    tree = build_tree(read_manifest(c2i_engine).tree)  # the fixture's engine is not tuned: the exported tree runs
+    (result,) = report["runners"]
+    spec, ar = result["runs"]["lantern++"], result["runs"]["ar"]
+
+    for run in (spec, ar):
+        assert sum(run["phase_ms_per_step"].values()) <= run["ms_per_step"] + 1e-3
+        assert run["engine_ms_per_step"] + run["host_ms_per_step"] == pytest.approx(run["ms_per_step"], abs=1e-3)
+        assert run["steps"] > 1 and run["tokens_per_second"] > 0
+    # a host step: one drafter call per depth, then the verification; AR verifies the root alone
+    assert (spec["nodes"], spec["depth"]) == (tree.num_nodes, tree.depth)
+    assert spec["engine_calls_per_step"] == tree.depth + 1 and ar["engine_calls_per_step"] == 1
+    assert spec["host_launches_per_step"] == tree.depth + 1
+    # the verification logits of 26 nodes come back, not of one
+    assert spec["bytes_to_host_per_step_per_image"] > ar["bytes_to_host_per_step_per_image"] > 0
+
+    depths = spec["acceptance_per_depth"]
+    assert len(depths) == tree.depth and ar["acceptance_per_depth"] == []
+    assert all(0 <= d <= 1 for d in depths) and all(a >= b for a, b in zip(depths, depths[1:]))
+    # tokens per step never exceed 1 + drafts accepted (the last step may emit fewer than it accepted)
+    assert spec["mean_accepted_length"] <= 1 + sum(depths) + 1e-3
+    assert ar["mean_accepted_length"] == 1.0
+    assert result["speed_up"] == pytest.approx(spec["tokens_per_second"] / ar["tokens_per_second"], abs=1e-3)
+    assert result["step_in_ar_steps"] == pytest.approx(spec["ms_per_step"] / ar["ms_per_step"], rel=1e-3)
+
+    latency = result["latency"]
+    assert list(latency["verify_ms"]) == ["1", "2", "4", "8", "16", str(tree.num_nodes)]
+    assert all(ms > 0 for ms in latency["verify_ms"].values()) and latency["relative_to_one_token"]["1"] == 1.0
+    assert report["peak_memory_bytes"] > 2**20
+
+    trace = json.loads((out / "trace.json").read_text())
+    calls = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "calls"]
+    steps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "steps"]
+    names = {e["name"] for e in calls}
+    assert {"verify", "draft0", f"draft{tree.depth - 1}"} <= names
+    assert len(steps) == 2 * 3  # --trace-steps 3, for each mode
+    for pid in {e["pid"] for e in steps}:
+        end = max(e["ts"] + e["dur"] for e in steps if e["pid"] == pid)
+        assert all(0 <= e["ts"] and e["ts"] + e["dur"] <= end + 1 for e in calls if e["pid"] == pid)
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "profile.png").stat().st_size > 0
+    else:
+        assert "profile.png skipped" in printed and not (out / "profile.png").exists()
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--runner", "onnxruntime,no-such-runner"], "unknown backend 'no-such-runner'"),
+    (["--images", "100000"], "needs about"),
+])
+def test_profile_refuses_up_front_in_one_line(c2i_engine, tmp_path, monkeypatch, capsys, argv, says):
+    from lantern.runtime import generator
+    from lantern.tools import run_cli
+
+    monkeypatch.setattr(generator, "available_memory", lambda: 2**30)  # this machine, as its readers say
+    out = tmp_path / "profile"
+    assert run_cli.main(["profile", c2i_engine, "--threads", "1", "--out", str(out)] + argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], lines
+    assert captured.out == "" and list(tmp_path.iterdir()) == []
