@@ -21,6 +21,7 @@ engine calls as Chrome trace events (Perfetto, chrome://tracing): one track of s
 calls named by regime (draft0, draft1, ..., verify, accept; a whole device step is one
 "device_step" event); the gaps between calls are host time.
 """
+import contextlib
 import copy
 import json
 import os
@@ -128,18 +129,23 @@ def run(args):
     for name in names:  # opened and checked up front: nothing is generated before every runner fits
         engines[name] = open_probed(args, name)
         check_memory(engines[name], args, settings)
-    started = time.perf_counter()
-    results = [profile_runner(engines[name], args, settings) for name in names]
-    report = {"engine": os.path.abspath(args.engine), "settings": settings_of(args, settings),
-              "images": args.images, "seed": args.seed, "threads": args.threads or os.cpu_count(),
-              "runners": results, "seconds": round(time.perf_counter() - started, 3),
-              "peak_memory_bytes": peak_memory(),
-              "peak_memory_note": "the whole process's peak resident memory (getrusage maxrss), all runners "
-                                  "included; device memory is not counted"}
-    print(table(report))
+    # --out is checked and locked before the work, and placed whole after it
+    out = OutputDirectory(args.out, force=args.force, replaceable=only_files(FILES, "lantern-run profile")) \
+        if args.out else contextlib.nullcontext()
+    with out as stage:
+        started = time.perf_counter()
+        results = [profile_runner(engines[name], name, args, settings) for name in names]
+        report = {"engine": os.path.abspath(args.engine), "settings": settings_of(args, settings),
+                  "images": args.images, "seed": args.seed, "threads": args.threads or os.cpu_count(),
+                  "runners": results, "seconds": round(time.perf_counter() - started, 3),
+                  "peak_memory_bytes": peak_memory(),
+                  "peak_memory_note": "the whole process's peak resident memory (getrusage maxrss), all runners "
+                                      "included; device memory is not counted"}
+        traces = [r.pop("_trace") for r in results]
+        print(table(report))
+        if stage is not None:
+            write_outputs(stage, report, traces)
     if args.out:
-        with OutputDirectory(args.out, force=args.force, replaceable=only_files(FILES, "lantern-run profile")) as stage:
-            write_outputs(stage, report, [r.pop("_trace") for r in results])
         print(f"-> {args.out}")
     return 0
 
@@ -150,10 +156,8 @@ def open_probed(args, name):
     per_runner = copy.copy(args)
     per_runner.backend = name
     opened = open_engine(per_runner)
-    recorder = RecordingBackend(opened.backend)
-    engine = Engine(args.engine, backend=TracedBackend(recorder), step=args.step, verify=False)
-    engine.recorder = recorder
-    return engine
+    # the same backend, wrapped: a second Engine over it (the first one verified the directory)
+    return Engine(args.engine, backend=TracedBackend(RecordingBackend(opened.backend)), step=args.step, verify=False)
 
 
 def check_memory(engine, args, settings):
@@ -187,14 +191,14 @@ def peak_memory():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def profile_runner(engine, args, settings):
+def profile_runner(engine, name, args, settings):
     """One runner's profile: the requested mode and ar, their step-cost ratio and speed-up, L(T)."""
     modes = [settings.mode] + (["ar"] if settings.mode != "ar" else [])
     runs, traces = {}, {}
     for mode in modes:
         runs[mode], traces[mode] = profile_generation(engine, args, settings.replace(mode=mode), args.trace_steps)
     main, ar = runs[settings.mode], runs["ar"]
-    out = {"runner": engine.backend.name, "device": str(getattr(engine.backend, "device", "cpu")),
+    out = {"runner": name, "device": args.device or runner(name).device,
            "step": main["step"], "runs": runs,
            "step_in_ar_steps": round(main["ms_per_step"] / ar["ms_per_step"], 3),
            "speed_up": round(main["tokens_per_second"] / ar["tokens_per_second"], 3),
@@ -208,7 +212,8 @@ def profile_generation(engine, args, settings, trace_steps):
     """One mode's per-step figures, from a generation after an untimed one of the same call."""
     call = dict(settings=settings, seed=args.seed, tree=args.tree, **condition_of(engine, args))
     engine.generate(**call)
-    probe, recorder = engine.backend, engine.recorder
+    probe = engine.backend
+    recorder = probe.inner
     records, marks = [], []  # per step: its record, then (events counted, time) when it ended
 
     def observe(record):
@@ -368,6 +373,7 @@ def plot(report, path):
         left.plot([int(T) for T in L["verify_ms"]], list(L["verify_ms"].values()), marker="o", label=r["runner"])
         depths = r["runs"][report["settings"]["mode"]]["acceptance_per_depth"]
         right.plot(range(1, len(depths) + 1), depths, marker="o", label=r["runner"])
+        right.set_xticks(range(1, len(depths) + 1))
     left.set_xlabel("tokens verified in one call (T)")
     left.set_ylabel("ms")
     left.set_title("verification latency L(T)", fontsize=9)
