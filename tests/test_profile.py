@@ -78,3 +78,22 @@ def test_profile_refuses_up_front_in_one_line(c2i_engine, tmp_path, monkeypatch,
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], lines
     assert captured.out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_profile_of_a_device_step_traces_its_acceptance_graph(c2i_accept_engine, tmp_path):
+    """ONNX Runtime's device step: the acceptance graph is one more engine call per step, in the
+    trace as `accept`; AR, which it has no graph for, runs on the host step beside it."""
+    from lantern.tools import run_cli
+
+    out = tmp_path / "profile"
+    argv = ["profile", c2i_accept_engine, "--images", "2", "--threads", "1", "--greedy", "--step", "device",
+            "--repeats", "1", "--out", str(out)]
+    assert run_cli.main(argv) == 0
+    (result,) = json.loads((out / "profile.json").read_text())["runners"]
+    spec, ar = result["runs"]["lantern++"], result["runs"]["ar"]
+    depth = build_tree(read_manifest(c2i_accept_engine).tree).depth
+    assert (spec["step"], ar["step"]) == ("device", "host")
+    assert spec["engine_calls_per_step"] == depth + 2 and ar["engine_calls_per_step"] == 1
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    per_step = [e["name"] for e in events if e["ph"] == "X" and e["cat"] == "calls" and e["pid"] == 1]
+    assert per_step[: depth + 2] == [f"draft{d}" for d in range(depth)] + ["verify", "accept"]
