@@ -61,7 +61,8 @@ class GenerationSettings:
             acceptance.rule_for(self.mode, k=0 if self.k is None else self.k, delta=self.delta, lam=self.lam)
         self.sampler()  # the filters, checked where sampling uses them
         s = self.cfg_scale
-        if not (isinstance(s, (int, float, np.floating)) and not isinstance(s, bool) and np.isfinite(s) and s >= 0):
+        if not (isinstance(s, (int, float, np.floating)) and not isinstance(s, bool)
+                and (isinstance(s, int) or np.isfinite(s)) and s >= 0):  # an int of any size is finite
             raise LanternError(f"cfg scale must be a finite number >= 0 (<= 1 turns CFG off), got {s!r}")
         if not _is_int(self.cfg_interval) or self.cfg_interval < -1:
             raise LanternError(f"cfg interval must be an integer >= -1 (-1: CFG for every token), "

@@ -18,6 +18,7 @@ from lantern.runtime.settings import MODES, GenerationSettings
     (dict(mode="lantern++", k=2.5), "k must be an integer >= 0"),
     (dict(cfg_scale=float("nan")), "cfg scale must be a finite number >= 0"),
     (dict(cfg_scale=-1.0), "cfg scale must be a finite number >= 0"),
+    (dict(cfg_scale=2**70), "cfg scale must be <= 100"),  # an int past float64's exact range (and numpy's int64)
     (dict(cfg_interval=-2), "cfg interval must be an integer >= -1"),
     (dict(cfg_interval=1.5), "cfg interval must be an integer >= -1"),
     (dict(temperature=0.0), "temperature"),
