@@ -165,12 +165,9 @@ def check_memory(engine, args, settings):
     generation's tree (or the widest L(T) call, as wide) over --images images."""
     tree = build_tree(args.tree) if args.tree else engine.tree
     if settings.mode != "ar" and tree is not None:
-        engine.check_memory(tree, prefix_of(engine, args, settings.cfg))
-        engine.check_memory(verify_tree(tree.num_nodes), prefix_of(engine, args, settings.cfg))
-
-
-def prefix_of(engine, args, cfg):
-    return engine.condition.prefix(cfg, **condition_of(engine, args))
+        prefix = engine.condition.prefix(settings.cfg, **condition_of(engine, args))
+        engine.check_memory(tree, prefix)
+        engine.check_memory(verify_tree(tree.num_nodes), prefix)
 
 
 def condition_of(engine, args):
