@@ -307,7 +307,8 @@ def table(report):
     """The terminal table: one column per runner and mode."""
     cols = [(r, r["runs"][m]) for r in report["runners"] for m in r["runs"]]
     rows = [("", [f"{r['runner']} {g['mode']}" for r, g in cols]),
-            ("tree (nodes, depth)", [f"{g['tree']} ({g['nodes']}, {g['depth']})" for _, g in cols]),
+            ("tree (nodes, depth), source", [f"{g['tree']} ({g['nodes']}, {g['depth']}), {g['tree_source']}"
+                                             for _, g in cols]),
             ("step path", [g["step"] for _, g in cols]),
             ("ms per step", [f"{g['ms_per_step']:.3f}" for _, g in cols])]
     rows += [(f"  {p}", [f"{g['phase_ms_per_step'][p]:.3f}" for _, g in cols]) for p in PHASES]
