@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lantern.runtime import accept as acceptance
-from lantern.runtime.backends import open_backend
+from lantern.runtime.backends import DEFAULT, open_backend
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
 from lantern.runtime.integrity import load_neighbors
@@ -79,7 +79,7 @@ class Engine:
     used by one call at a time), so a second thread's call waits for the first and both return
     what they would alone. For parallel generations open one Engine per worker."""
 
-    def __init__(self, directory, backend="onnxruntime", threads=None, device=None, verify=True,
+    def __init__(self, directory, backend=DEFAULT, threads=None, device=None, verify=True,
                  memory_limit=None, step=None, **backend_options):
         """step: "host", "device" or None (the backend's default_step); see the module docstring."""
         if step not in (None, "host", "device"):

@@ -22,8 +22,7 @@ from lantern.tools.run_cli import build_parser, LOADERS
 from test_layering import modules
 
 # Spellings the context rules below cannot tell apart, each with why it stays.
-KNOWN = {("lantern.runtime.generator", "onnxruntime"): "Engine's default backend (to become backends.DEFAULT)",
-         ("lantern.tools.train.demo", "torch"): "the model card reads the torch version from its metrics"}
+KNOWN = {("lantern.tools.train.demo", "torch"): "the model card reads the torch version from its metrics"}
 
 # A runner name is also a package name (torch, onnxruntime, tensorrt) and "tensorrt" a TensorRT flavor:
 # those uses are not runner names.
