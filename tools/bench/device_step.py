@@ -1,4 +1,7 @@
-"""Per step, host path vs device path, as JSON.
+"""What only this measures: kernels per torch device step by part (--kernels), acceptance graphs
+alone on GPT-B's vocabulary (--acceptance), and host vs device step paths over batch sizes and
+sampling (bytes each way, launches, syncs). Prints JSON. One engine's phases, L(T) and speed-up
+on one runner are `lantern-run profile`'s.
 
 Whole step (--engine DIR or --gpt GPT-B; the default section): real generations on one engine,
 each mode (ar, exact, lantern++; CFG), greedy and sampling (temperature 1, top-k --top-k; rows

@@ -1,4 +1,6 @@
-"""Runtime benchmark on a GPT-B-shaped engine (random weights), ONNX Runtime CPU. Prints JSON.
+"""What only this measures: that a step's time and host allocations stay flat as the cache fills,
+and IOBinding against plain session.run, on a GPT-B-shaped engine (random weights), ONNX Runtime
+CPU. Prints JSON. A step's phases, L(T) and the speed-up over ar are `lantern-run profile`'s.
 
   python -m lantern.tools.bench.runtime [--model GPT-B] [--threads 2] [--engine DIR] [--plot PNG]
 
