@@ -438,8 +438,8 @@ def reading(summary):
         f"call per depth, the verification) where an AR step makes {rows['ar']['engine_calls_per_step_batch1']:.1f} "
         f"(prefill included): call overhead. Neither cost is the method's: on a GPU a {nodes}-token verification "
         f"of a large model costs little more than one token and calls can be captured in CUDA graphs, so the step "
-        f"compression (steps/image) is what carries over (measure the latency curve with "
-        f"`python -m lantern.tools.bench.runtime`).")
+        f"compression (steps/image) is what carries over (measure a step's phases and the latency curve on "
+        f"your machine with `lantern-run profile ENGINE`).")
 
 
 def _embedded_reading(summary):
