@@ -97,3 +97,60 @@ def test_profile_of_a_device_step_traces_its_acceptance_graph(c2i_accept_engine,
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     per_step = [e["name"] for e in events if e["ph"] == "X" and e["cat"] == "calls" and e["pid"] == 1]
     assert per_step[: depth + 2] == [f"draft{d}" for d in range(depth)] + ["verify", "accept"]
+
+
+class RangeRecorder:
+    """Records NVTX-style range_push/range_pop calls, as torch.cuda.nvtx receives them on CUDA."""
+
+    def __init__(self):
+        self.calls, self.depth = [], 0
+
+    def range_push(self, name):
+        self.calls.append(name)
+        self.depth += 1
+
+    def range_pop(self):
+        assert self.depth > 0, "a range popped that was never pushed"
+        self.calls.append(None)
+        self.depth -= 1
+
+
+def test_engine_trace_merges_onnxruntime_profiler_and_ranges_wrap_each_call(c2i_engine, tmp_path, monkeypatch):
+    """--engine-trace on ONNX Runtime: its profiler's session and node events of the traced steps
+    on rows of their own, inside our call spans; with an NVTX recorder (what CUDA gets) a range
+    per step and per call, named by regime. On the CPU there is no recorder at all."""
+    from lantern.tools import profile, profile_trace, run_cli
+
+    assert profile_trace.nvtx_ranges("cpu") is None
+    recorder = RangeRecorder()
+    monkeypatch.setattr(profile, "nvtx_ranges", lambda device: recorder)
+    out = tmp_path / "profile"
+    argv = ["profile", c2i_engine, "--images", "2", "--threads", "1", "--repeats", "1", "--engine-trace",
+            "--out", str(out)]
+    assert run_cli.main(argv) == 0
+    depth = build_tree(read_manifest(c2i_engine).tree).depth
+
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert {e["ph"] for e in events} <= {"X", "M"}
+    timed = [e for e in events if e["ph"] == "X"]
+    assert all(isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["dur"] >= 0
+               for e in timed)
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    for pid, graphs in ((1, {"target", "drafter"}), (2, {"target"})):  # lantern++, then ar
+        ours = [e for e in timed if e["pid"] == pid and e["cat"] == "calls"]
+        ort = [e for e in timed if e["pid"] == pid and rows[pid, e["tid"]].startswith("ONNX Runtime")]
+        assert {rows[pid, e["tid"]] for e in ort} == {f"ONNX Runtime {g}" for g in graphs}
+        assert any(e["cat"] == "Node" and e["name"].endswith("_kernel_time") for e in ort)
+        runs = [e for e in ort if e["name"] == "model_run"]
+        assert len(runs) == len(ours)  # one session run per engine call of the traced steps
+        # aligned: each session run lies within one of our call spans (0.5 ms of clock slack)
+        for r in runs:
+            assert any(c["ts"] - 500 <= r["ts"] and r["ts"] + r["dur"] <= c["ts"] + c["dur"] + 500 for c in ours)
+
+    assert recorder.depth == 0
+    pushed = [c for c in recorder.calls if c is not None]
+    assert pushed.count("step 2") == 2 and "step 5" not in pushed  # --trace-steps 3, both modes
+    # the lantern++ generation's second step: its range holds one range per engine call, in order
+    start = recorder.calls.index("step 2")
+    inside = recorder.calls[start + 1: recorder.calls.index("step 3", start) - 1]
+    assert [c for c in inside if c is not None] == [f"draft{d}" for d in range(depth)] + ["verify"]

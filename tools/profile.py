@@ -19,7 +19,10 @@ generation's stats and the observer, so it profiles whatever step the engine run
 and acceptance per depth; needs matplotlib, from the export extra) and trace.json, a few steps'
 engine calls as Chrome trace events (Perfetto, chrome://tracing): one track of steps, one of
 calls named by regime (draft0, draft1, ..., verify, accept; a whole device step is one
-"device_step" event); the gaps between calls are host time.
+"device_step" event); the gaps between calls are host time. --engine-trace adds, on rows of their
+own, the engine's own profiler's events of those steps (ONNX Runtime's profiler; torch.profiler
+for the torch-based runners; lantern.tools.profile_trace). On CUDA each traced call and step is
+an NVTX range named by its regime, so Nsight Systems shows the phases.
 """
 import contextlib
 import copy
@@ -31,70 +34,17 @@ import time
 import numpy as np
 
 from lantern.runtime.backends import runner
-from lantern.runtime.cli import _classes, add_generation_options, generation_settings, open_engine
+from lantern.runtime.cli import _classes, add_generation_options, device_of, generation_settings, open_engine
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.outdir import only_files, OutputDirectory, write_file
 from lantern.runtime.tree import build_tree
 from lantern.tools.bench.device_step import RecordingBackend
 from lantern.tools.latency import default_condition, plan_for, release, time_call, verify_tree
+from lantern.tools.profile_trace import engine_profiler, in_window, nvtx_ranges, TracedBackend
 
 FILES = ("profile.json", "profile.png", "trace.json")
 PHASES = ("draft", "verify", "accept", "commit")
-
-
-class TracedBackend:
-    """A backend whose engine calls are timed as the loop makes them: each run() (through the
-    synchronize that follows it, where the work of an asynchronous device ends), the device
-    step's acceptance call, or a whole device step. spans: [regime, start, end] (perf_counter)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.spans = []
-        self._open = None  # the last run()'s span until the synchronize after it
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def run(self, call):
-        start = time.perf_counter()
-        out = self.inner.run(call)
-        self._open = [call.regime, start, time.perf_counter()]
-        self.spans.append(self._open)
-        return out
-
-    def synchronize(self):
-        out = self.inner.synchronize()
-        if self._open is not None:
-            self._open[2] = time.perf_counter()
-            self._open = None
-        return out
-
-    def device_step(self, decoding):
-        return _TracedStep(self.inner.device_step(decoding), self.spans)
-
-
-class _TracedStep:
-    """A backend's device step with its calls timed: accept() (its acceptance graph) or step()
-    (the whole step on the device)."""
-
-    def __init__(self, inner, spans):
-        self.inner, self.spans = inner, spans
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def _timed(self, name, fn, *args, **kw):
-        start = time.perf_counter()
-        out = fn(*args, **kw)
-        self.spans.append([name, start, time.perf_counter()])
-        return out
-
-    def accept(self, *args, **kw):
-        return self._timed("accept", self.inner.accept, *args, **kw)
-
-    def step(self, *args, **kw):
-        return self._timed("device_step", self.inner.step, *args, **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +62,9 @@ def add_parser(sub, backend_loaders=None):
     p.add_argument("--runner", help="comma-separated runners to profile side by side (default: --backend)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per L(T) point (default 5)")
     p.add_argument("--trace-steps", type=int, default=3, help="steps in trace.json (default 3)")
+    p.add_argument("--engine-trace", action="store_true",
+                   help="add the engine's own profiler's events of the traced steps to trace.json (ONNX Runtime's "
+                        "profiler, on from the sessions' start, so the figures include its cost; torch.profiler)")
     p.add_argument("--out", help="write profile.json, profile.png and trace.json into this directory")
     p.add_argument("--force", action="store_true", help="replace --out if it holds an earlier profile")
     p.set_defaults(func=run, backend_loaders=dict(backend_loaders or {}))
@@ -124,6 +77,8 @@ def run(args):
     names = [n.strip() for n in (args.runner or args.backend).split(",") if n.strip()]
     for name in names:
         runner(name)  # one line naming the valid runners for an unknown one
+    if args.engine_trace and not args.out:
+        raise LanternError("--engine-trace writes into trace.json: give --out DIR")
     settings = generation_settings(args)
     engines = {}
     for name in names:  # opened and checked up front: nothing is generated before every runner fits
@@ -155,9 +110,16 @@ def open_probed(args, name):
     is timed and every host crossing counted."""
     per_runner = copy.copy(args)
     per_runner.backend = name
-    opened = open_engine(per_runner)
+    device = device_of(per_runner)
+    profiler = engine_profiler(name, device) if args.engine_trace else None
+    if profiler is not None and profiler.backend_options:  # ONNX Runtime: no loader, its profiler is an option
+        opened = Engine(args.engine, backend=name, threads=args.threads, device=device, step=args.step,
+                        **profiler.backend_options)
+    else:
+        opened = open_engine(per_runner)
     # the same backend, wrapped: a second Engine over it (the first one verified the directory)
-    return Engine(args.engine, backend=TracedBackend(RecordingBackend(opened.backend)), step=args.step, verify=False)
+    traced = TracedBackend(RecordingBackend(opened.backend), ranges=nvtx_ranges(device), profiler=profiler)
+    return Engine(args.engine, backend=traced, step=args.step, verify=False)
 
 
 def check_memory(engine, args, settings):
@@ -204,6 +166,11 @@ def profile_runner(engine, name, args, settings):
             host = Engine(args.engine, backend=engine.backend, step="host", verify=False)
             runs[mode], traces[mode] = profile_generation(host, args, settings.replace(mode=mode), args.trace_steps)
             host.release()
+    profiler = engine.backend.profiler
+    if profiler is not None:  # each mode's traced steps get the engine events made within them
+        events = profiler.collect(engine.backend)
+        for trace in traces.values():
+            trace["engine"] = in_window(events, trace)
     main, ar = runs[settings.mode], runs["ar"]
     out = {"runner": name, "device": args.device or runner(name).device,
            "step": main["step"], "runs": runs,
@@ -226,9 +193,20 @@ def profile_generation(engine, args, settings, trace_steps):
     def observe(record):
         records.append(record)
         marks.append((len(recorder.events), time.perf_counter()))
+        probe.mark_step(f"step {len(marks) + 1}" if len(marks) <= trace_steps else None)
+        if probe.profiler is not None:
+            probe.profiler.step(len(marks), trace_steps)
 
     probe.spans.clear()
-    s = engine.generate(observer=observe, **call).stats
+    if probe.profiler is not None:
+        probe.profiler.begin()
+    probe.mark_step("step 1")
+    try:
+        s = engine.generate(observer=observe, **call).stats
+    finally:
+        probe.mark_step(None)
+        if probe.profiler is not None:
+            probe.profiler.end()
     steps = max(s["steps"], 1)
     prefill = s["phase_seconds"]["prefill"]
     step_seconds = s["seconds"] - prefill
@@ -274,7 +252,7 @@ def trace_of(spans, marks, trace_steps):
     us = lambda t: round(1e6 * (t - t0), 1)  # noqa: E731
     steps = [[f"step {i + 1}", us(a), us(b)] for i, (a, b) in enumerate(zip(ends, ends[1:]))]
     calls = [[name, us(a), us(b)] for name, a, b in spans if t0 <= a < ends[-1]]
-    return {"steps": steps, "calls": calls}
+    return {"steps": steps, "calls": calls, "window": (t0, ends[-1])}
 
 
 def lengths(nodes):
@@ -366,6 +344,14 @@ def chrome_trace(report, traces):
             for tid, key in ((1, "steps"), (2, "calls")):
                 events += [{"name": name, "cat": key, "ph": "X", "pid": pid, "tid": tid, "ts": a,
                             "dur": round(b - a, 1)} for name, a, b in trace[key]]
+            rows = {}  # the engine profiler's rows, threads 3, 4, ...
+            for e in trace.get("engine", []):
+                row = e.pop("row")
+                if row not in rows:
+                    rows[row] = 3 + len(rows)
+                    events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": rows[row],
+                                   "args": {"name": row}})
+                events.append(dict(e, ph="X", pid=pid, tid=rows[row]))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

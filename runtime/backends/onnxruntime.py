@@ -13,6 +13,10 @@ In-place graphs (contracts with `aliases`: present_keys_i is past_keys_i updated
 binds the cache's one OrtValue as both input and output, so TensorScatter writes into the cache
 (ONNX Runtime copies the whole cache first when the two differ, and says so on stderr); an
 unbound call gets the updated cache back as an output and copies it into the input's buffer.
+
+profile_prefix (lantern-run profile --engine-trace): ONNX Runtime's own profiler on for every
+session from its creation (it can only be turned on there), each writing its Chrome-trace JSON
+under PROFILE_PREFIX_<graph>_<time>.json once end_profiling() is called.
 """
 import os
 
@@ -32,7 +36,7 @@ class OnnxRuntimeBackend:
     key = None  # runs the ONNX graphs (or their modules), no compiled plans
     default_step = "host"  # its device step (acceptance as a graph) is slower on a CPU: bench.device_step
 
-    def __init__(self, directory, manifest, threads=None, device="cpu", io_binding=True):
+    def __init__(self, directory, manifest, threads=None, device="cpu", io_binding=True, profile_prefix=None):
         try:
             import onnxruntime as ort
         except ImportError:
@@ -58,9 +62,12 @@ class OnnxRuntimeBackend:
         # Each graph has its own session and thread pool, and the decoding loop alternates between
         # them: idle threads spinning after a drafter call would steal the cores the target needs.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.enable_profiling = profile_prefix is not None
+        self.profile_prefix = profile_prefix
         self.sessions = {}
         for graph, entry in manifest.graphs.items():
             path = os.path.join(directory, entry.file)
+            self._name_profile(options, graph)
             try:
                 self.sessions[graph] = ort.InferenceSession(path, options, providers=providers)
             except Exception as e:  # ORT raises its own exception types
@@ -146,6 +153,7 @@ class OnnxRuntimeBackend:
         session = self._acceptance.get(graph.file)
         if session is None:
             path = os.path.join(self.directory, graph.file)
+            self._name_profile(self.options, os.path.splitext(os.path.basename(graph.file))[0])
             try:
                 session = self.ort.InferenceSession(path, self.options, providers=self.providers)
             except Exception as e:
@@ -154,6 +162,15 @@ class OnnxRuntimeBackend:
             self._acceptance[graph.file] = session
         return session
 
+    def _name_profile(self, options, name):
+        if self.profile_prefix is not None:  # one file per session (sessions made in one millisecond share a time)
+            options.profile_file_prefix = f"{self.profile_prefix}_{name}"
+
+    def end_profiling(self):
+        """{session name: (its profiler's start, ns since the epoch; its JSON file)}; profiling ends."""
+        sessions = dict(self.sessions, **{os.path.splitext(os.path.basename(f))[0]: s
+                                          for f, s in self._acceptance.items()})
+        return {name: (s.get_profiling_start_time_ns(), s.end_profiling()) for name, s in sessions.items()}
 
     def call_shapes(self, graph):
         return None  # any shape runs
