@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 
 from lantern.runtime.backends import ONNXRUNTIME, runner
 from lantern.runtime.errors import LanternError
@@ -134,6 +135,7 @@ class OrtProfiler:
 
     def __init__(self):
         self.dir = tempfile.mkdtemp(prefix="lantern-ort-profile-")
+        weakref.finalize(self, shutil.rmtree, self.dir, True)  # also when the profile stops early
         self.backend_options = {"profile_prefix": os.path.join(self.dir, "ort")}
 
     def begin(self):
