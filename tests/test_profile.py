@@ -154,3 +154,29 @@ def test_engine_trace_merges_onnxruntime_profiler_and_ranges_wrap_each_call(c2i_
     start = recorder.calls.index("step 2")
     inside = recorder.calls[start + 1: recorder.calls.index("step 3", start) - 1]
     assert [c for c in inside if c is not None] == [f"draft{d}" for d in range(depth)] + ["verify"]
+
+
+def test_engine_trace_merges_torch_profiler_ops_of_the_traced_steps(c2i_engine, tmp_path):
+    """The torch runner: torch.profiler's ops of the traced steps, on their own row, the matmuls
+    of each engine call inside that call's span (aligned by the profiler's clock mark)."""
+    pytest.importorskip("torch")
+    from lantern.tools import profile_trace, run_cli
+
+    out = tmp_path / "profile"
+    argv = ["profile", c2i_engine, "--images", "2", "--threads", "1", "--repeats", "1", "--runner", "torch",
+            "--engine-trace", "--out", str(out)]
+    assert run_cli.main(argv) == 0
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    ops = [e for e in events if e["ph"] == "X" and rows[e["pid"], e["tid"]].startswith("torch.profiler")]
+    calls = [e for e in events if e["ph"] == "X" and e["cat"] == "calls"]
+    steps = [e for e in events if e["ph"] == "X" and e["cat"] == "steps"]
+    assert {e["pid"] for e in ops} == {1, 2}  # lantern++ and ar
+    assert profile_trace.TorchProfiler.MARK not in {e["name"] for e in ops}
+    end = max(e["ts"] + e["dur"] for e in steps)
+    assert all(0 <= e["ts"] <= end for e in ops)
+    # the verification's matmuls fall inside our verify spans (with 0.5 ms of clock slack)
+    verify = [c for c in calls if c["name"] == "verify"]
+    matmuls = [e for e in ops if e["name"] == "aten::matmul"
+               and any(c["pid"] == e["pid"] and c["ts"] - 500 <= e["ts"] < c["ts"] + c["dur"] for c in verify)]
+    assert len(matmuls) >= len(verify)
