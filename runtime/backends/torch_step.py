@@ -108,10 +108,10 @@ class TorchDeviceStep:
         self.vocab = int(plan.calls["verify"].output_shapes["logits"][-1])
         self.node_tokens = torch.zeros((d.N, tree.num_nodes), dtype=torch.int64, device=dev)
         self.inplace = isinstance(plan.target_cache, InPlaceKVCache)
-        # each call's block (its new tokens among themselves) and, for the in-place form, where it
-        # writes: draft0's block is state (_set_pending), the others are constants of the plan
-        # (plain caches: load points every block at its mask's block columns, which the plan filled)
-        self.blocks = {"verify": up(tree.mask)}
+        # each call's block (its new tokens among themselves): a plain mask holds it in its block
+        # columns, which the plan filled (load points self.blocks at them); the in-place form places
+        # it at the slots the call writes, from these constants. draft0's block is state (_set_pending)
+        self.blocks = {"verify": up(tree.mask)} if self.inplace else {}
         self.first_slots = {}
         if tree.depth:
             W = tree.depth + 1
@@ -126,7 +126,8 @@ class TorchDeviceStep:
             self.widths = [lv.width for lv in tree.levels]
             for lv in tree.levels[:-1]:
                 call = plan.calls[f"draft{lv.depth}"]
-                self.blocks[call.regime] = up(np.eye(call.tokens, dtype=bool))
+                if self.inplace:
+                    self.blocks[call.regime] = up(np.eye(call.tokens, dtype=bool))
                 self.first_slots[call.regime] = torch.full((d.B,), call.first_slot, dtype=torch.int64, device=dev)
         K = d.engine.manifest.candidates if tree.depth else 0  # AR: no drafts, no candidates
         self.candidates = torch.zeros((d.N, tree.num_nodes, K), dtype=torch.int64, device=dev)
@@ -209,8 +210,9 @@ class TorchDeviceStep:
         if self.depth:  # every drafter call's cfg_pair: the step writes them all at once
             self.cfg_pairs = [f["cfg_pair"] for r, f in self.feeds.items() if r.startswith("draft") and "cfg_pair" in f]
             self.cfg_partners = keep("cfg_partners", plan.cfg_partners)
+        if self.inplace and self.depth:
             self.blocks["draft0"] = keep("draft0/block", plan.calls["draft0"].block)  # the prefill's pair
-        if not self.inplace:  # a plain mask's block columns hold its block (uploaded with it): write there
+        elif not self.inplace:  # a plain mask's block columns hold its block (uploaded with it): write there
             for regime, feeds in self.feeds.items():
                 mask = feeds["attention_mask"]
                 self.blocks[regime] = mask[:, 0, :, mask.shape[3] - mask.shape[2]:]
