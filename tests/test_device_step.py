@@ -16,7 +16,7 @@ from lantern.export.torch_backend import open_torch_backend
 from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
-from lantern.tools.bench.device_step import RecordingBackend
+from lantern.tools.crossings import RecordingBackend
 from lantern.tools.run_cli import main as run_main
 
 torch.set_grad_enabled(False)

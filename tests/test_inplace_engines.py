@@ -431,7 +431,7 @@ def test_inplace_device_step_equals_the_host_step(inplace_torch, mode, cfg, imag
 
 
 def test_inplace_device_step_moves_a_few_integers_per_image(inplace_torch, inplace_c2i):
-    from lantern.tools.bench.device_step import RecordingBackend
+    from lantern.tools.crossings import RecordingBackend
 
     backend = RecordingBackend(inplace_torch[0])
     engine = Engine(inplace_c2i, backend=backend, step="device")

@@ -19,7 +19,7 @@ from lantern.runtime.backends.onnxruntime_torch import OnnxRuntimeModule
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.manifest import read_manifest
-from lantern.tools.bench.device_step import RecordingBackend
+from lantern.tools.crossings import RecordingBackend
 from lantern.tools.run_cli import main as run_main
 from engines import captions
 

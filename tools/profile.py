@@ -5,8 +5,8 @@ It generates --images images with the given settings and, on the same engine, ru
 and seeds in the same run, with mode `ar`; each after one untimed generation of the same call (the
 sessions' first-run costs). Per step it reports each phase's time (the generation's stats:
 draft, verify, accept, commit; host = step time - engine time), engine calls and host launches,
-the bytes that cross the host boundary per image (lantern.tools.bench.device_step's
-RecordingBackend around the opened backend), the verification call's latency L(T) at
+the bytes that cross the host boundary per image (lantern.tools.crossings.RecordingBackend
+around the opened backend), the verification call's latency L(T) at
 mid-generation context (T = 1, 2, 4, ... up to the tree's nodes; lantern.tools.latency), the
 step's cost in AR steps, acceptance per depth (the observer's StepRecords), the mean accepted
 length, the measured speed-up over `ar` and the process's peak memory. --runner a,b repeats it
@@ -39,7 +39,7 @@ from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.outdir import only_files, OutputDirectory, write_file
 from lantern.runtime.tree import build_tree
-from lantern.tools.bench.device_step import RecordingBackend
+from lantern.tools.crossings import RecordingBackend
 from lantern.tools.latency import default_condition, plan_for, release, time_call, verify_tree
 from lantern.tools.profile_trace import engine_profiler, in_window, nvtx_ranges, TracedBackend
 

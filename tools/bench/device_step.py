@@ -51,10 +51,10 @@ from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.backends import ONNXRUNTIME, ONNXRUNTIME_TORCH, TORCH
-from lantern.runtime.backends.graph_acceptance import STEP_INPUTS
 from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
 from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.manifest import read_manifest
+from lantern.tools.crossings import RecordingBackend
 
 VOCAB, TABLE = 16384, 1000
 
@@ -195,98 +195,6 @@ def export_gpt(root, model, dtype, with_vq=False):
     export_engine(out, os.path.join(src, "gpt.pt"), target_options={"name": model},
                   drafter=os.path.join(src, "drafter"), vq=tokenizer, tree="mc_sim_7b_63", dtype=dtype, candidates=64)
     return out
-
-
-OWN_BUFFERS = ("target_hidden", "cond_embeds")
-
-
-class RecordingBackend:
-    """A real backend with every host crossing counted as events (kind, bytes): arrays the loop
-    hands to run() (feeds that a GPU backend copies up), index arrays of gather/commit/copy,
-    numpy() and to_host() reads, to_device() writes, synchronisations, launches from the host.
-    `start`: where the last device step's steps begin in `events` (its setup is not counted)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.events = []
-        self.start = 0
-        self.last_step = None  # the inner backend's device step of the last generation
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def _up(self, *arrays):
-        self.events.append(("to_device", sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))))
-
-    def run(self, call):
-        # the backend's own buffers (caches, hidden states, condition embeddings: made by
-        # backend.zeros, on its device) do not cross; what the loop wrote on the host does
-        self._up(*(v for k, v in call.feeds.items() if not k.startswith("past_") and k not in OWN_BUFFERS))
-        self.events.append(("launch", 0))
-        return self.inner.run(call)
-
-    def numpy(self, array):
-        out = self.inner.numpy(array)
-        self.events += [("to_host", out.nbytes), ("sync", 0)]
-        return out
-
-    def gather(self, src, rows, cols, out):
-        self._up(np.asarray(rows), np.asarray(cols))
-        return self.inner.gather(src, rows, cols, out)
-
-    def commit(self, cache, new, rows, src, dst):
-        self._up(*(np.asarray(a) for a in (rows, src, dst)))
-        return self.inner.commit(cache, new, rows, src, dst)
-
-    def copy(self, src, out):
-        self._up(src)
-        return self.inner.copy(src, out)
-
-    def to_device(self, array):
-        self._up(np.asarray(array))
-        return self.inner.to_device(array)
-
-    def to_host(self, tensor):
-        out = self.inner.to_host(tensor)
-        self.events += [("to_host", out.nbytes), ("sync", 0)]
-        return out
-
-    def synchronize(self):
-        self.events.append(("sync", 0))
-        return self.inner.synchronize()
-
-    def device_step(self, decoding):
-        step = self.inner.device_step(decoding)
-        if not step.whole_step:  # the backend's acceptance call: its crossings are counted too
-            step = _RecordedAcceptance(step, self.events)
-        self.last_step = step
-        self.start = len(self.events)
-        return step
-
-    def totals(self, start):
-        """{to_device, to_host: bytes; sync, launch: count} since event `start`."""
-        out = dict(to_device=0, to_host=0, sync=0, launch=0)
-        for kind, size in self.events[start:]:
-            out[kind] += size if kind.startswith("to_") else 1
-        return out
-
-
-class _RecordedAcceptance:
-    """A backend's acceptance graph call (graph_acceptance) as RecordingBackend counts it: the
-    inputs refilled each step go up, one launch, the outcome comes back after one sync (the
-    generation's constants go up once, at setup: not counted)."""
-
-    whole_step = False
-
-    def __init__(self, inner, events):
-        self.inner, self.events, self.io = inner, events, inner.io
-
-    def accept(self, decoding, active, uniforms):
-        out = self.inner.accept(decoding, active, uniforms)
-        io = self.io
-        self.events += [("to_device", sum(io.feeds[n].nbytes for n in STEP_INPUTS if n in io.feeds)),
-                        ("launch", 0), ("to_host", sum(a.nbytes for a in io.outputs.values())), ("sync", 0)]
-        return out
 
 
 def step_record(engine, recorder, path, mode, images, cfg, classes, sampling=False, top_k=0):
