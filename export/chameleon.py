@@ -23,7 +23,6 @@ What must be exactly right (REFERENCE.md §5.1):
 Read top to bottom: config, RoPE, blocks, target, drafter, graphs (what goes to ONNX), engine record.
 """
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch

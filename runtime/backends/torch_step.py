@@ -352,7 +352,7 @@ class TorchDeviceStep:
 
     def _draft(self, active, race):
         torch = self.torch
-        N, B, iob = self.N, self.B, self.image_of_row
+        B, iob = self.B, self.image_of_row
         cache = self.drafter
         if self.cfg_interval_on:  # past the interval an image's rows are their own CFG partners
             late = (self.count >= self.accept_feeds["cfg_interval"])[iob]  # a tensor: the graph reads its value
@@ -392,7 +392,7 @@ class TorchDeviceStep:
 
     def _step(self):
         torch = self.torch
-        N, iob, tree = self.N, self.image_of_row, self.tree
+        N, iob = self.N, self.image_of_row
         active = self.count < self.length
         self.node_tokens[:, 0] = self.root
         uniforms = race = None
@@ -461,7 +461,7 @@ class TorchDeviceStep:
     def _set_pending(self, hidden, cols, tokens, counts):
         """draft0's feeds for the next step, as _Decoding.set_pending builds them on the host."""
         torch = self.torch
-        iob, W = self.image_of_row, self.depth + 1
+        iob = self.image_of_row
         feeds = self.feeds["draft0"]
         real = self.pair_index[None, :] < counts[:, None]  # [N, W]
         torch.gather(hidden, 1, cols[..., None].expand(feeds["target_hidden"].shape), out=feeds["target_hidden"])
