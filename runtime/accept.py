@@ -1,8 +1,9 @@
 """Acceptance for static-tree speculative decoding, batched over the images of a step:
-exact, LANTERN (k, delta), LANTERN++ (k, lam), greedy or sampling.
+exact, LANTERN (k, delta), LANTERN++ (k, lam), GSD (k, tau), greedy or sampling.
 
 Public API
-    Exact(), Lantern(k, delta), LanternPP(k, lam)      the rules; rule_for(mode, ...) picks one
+    Exact(), Lantern(k, delta), LanternPP(k, lam), Gsd(k, tau)
+                                                       the rules; rule_for(mode, ...) picks one
     accept_greedy_batch(tree, tokens, logits, rule, neighbors=None) -> Outcome
     accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, uniforms,
                           neighbors=None, *, temperature=1.0, top_k=0, top_p=1.0) -> Outcome
@@ -15,6 +16,7 @@ Inputs (N images, M = tree.num_nodes, V vocabulary, K drafter candidates):
                  after node i. -inf is allowed (masked tokens); NaN and +inf are errors.
     draft_ids    [N, M, K], draft_probs [N, M, K]: node i's drafter candidates and their
                  probabilities (sparse, as the drafter graph returns them; rows of leaves unused).
+                 A dense q is the case K = V with draft_ids = arange(V) in every row.
     uniforms     [N, M] in [0, 1), drawn up front: uniforms[n, i] decides node i when it is
                  tried as a child; uniforms[n, 0] draws the final token. An image's outcome
                  depends on its own row only, so a batch gives what each image would alone.
@@ -66,6 +68,16 @@ of zero mass (only through rounding, when p~_x == q) falls back to p~_x. The pub
 by the drafter's unconditional q(x); here q is renormalised over the untried siblings, which is
 what makes `exact` lossless for drafts drawn without replacement. Exactness needs each node's
 children to have ranks 0..w-1 (Tree.contiguous); sampling refuses other trees.
+
+GSD (grouped speculative decoding, ICCV 2025; lossy). A draft x is judged with its group
+G(x) = {x} + those of its k nearest neighbors j with |p(j) - p(x)| < tau (tau = 1 keeps all k;
+the paper's further filters are not modelled): in the sampling loop above the test becomes
+uniforms[c] * Q_G < P_G, P_G and Q_G the sums of the current p and q over G(x) (a member outside
+sparse q's candidates adds 0 to Q_G). Nothing is lent, so a rejection leaves the ordinary
+residual normalise(max(p - q, 0)) and q loses x, as for exact. Greedy (p, q one-hot at the
+argmax and x) reduces to: accepted iff x is the argmax, or the argmax is one of x's k nearest
+neighbors with p(argmax) - p(x) < tau, p the unfiltered softmax; the deepest-node and tie rules
+are those above. k = 0 gives G(x) = {x}: the decisions of exact from the same random numbers.
 """
 import math
 from dataclasses import dataclass
@@ -75,7 +87,8 @@ import numpy as np
 from lantern.runtime.errors import LanternError
 
 # ---------------------------------------------------------------------------------------------
-# Rules: each one its own bound on the neighbor mass S_j a draft may borrow
+# Rules: the LANTERN ones each with its own bound on the neighbor mass S_j a draft may borrow;
+# GSD with its group of close neighbors
 
 
 def _check_k(k):
@@ -138,10 +151,30 @@ class LanternPP:
         return (self.lam - 1.0) * p_x
 
 
-RULES = {"exact": Exact, "lantern": Lantern, "lantern++": LanternPP}
+@dataclass(frozen=True)
+class Gsd:
+    """Grouped speculative decoding: accept a draft with the mass ratio of its group, x and those
+    of its k nearest neighbors whose probability is within tau of p(x)."""
+
+    k: int
+    tau: float
+    name = "gsd"
+
+    def __post_init__(self):
+        _check_k(self.k)
+        if not (isinstance(self.tau, (int, float, np.floating)) and not isinstance(self.tau, bool)
+                and 0.0 < self.tau <= 1.0):
+            raise LanternError(f"tau must be in (0, 1] (a probability gap), got {self.tau!r}")
+
+    @property
+    def relaxes(self):
+        return self.k > 0
 
 
-def rule_for(mode, k=None, delta=None, lam=None):
+RULES = {"exact": Exact, "lantern": Lantern, "lantern++": LanternPP, "gsd": Gsd}
+
+
+def rule_for(mode, k=None, delta=None, lam=None, tau=None):
     """The rule a mode name stands for (the CLI's --mode), with its parameters."""
     if mode == "exact":
         return Exact()
@@ -149,6 +182,8 @@ def rule_for(mode, k=None, delta=None, lam=None):
         return Lantern(k=k, delta=delta)
     if mode == "lantern++":
         return LanternPP(k=k, lam=lam)
+    if mode == "gsd":
+        return Gsd(k=k, tau=tau)
     raise LanternError(f"unknown acceptance mode {mode!r}; valid: {', '.join(RULES)}")
 
 
@@ -224,8 +259,8 @@ def accept_greedy_batch(tree, tokens, logits, rule, neighbors=None):
             rows, j = np.nonzero(live & ~ok)
             if rows.size:
                 parents = level.parents[j]
-                ok[rows, j] = _relaxed_argmax(logits, rowmax, rows, parents, x[rows, j], parent_top[rows, j],
-                                              neighbors, rule)
+                test = _group_has_argmax if isinstance(rule, Gsd) else _relaxed_argmax
+                ok[rows, j] = test(logits, rowmax, rows, parents, x[rows, j], parent_top[rows, j], neighbors, rule)
         accepted[:, level.nodes] = ok
         decisions[:, level.nodes] = np.where(live, 0, -1)
 
@@ -243,12 +278,27 @@ def _relaxed_argmax(logits, rowmax, rows, parents, x, top, neighbors, rule):
     cum = np.cumsum(np.exp(logits[rows[:, None], parents[:, None], near] - m[:, None]), axis=1)
     total = None
     if isinstance(rule, Lantern):  # delta bounds probabilities: S_j / Z <= delta <=> S_j <= delta Z
-        pairs, inverse = np.unique(rows * logits.shape[1] + parents, return_inverse=True)
-        flat = logits.reshape(-1, logits.shape[2])
-        total = np.exp(flat[pairs] - rowmax.reshape(-1)[pairs, None]).sum(axis=1)[inverse]
+        total = _row_totals(logits, rowmax, rows, parents)
     _, s = _moved_mass(cum, rule.bound(wx, total))
     pt = wx + s
     return (s > 0) & ((pt > 1.0) | ((pt == 1.0) & (x < top)))
+
+
+def _group_has_argmax(logits, rowmax, rows, parents, x, top, neighbors, rule):
+    """GSD per draft x != argmax at (image, parent row): p and q are one-hot (the argmax, x), so
+    the group's ratio is 1 iff the argmax is in G(x): one of x's k nearest neighbors with
+    p(argmax) - p(x) < tau (p the softmax of the row), and 0 otherwise."""
+    near = _neighbor_slice(neighbors, x, rule.k, logits.shape[2])
+    wx = np.exp(logits[rows, parents, x] - rowmax[rows, parents])  # w(top) == 1
+    gap = (1.0 - wx) / _row_totals(logits, rowmax, rows, parents)  # p(top) - p(x) >= 0
+    return (near == top[:, None]).any(axis=1) & (gap < rule.tau)
+
+
+def _row_totals(logits, rowmax, rows, parents):
+    """sum_v exp(l_v - max l) of each (image, parent) row, each distinct row summed once."""
+    pairs, inverse = np.unique(rows * logits.shape[1] + parents, return_inverse=True)
+    flat = logits.reshape(-1, logits.shape[2])
+    return np.exp(flat[pairs] - rowmax.reshape(-1)[pairs, None]).sum(axis=1)[inverse]
 
 
 def _moved_mass(cum, bound):
@@ -312,12 +362,12 @@ def accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, un
             decisions[n, c] = 0
             live = qx > 0  # a draft outside q's support was not drawn from it: skip it
             t, n, c, x, col, qx = t[live], n[live], c[live], x[live], col[live], qx[live]
-            pt, lent = _relax(p[n], x, rule, neighbors, V)
-            ok = uniforms[n, c] * qx < pt
+            num, den, lent = _trial(p[n], x, qx, ids[t], q[t], rule, neighbors, V)
+            ok = uniforms[n, c] * den < num
             chosen[t[ok]] = c[ok]
             bad = ~ok
             if bad.any():
-                p[n[bad]] = _residual(p[n[bad]], x[bad], pt[bad], lent[bad], ids[t[bad]], q[t[bad]])
+                p[n[bad]] = _residual(p[n[bad]], x[bad], num[bad], lent[bad], ids[t[bad]], q[t[bad]])
                 q[t[bad], col[bad]] = 0.0
                 rest = q[t[bad]]
                 total = rest.sum(axis=1, keepdims=True)
@@ -329,6 +379,33 @@ def accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, un
         if down.size:
             p[down] = filtered_probs(logits[down, node[down]], temperature, top_k, top_p)
     return _outcome(tree, node, inverse_cdf_draw(p, uniforms[:, 0]), decisions)
+
+
+def _trial(p, x, qx, ids, q, rule, neighbors, vocab):
+    """(numerator, denominator, lent) per row's draft x: accepted iff u * denominator < numerator.
+    LANTERN rules: p~(x) / q(x), lent the neighbors whose mass moved into p~(x), so a rejection
+    leaves the residual of p~_x. GSD: P_G / Q_G, nothing lent, so the residual is that of p."""
+    if isinstance(rule, Gsd) and rule.relaxes:
+        p_g, q_g = _group_mass(p, x, ids, q, rule, neighbors, vocab)
+        return p_g, q_g, np.zeros((len(x), 0), dtype=np.int64)
+    pt, lent = _relax(p, x, rule, neighbors, vocab)
+    return pt, qx, lent
+
+
+def _group_mass(p, x, ids, q, rule, neighbors, vocab):
+    """(P_G, Q_G): the mass of G(x) under the rows' current p and q. G(x) is x and those of its
+    k nearest neighbors with |p(j) - p(x)| < tau; q is sparse (probabilities q over candidate
+    ids), so a group member outside the candidates adds nothing to Q_G."""
+    n = np.arange(len(x))
+    near = _neighbor_slice(neighbors, x, rule.k, vocab)
+    close = np.abs(np.take_along_axis(p, near, axis=1) - p[n, x][:, None]) < rule.tau
+    group = np.zeros(p.shape, dtype=bool)  # a mask over the vocabulary: repeated ids count once
+    group[n, x] = True
+    rows, cols = np.nonzero(close)
+    group[rows, near[rows, cols]] = True
+    p_g = np.where(group, p, 0.0).sum(axis=1)
+    q_g = np.where(np.take_along_axis(group, ids, axis=1), q, 0.0).sum(axis=1)
+    return p_g, q_g
 
 
 def _relax(p, x, rule, neighbors, vocab):
@@ -345,8 +422,8 @@ def _relax(p, x, rule, neighbors, vocab):
 
 
 def _residual(p, x, pt, lent, ids, q):
-    """normalise(max(p~_x - q, 0)) after rejecting x, per row; p~_x == p when nothing was lent.
-    q is sparse: probabilities q over candidate ids."""
+    """normalise(max(p~_x - q, 0)) after rejecting x, per row; p~_x == p when nothing was lent
+    (pt is read only in rows that lent). q is sparse: probabilities q over candidate ids."""
     p = p.copy()
     rows, cols = np.nonzero(lent >= 0)
     p[rows, lent[rows, cols]] = 0.0
@@ -456,8 +533,8 @@ def _one_image(tree, tokens, target_logits):
 
 
 def _check_inputs(tree, tokens, logits, rule, neighbors):
-    if not isinstance(rule, (Exact, Lantern, LanternPP)):
-        raise LanternError(f"rule must be Exact, Lantern or LanternPP, got {type(rule).__name__}")
+    if not isinstance(rule, (Exact, Lantern, LanternPP, Gsd)):
+        raise LanternError(f"rule must be Exact, Lantern or LanternPP, or Gsd, got {type(rule).__name__}")
     logits = np.asarray(logits)
     m = tree.num_nodes
     if logits.ndim != 3 or logits.shape[1] != m or logits.shape[2] < 1:
