@@ -12,7 +12,8 @@ from lantern.runtime.errors import cli_main, LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.outdir import OutputDirectory, write_file
 from lantern.runtime.png import write_png
-from lantern.runtime.settings import GenerationSettings, MODES
+from lantern.runtime.jacobi import INITS
+from lantern.runtime.settings import GenerationSettings, MODES, PROPOSERS
 
 
 def _classes(text):
@@ -48,6 +49,14 @@ def add_generation_options(p, tree=True):
     p.add_argument("--delta", type=float, default=0.1, help="LANTERN bound on the moved mass (0..1)")
     p.add_argument("--k", type=int, default=None,
                    help="latent neighbors considered per draft token (default: 100, or all the table has)")
+    p.add_argument("--tau", type=float, default=1.0,
+                   help="gsd: a neighbor joins a draft's group when their probabilities differ by less (0..1]")
+    p.add_argument("--proposer", default="tree", choices=PROPOSERS,
+                   help="where drafts come from: tree (the drafter's static tree) or jacobi (a drafter-free window: "
+                        "speculative Jacobi decoding; serves engines without a drafter)")
+    p.add_argument("--window", type=int, default=16, help="jacobi: slots per verification, the root included")
+    p.add_argument("--init", default="random", choices=INITS,
+                   help="jacobi: fresh drafts: random codes (q one-hot), uniform (q uniform), spatial (the code above)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
@@ -82,7 +91,8 @@ def generation_settings(args):
     """The GenerationSettings the options name (validated: one line on bad values)."""
     return GenerationSettings(mode=args.mode, lam=args.lam, delta=args.delta, k=args.k, greedy=args.greedy,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              cfg_scale=args.cfg_scale, cfg_interval=args.cfg_interval)
+                              cfg_scale=args.cfg_scale, cfg_interval=args.cfg_interval, tau=args.tau,
+                              proposer=args.proposer, window=args.window, init=args.init)
 
 
 def add_parser(sub, backend_loaders=None):

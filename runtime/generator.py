@@ -41,12 +41,14 @@ from lantern.runtime.integrity import load_neighbors
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.memory import available_memory
 from lantern.runtime.plan import Call, check_memory as check_plan_memory, decode_bytes, StepPlan
+from lantern.runtime.proposers import proposer_for
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.streams import image_seeds, RandomStreams
 from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.vocabulary import VocabularyView
 
 DECODE_CHUNK = 8  # images per VQ decoder call
+DEVICE_RULES = ("exact", "lantern", "lantern++")  # what the device steps' acceptance serves
 
 
 @dataclass
@@ -133,7 +135,15 @@ class Engine:
         settings = settings.resolve(self.manifest, self.directory)
         rule, sampler = settings.rule(), settings.sampler()
         given = tree
-        tree = root_only() if settings.mode == "ar" else self._tree(tree)
+        jacobi = settings.proposer == "jacobi" and settings.mode != "ar"
+        if jacobi and given is not None:
+            raise LanternError("a draft tree is the drafter's; the jacobi proposer verifies a window (window=, "
+                               "--window) instead: give one or the other")
+        if jacobi:
+            proposer = proposer_for("jacobi", None, self.manifest, settings)
+            tree = proposer.tree
+        else:
+            tree = root_only() if settings.mode == "ar" else self._tree(tree)
         if not settings.greedy and not tree.contiguous:
             raise LanternError(f"tree {tree.name!r} skips child ranks; sampling needs every node's children to "
                                f"be ranks 0..w-1 (drafts drawn without replacement in rank order)")
@@ -142,19 +152,25 @@ class Engine:
         seeds = image_seeds(seed, prefix.images)
         self._check_positions(prefix)
         source, why = self._tree_source(given, settings)
-        if given is None and settings.mode != "ar":
+        if jacobi:
+            source, why = "jacobi", f"the jacobi proposer's window of {proposer.window} ({proposer.init} drafts)"
+        elif given is None and settings.mode != "ar":
             chosen = self._tuned_tree(settings, prefix.images)
             if chosen is not None:
                 tree, (source, why) = chosen
         feeds = dict(cfg_scale=settings.cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
                      top_k=sampler.top_k, top_p=sampler.top_p)
-        plan = self._plan_for(tree, prefix, feeds)
-        streams = RandomStreams(seeds, plan.tree.num_nodes, self.manifest.candidates if plan.tree.depth else 0)
-        run = _Decoding(self, plan, rule, sampler, settings.cfg_scale, settings.cfg_interval, streams, observer,
-                        self._step_path(plan, sampler))
+        if not jacobi:
+            proposer = proposer_for("tree", tree, self.manifest, settings)
+        plan = self._plan_for(tree, prefix, feeds, proposer.drafter)
+        streams = RandomStreams(seeds, plan.tree.num_nodes, proposer.candidates)
+        run = _Decoding(self, plan, proposer, rule, sampler, settings.cfg_scale, settings.cfg_interval, streams,
+                        observer, self._step_path(plan, proposer, rule, sampler))
         out = run.generate()
         # which tree ran and why: a tuned tree (or AR) may stand in for the exported one
-        out.stats.update(requested_mode=settings.mode, tree_source=source, tree_reason=why)
+        out.stats.update(requested_mode=settings.mode, tree_source=source, tree_reason=why, proposer=proposer.name)
+        if proposer.name == "jacobi":
+            out.stats.update(window=proposer.window, init=proposer.init)
         return out
 
     def _tree_source(self, given, settings):
@@ -165,13 +181,18 @@ class Engine:
             return "given", "given for this call"
         return "exported", "exported with the engine (no tree tuned for these settings on this backend)"
 
-    def _step_path(self, plan, sampler):
+    def _step_path(self, plan, proposer, rule, sampler):
         """Where this generation's steps run: the engine's step path, except that a default device
         step gives way to the host for a generation it cannot run (asked for by name, it is an
         error that says why)."""
         if self.step == "host":
             return "host"
-        why = self.backend.device_step_refusal(plan, sampler)
+        if proposer.name != "tree":
+            why = f"it runs the drafter tree only, not the {proposer.name} proposer"
+        elif rule is not None and rule.name not in DEVICE_RULES:
+            why = f"it runs modes {', '.join(DEVICE_RULES)}, not {rule.name}"
+        else:
+            why = self.backend.device_step_refusal(plan, sampler)
         if why is None:
             return "device"
         if self._step_asked:
@@ -218,27 +239,31 @@ class Engine:
                                f"{self.manifest.candidates} candidates in rank order; run `lantern-run tune` again")
         return tree, ("tuned", why)
 
-    def _plan_for(self, tree, prefix, feeds):
-        """The step plan for this tree and batch: the last one when it fits (its bound buffers are
-        reused), else a new one, once the estimate says the machine can hold it."""
-        if self._plan is not None and self._plan.tree == tree and self._plan.fits(prefix):
+    def _plan_for(self, tree, prefix, feeds, drafter=True):
+        """The step plan for this tree and batch (drafter: whether its proposer calls the
+        drafter): the last one when it fits (its bound buffers are reused), else a new one, once
+        the estimate says the machine can hold it."""
+        drafter = drafter and tree.depth > 0
+        if self._plan is not None and self._plan.tree == tree and self._plan.drafts == drafter \
+                and self._plan.fits(prefix):
             self._plan.reset(prefix, feeds)
             return self._plan
         if self._plan is not None:
             self.backend.release(self._plan)
         self._plan = None  # let the old buffers go before the new ones are allocated
-        self.check_memory(tree, prefix)
-        plan = StepPlan(self.manifest, self.backend, tree, prefix, feeds)
+        self.check_memory(tree, prefix, drafter)
+        plan = StepPlan(self.manifest, self.backend, tree, prefix, feeds, drafter)
         self.backend.bind(plan)
         self._plan = plan
         return plan
 
-    def check_memory(self, tree, prefix):
+    def check_memory(self, tree, prefix, drafter=True):
         """Refuse, in one line and before anything is allocated, a step plan for `tree` and
         `prefix` that the machine cannot hold (the estimate from shapes alone). Commands that make
         plans of their own (tune, its latency model, quality) call it first too."""
         limit = self.memory_limit if self.memory_limit is not None else available_memory()
-        check_plan_memory(self.manifest, tree, prefix, np.dtype(self.backend.float_dtype).itemsize, limit)
+        check_plan_memory(self.manifest, tree, prefix, np.dtype(self.backend.float_dtype).itemsize, limit,
+                          drafter=drafter)
 
     def release(self):
         """Let the last step plan go (its buffers, bindings and CUDA graphs), so a backend this
@@ -286,8 +311,10 @@ class _Decoding:
     (what the graphs take); acceptance works on image codes (the logits' image-token columns,
     id = code + image_start), the space of the neighbor table."""
 
-    def __init__(self, engine, plan, rule, sampler, cfg_scale, cfg_interval, streams, observer, step_path="host"):
+    def __init__(self, engine, plan, proposer, rule, sampler, cfg_scale, cfg_interval, streams, observer,
+                 step_path="host"):
         self.engine, self.backend, self.plan, self.tree = engine, engine.backend, plan, plan.tree
+        self.proposer = proposer
         self.step_path = step_path
         self.rule, self.sampler, self.streams, self.observer = rule or acceptance.Exact(), sampler, streams, observer
         self.cfg, self.cfg_scale, self.cfg_interval = plan.prefix.cfg, cfg_scale, cfg_interval
@@ -300,11 +327,9 @@ class _Decoding:
         self.length = plan.image_tokens
         self.tokens = np.zeros((self.N, self.length), dtype=np.int64)
         self.count = np.zeros(self.N, dtype=np.int64)
+        # the step's block, filled by the proposer: node tokens and q (lantern.runtime.proposers)
         self.node_tokens = np.zeros((self.N, self.tree.num_nodes), dtype=np.int64)
-        K = engine.manifest.candidates if self.tree.depth else 0
-        self.cand_ids = np.zeros((self.N, self.tree.num_nodes, K), dtype=np.int64)
-        self.cand_probs = np.zeros((self.N, self.tree.num_nodes, K), dtype=np.float32)
-        self.pending = np.ones(self.N, dtype=np.int64)  # draft0's real pairs per image
+        self.cand_ids, self.cand_probs = proposer.q_buffers(self.N, self.view)
         self.buffers = {}  # CFG-combined logits per shape, reused every step
         self.times = dict(prefill=0.0, draft=0.0, verify=0.0, accept=0.0, commit=0.0, engine=0.0)
         self.engine_calls = 0
@@ -355,95 +380,10 @@ class _Decoding:
         logits = self.combined_logits(out["logits"][:, -1:], np.zeros((self.N, 1), dtype=np.int64))[:, 0]
         self.tokens[:, 0] = self.view.ids(self.sampler.draw(logits, self.streams.first()))
         self.count[:] = 1
-        if self.tree.depth:  # the first pair: the last prefix token's hidden state with the first image token
-            self.set_pending(out["hidden"], np.full((self.B, 1), C - 1), self.tokens[:, :1], np.ones(self.N, np.int64))
+        self.proposer.start(self, out)
         self.times["prefill"] += time.perf_counter() - t0
 
-    def set_pending(self, hidden, cols, tokens, counts):
-        """draft0's feeds for the next step: pairs (hidden[b, cols[b, j]], tokens[n, j]) for
-        j < counts[n], padded to the call's fixed width with rows that see only themselves. Pair j
-        takes the position of its token, whose cache slot is (root slot - counts + 1 + j)."""
-        call = self.plan.calls["draft0"]
-        W = call.tokens
-        real = np.arange(W)[None, :] < counts[:, None]  # [N, W]
-        padded = np.zeros((self.B, W), dtype=np.int64)
-        padded[:, : cols.shape[1]] = cols
-        self.backend.gather(hidden, np.broadcast_to(np.arange(self.B)[:, None], (self.B, W)), padded,
-                       call.feeds["target_hidden"])
-        ids = np.zeros((self.N, W), dtype=np.int64)
-        ids[:, : tokens.shape[1]] = tokens
-        call.feeds["input_ids"][:] = np.where(real, ids, 0)[self.image_of_row]
-        first = self.plan.target_cache.length - counts[self.image_of_row] + 1
-        call.feeds["position_ids"][:] = self.positions(first[:, None] + np.arange(W)[None, :])
-        call.block[:] = np.tril(np.ones((W, W), dtype=bool))[None] & real[self.image_of_row][:, None, :] | np.eye(W, dtype=bool)
-        self.pending = counts
-
     # -- one step ------------------------------------------------------------------------------
-    def draft(self, active, race):
-        """Fill node_tokens (the root and the tree's drafts) and every node's candidates; race
-        [N, M, K]: the uniforms that draw each node's children."""
-        tree, plan, N, B = self.tree, self.plan, self.N, self.B
-        self.node_tokens[:, 0] = self.tokens[np.arange(N), self.count - 1]
-        if not tree.depth:
-            return
-        cache = plan.drafter_cache
-        if self.cfg and self.cfg_interval >= 0:
-            # Past the interval an image drafts from its conditional logits alone: its rows become
-            # their own CFG partners (l + s * (l - l) = l), image by image, so batch mates never
-            # change its drafts. The buffer is shared by every drafter call.
-            late = (self.count >= self.cfg_interval)[self.image_of_row]
-            plan.settings["cfg_pair"][:] = np.where(late, np.arange(B), plan.cfg_partners)
-        call = plan.calls["draft0"]
-        cache.mask_into(call)
-        out = self.call("draft0")
-        rows = np.flatnonzero(active[self.image_of_row])
-        cache.append(call, out, rows,
-                     np.broadcast_to(np.arange(call.tokens), (len(rows), call.tokens)), self.pending[self.image_of_row[rows]])
-        last = self.pending - 1
-        self.take_candidates(out, [0], last[:, None])
-        parent_ids = self.sampler.children(self.cand_ids[:, :1], self.cand_probs[:, :1], tree.levels[0].width,
-                                           race[:, :1])
-        hidden, parent_cols = out["hidden_out"], last[self.image_of_row][:, None]
-        root_slot = plan.target_cache.length
-        for level in tree.levels:
-            self.node_tokens[:, level.nodes] = self.view.ids(parent_ids[:, level.slots, level.ranks])
-            self.force_drafts(level)
-            if level.depth == tree.depth:
-                break
-            call = plan.calls[f"draft{level.depth}"]
-            T = call.tokens
-            cols = np.broadcast_to(parent_cols if level.depth == 1 else level.slots[None, :], (B, T))
-            self.backend.gather(hidden, np.broadcast_to(np.arange(B)[:, None], (B, T)), cols, call.feeds["target_hidden"])
-            call.feeds["input_ids"][:] = self.node_tokens[:, level.nodes][self.image_of_row]
-            call.feeds["position_ids"][:] = self.positions(np.broadcast_to(root_slot[:, None] + level.depth, (B, T)))
-            cache.mask_into(call, plan.scratch_ancestors[level.depth])
-            out = self.call(call.regime)
-            cache.write(call, out, np.repeat(np.arange(B), T), np.tile(np.arange(T), B),
-                        np.tile(plan.scratch + level.nodes - 1, B))
-            self.take_candidates(out, level.nodes, np.arange(T)[None, :])
-            parent_ids = self.sampler.children(self.cand_ids[:, level.nodes], self.cand_probs[:, level.nodes],
-                                               tree.levels[level.depth].width, race[:, level.nodes])
-            hidden = out["hidden_out"]
-
-    def take_candidates(self, out, nodes, cols):
-        """The drafter's top-K (as view columns) of the conditional rows at columns cols [N, n]."""
-        n = np.arange(self.N)[:, None]
-        self.cand_ids[:, nodes] = self.view.columns(self.backend.numpy(out["topk_ids"])[n, cols])
-        self.cand_probs[:, nodes] = self.backend.numpy(out["topk_probs"])[n, cols]
-
-    def force_drafts(self, level):
-        """Where a depth's body index has a forced token, every draft there is that token, drawn
-        by the drafter with probability 1, so acceptance takes it outright."""
-        column = self.view.forced_at(self.count - 1 + level.depth)
-        images = np.flatnonzero(column >= 0)
-        if images.size == 0:
-            return
-        self.node_tokens[images[:, None], level.nodes[None, :]] = self.view.ids(column[images])[:, None]
-        parents = np.unique(level.parents)[None, :]
-        self.cand_ids[images[:, None], parents] = column[images][:, None, None]
-        self.cand_probs[images[:, None], parents] = 0.0
-        self.cand_probs[images[:, None], parents, 0] = 1.0
-
     def verify(self):
         call, tree, cache = self.plan.calls["verify"], self.tree, self.plan.target_cache
         call.feeds["input_ids"][:] = self.node_tokens[self.image_of_row]
@@ -451,13 +391,14 @@ class _Decoding:
         cache.mask_into(call)
         return self.call("verify")
 
-    def accept(self, active, out, uniforms):
-        logits = self.combined_logits(out["logits"], self.count[:, None] + self.tree.depths[None, :])
+    def accept(self, active, logits, uniforms):
+        """The rule over the CFG-combined logits [N, M, columns] of every image (numpy's acceptance)."""
         a = slice(None) if active.all() else np.flatnonzero(active)  # no copy of the logits while all run
         return self.sampler.accept(self.tree, self.view.columns(self.node_tokens[a]), logits[a], self.cand_ids[a],
                                    self.cand_probs[a], self.rule, uniforms[a], self.neighbors)
 
-    def commit(self, active, outcome, out):
+    def commit(self, active, outcome, out, logits):
+        """The accepted paths' tokens and K/V; the proposer keeps what its next step needs."""
         a = np.flatnonzero(active)
         path = outcome.path  # [len(a), depth + 1]
         emitted = self.node_tokens[a[:, None], np.maximum(np.roll(path, -1, axis=1), 0)]
@@ -467,14 +408,7 @@ class _Decoding:
         slot = np.searchsorted(a, self.image_of_row[rows])  # each active row's image among the active ones
         cols = np.maximum(path[slot], 0)
         self.engine_calls += self.plan.target_cache.append(self.plan.calls["verify"], out, rows, cols, emit[slot])
-        if self.tree.depth:
-            counts = np.ones(self.N, dtype=np.int64)  # finished images keep a dummy pair, never committed
-            counts[a] = np.maximum(emit, 1)
-            tokens = np.zeros((self.N, self.tree.depth + 1), dtype=np.int64)
-            tokens[a] = emitted
-            all_cols = np.zeros((self.B, self.tree.depth + 1), dtype=np.int64)
-            all_cols[rows] = cols
-            self.set_pending(out["hidden"], all_cols, tokens, counts)
+        self.proposer.commit(self, active, outcome, emitted, emit, rows, cols, out, logits)
         self.count[a] += emit
 
     def emit(self, a, accepted, emitted):
@@ -494,19 +428,21 @@ class _Decoding:
         numpy's."""
         t0 = time.perf_counter()
         draws = self.streams.step()
-        self.draft(active, draws.race)
+        self.proposer.propose(self, active, draws.race)
         t1 = time.perf_counter()
         out = self.verify()
         t2 = time.perf_counter()
+        logits = None
         if acceptor is None:
-            outcome = self.accept(active, out, draws.accept)
+            logits = self.combined_logits(out["logits"], self.count[:, None] + self.tree.depths[None, :])
+            outcome = self.accept(active, logits, draws.accept)
         else:
             outcome = acceptor.accept(self, active, draws.accept)
         t3 = time.perf_counter()
         if acceptor is not None:  # the acceptance graph's call is engine work, as the other graphs' are
             self.times["engine"] += t3 - t2
             self.engine_calls += 1
-        self.commit(active, outcome, out)
+        self.commit(active, outcome, out, logits)
         t4 = time.perf_counter()
         for key, dt in zip(("draft", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             self.times[key] += dt

@@ -143,9 +143,10 @@ class InPlaceKVCache(KVCache):
         self.backend.run(self.commit)
 
 
-def cache_layout(manifest, prefix, tree):
+def cache_layout(manifest, prefix, tree, drafter=True):
     """How a generation's caches are laid out on this engine: (cache class, the prefix as the
-    caches hold it, target slots, drafter slots).
+    caches hold it, target slots, drafter slots (0 when the tree's drafts come without drafter
+    calls)).
 
     Plain graphs: caches sized per generation, the prefix as it is: target C + image tokens;
     drafter image tokens + the tree's M - 1 nodes (scratch). In-place graphs: the static sizes
@@ -153,7 +154,7 @@ def cache_layout(manifest, prefix, tree):
     prefix sits in the same slots and the prefill has one shape), and the generation must fit."""
     s = manifest.inplace_cache
     if s is None:
-        return KVCache, prefix, prefix.tokens + prefix.length, prefix.length + tree.num_nodes - 1
+        return KVCache, prefix, prefix.tokens + prefix.length, (prefix.length + tree.num_nodes - 1) * drafter
     fix = "re-export it with `lantern-export onnx --attention inplace` and a larger"
     if prefix.tokens > s.prefix:
         raise LanternError(f"the prompt takes {prefix.tokens} tokens; this engine's static cache holds prompts of at "
@@ -164,4 +165,4 @@ def cache_layout(manifest, prefix, tree):
     if tree.num_nodes > s.tree_nodes:
         raise LanternError(f"tree {tree.name!r} has {tree.num_nodes} nodes; this engine's static cache holds trees of "
                            f"at most {s.tree_nodes} ({fix} --max-tree-nodes, or use a smaller tree)")
-    return InPlaceKVCache, prefix.left_padded(s.prefix), s.target, s.drafter
+    return InPlaceKVCache, prefix.left_padded(s.prefix), s.target, s.drafter if drafter else 0

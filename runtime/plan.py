@@ -48,11 +48,14 @@ class Call:
 
 
 class StepPlan:
-    def __init__(self, manifest, backend, tree, prefix, settings):
-        """settings: the drafter's sampling inputs {cfg_scale, temperature, top_k, top_p}."""
+    def __init__(self, manifest, backend, tree, prefix, settings, drafter=True):
+        """settings: the drafter's sampling inputs {cfg_scale, temperature, top_k, top_p};
+        drafter: whether the tree's drafts come from drafter calls (False: a drafter-free
+        proposer fills the block, and the plan's step is the verification alone)."""
         m = manifest
         self.manifest, self.tree = m, tree
-        cache_type, prefix, target_slots, drafter_slots = cache_layout(m, prefix, tree)
+        self.drafts = drafter and tree.depth > 0
+        cache_type, prefix, target_slots, drafter_slots = cache_layout(m, prefix, tree, self.drafts)
         self.images, self.rows, self.tokens = prefix.images, prefix.rows, prefix.tokens
         B, C = prefix.rows, prefix.tokens
         self.image_of_row = np.arange(B) % self.images  # [B]: the image batch row b belongs to (CFG: [cond; uncond])
@@ -72,7 +75,7 @@ class StepPlan:
         verify = self._target_call("verify", tree.num_nodes, shared)
         verify.block[:] = tree.mask
 
-        if tree.depth:
+        if self.drafts:
             d = m.drafter
             self.scratch = self.image_tokens  # first scratch slot
             self.drafter_cache = cache_type(backend, d.layers, B, d.kv_heads, drafter_slots, d.head_dim)
@@ -95,21 +98,21 @@ class StepPlan:
                 anc = tree.mask[level.nodes][:, 1:] & (tree.depths[1:] < level.depth)[None, :]
                 extra[:, self.scratch: self.scratch + tree.num_nodes - 1] = anc
                 self.scratch_ancestors[level.depth] = extra
-            if "commit" in m.graphs:
-                self.target_cache.commit = self._commit_call(tree.depth + 1)
+        if tree.depth and "commit" in m.graphs:
+            self.target_cache.commit = self._commit_call(tree.depth + 1)
         self.reset(prefix, settings)
 
     def fits(self, prefix):
         """Whether this plan's shapes serve a prefix (same rows and prefix length, as the caches
         hold it)."""
-        prefix = cache_layout(self.manifest, prefix, self.tree)[1]
+        prefix = cache_layout(self.manifest, prefix, self.tree, self.drafts)[1]
         return (prefix.rows, prefix.tokens, prefix.images, prefix.length) == \
             (self.rows, self.tokens, self.images, self.image_tokens)
 
     def reset(self, prefix, settings):
         """Start a generation: empty caches, write the prefix's feeds and the sampling settings
         into the bound buffers (shapes stay)."""
-        prefix = cache_layout(self.manifest, prefix, self.tree)[1]
+        prefix = cache_layout(self.manifest, prefix, self.tree, self.drafts)[1]
         C = prefix.tokens
         self.prefix = prefix
         self.target_cache.reset()
@@ -185,17 +188,17 @@ class StepPlan:
 ARENA = 3
 
 
-def estimate_bytes(manifest, tree, prefix, itemsize):
+def estimate_bytes(manifest, tree, prefix, itemsize, drafter=True):
     """Bytes a generation holds at its peak, from shapes alone (before anything is allocated):
     caches and feed buffers, the largest call's outputs and working memory (attention scores and
     softmax, the MLP; ARENA times what is live), and the host's acceptance work on a step's
     logits. Weights not included."""
-    _, prefix, target_slots, drafter_slots = cache_layout(manifest, prefix, tree)
+    _, prefix, target_slots, drafter_slots = cache_layout(manifest, prefix, tree, drafter)
     m, B, C, N = manifest, prefix.rows, prefix.tokens, prefix.images
     M = tree.num_nodes
     calls = [("target", m.target, C, target_slots), ("target", m.target, M, target_slots)]
     held = 2 * m.target.layers * B * m.target.kv_heads * target_slots * m.target.head_dim * itemsize
-    if tree.depth:
+    if drafter and tree.depth:
         d, capacity = m.drafter, drafter_slots
         held += 2 * d.layers * B * d.kv_heads * capacity * d.head_dim * itemsize
         calls += [("drafter", d, tree.depth + 1, capacity)] + [("drafter", d, len(lv.nodes), capacity)
@@ -211,14 +214,16 @@ def estimate_bytes(manifest, tree, prefix, itemsize):
         held += outputs + feeds  # bound outputs and feed buffers stay allocated per call
         peak = max(peak, scores + mlp)
     acceptance = 4 * N * M * m.vocabulary.codes + 8 * 6 * N * m.vocabulary.codes
+    if tree.depth and not drafter:  # a drafter-free window's dense q and processed p, float64
+        acceptance += 8 * 4 * N * M * m.vocabulary.codes
     return held + ARENA * peak + acceptance
 
 
-def check_memory(manifest, tree, prefix, itemsize, limit, copies=1):
+def check_memory(manifest, tree, prefix, itemsize, limit, copies=1, drafter=True):
     """Refuse, in one line and before anything is allocated, `copies` step plans for `tree` and
     `prefix` (each replica of a server holds one) that `limit` bytes cannot hold, with 20% kept
     for everything else; limit None: no check."""
-    need = copies * estimate_bytes(manifest, tree, prefix, itemsize)
+    need = copies * estimate_bytes(manifest, tree, prefix, itemsize, drafter)
     if limit is not None and need > 0.8 * limit:
         held = f"{copies} replicas' plans of " if copies > 1 else ""
         raise LanternError(

@@ -22,10 +22,12 @@ import numpy as np
 
 from lantern.runtime import accept as acceptance
 from lantern.runtime.errors import LanternError
+from lantern.runtime.jacobi import check_window
 from lantern.runtime.sampling import sampler_for
 
-MODES = ("ar", "exact", "lantern", "lantern++")
-RELAXED = ("lantern", "lantern++")
+MODES = ("ar", "exact", "lantern", "lantern++", "gsd")
+RELAXED = ("lantern", "lantern++", "gsd")  # the modes that read the latent neighbours (k of them)
+PROPOSERS = ("tree", "jacobi")  # lantern.runtime.proposers
 DEFAULT_K = 100  # neighbors per draft when k is not given (fewer where the table is narrower)
 # Bounds that keep every step finite: logits (float32 in every graph) are mixed by cfg_scale and
 # divided by the temperature, and lam multiplies probabilities; past these a request overflows
@@ -53,12 +55,20 @@ class GenerationSettings:
     top_p: float = 1.0
     cfg_scale: float = 1.0  # classifier-free guidance; <= 1 turns CFG off
     cfg_interval: int = -1  # CFG for the first cfg_interval tokens only; -1: all
+    tau: float = 1.0  # gsd: a neighbour joins the draft's group when |p(j) - p(x)| < tau
+    proposer: str = "tree"  # tree: the drafter's static tree; jacobi: a drafter-free window
+    window: int = 16  # jacobi: slots per verification, the root included
+    init: str = "random"  # jacobi: fresh drafts (random, uniform, spatial)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise LanternError(f"unknown mode {self.mode!r}; valid: {', '.join(MODES)}")
         if self.mode != "ar":  # the mode's own parameters, checked by its rule (k may come later)
-            acceptance.rule_for(self.mode, k=0 if self.k is None else self.k, delta=self.delta, lam=self.lam)
+            self._rule(0 if self.k is None else self.k)
+        if self.proposer not in PROPOSERS:
+            raise LanternError(f"unknown proposer {self.proposer!r}; valid: {', '.join(PROPOSERS)}")
+        if self.proposer == "jacobi":
+            check_window(self.window, self.init)
         self.sampler()  # the filters, checked where sampling uses them
         s = self.cfg_scale
         if not (isinstance(s, (int, float, np.floating)) and not isinstance(s, bool)
@@ -94,10 +104,20 @@ class GenerationSettings:
         return dataclasses.replace(self, **changes)
 
     def resolve(self, manifest, where="the engine"):
-        """These settings on an engine: its modes checked, k resolved against its neighbor table."""
-        if self.mode not in manifest.modes:
+        """These settings on an engine: its modes checked, k resolved against its neighbor table.
+        The drafter tree serves the engine's modes (gsd wherever lantern++ is); the jacobi
+        proposer needs the target alone, and a neighbor table for the relaxed modes."""
+        if self.proposer == "jacobi" or self.mode == "gsd":
+            needs = "a neighbor table (export with --vq)" if self.mode in RELAXED and manifest.neighbors is None \
+                else "a drafter (re-export with one, or use --proposer jacobi)" \
+                if self.proposer == "tree" and "exact" not in manifest.modes else None
+            if needs is not None:
+                raise LanternError(f"mode {self.mode!r} with the {self.proposer} proposer needs {needs}; {where} "
+                                   f"has none")
+        elif self.mode not in manifest.modes:
             raise LanternError(f"{where} serves modes {', '.join(manifest.modes)}, not {self.mode!r} "
-                               f"(re-export with a drafter for speculative modes, with --vq for lantern/lantern++)")
+                               f"(re-export with a drafter for speculative modes, with --vq for lantern/lantern++; "
+                               f"--proposer jacobi needs no drafter)")
         if self.mode not in RELAXED:
             return self
         width = manifest.neighbors.k
@@ -114,7 +134,11 @@ class GenerationSettings:
             return None
         if self.mode in RELAXED and self.k is None:
             raise LanternError(f"mode {self.mode!r} needs k; resolve the settings against an engine first")
-        return acceptance.rule_for(self.mode, k=self.k, delta=self.delta, lam=self.lam)
+        return self._rule(self.k)
+
+    def _rule(self, k):
+        group = {"tau": self.tau} if self.mode == "gsd" else {}  # gsd's own parameter
+        return acceptance.rule_for(self.mode, k=k, delta=self.delta, lam=self.lam, **group)
 
     def sampler(self):
         return sampler_for(self.greedy, self.temperature, self.top_k, self.top_p)
@@ -127,6 +151,8 @@ class GenerationSettings:
             s["lam"] = float(self.lam)
         if self.mode == "lantern":
             s["delta"] = float(self.delta)
+        if self.mode == "gsd":
+            s["tau"] = float(self.tau)
         if self.mode in RELAXED:
             if self.k is None:
                 raise LanternError(f"mode {self.mode!r} needs k; resolve the settings against an engine first")
@@ -138,6 +164,8 @@ class GenerationSettings:
                      top_p=float(self.top_p))
         s["cfg_scale"] = float(self.cfg_scale) if self.cfg else 1.0
         s["cfg_interval"] = int(self.cfg_interval) if self.cfg else -1
+        if self.proposer == "jacobi" and self.mode != "ar":
+            s.update(proposer="jacobi", window=int(self.window), init=self.init)
         return s
 
     @property
@@ -149,6 +177,8 @@ class GenerationSettings:
             parts.append(f"lam{_number(s['lam'])}")
         if "delta" in s:
             parts.append(f"delta{_number(s['delta'])}")
+        if "tau" in s:
+            parts.append(f"tau{_number(s['tau'])}")
         if "k" in s:
             parts.append(f"k{s['k']}")
         if s["sampling"] == "greedy":
@@ -160,6 +190,8 @@ class GenerationSettings:
                                                             else ""))
         else:
             parts.append("nocfg")
+        if "proposer" in s:
+            parts.append(f"jacobi{s['window']}-{s['init']}")
         return "_".join(parts)
 
     @classmethod

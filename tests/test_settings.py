@@ -41,7 +41,7 @@ def test_settings_are_frozen_and_mode_list_is_one():
     s = GenerationSettings()
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.mode = "ar"
-    assert MODES == ("ar", "exact", "lantern", "lantern++")
+    assert MODES == ("ar", "exact", "lantern", "lantern++", "gsd")
     assert s.replace(mode="ar").mode == "ar" and s.mode == "lantern++"
 
 

@@ -179,7 +179,7 @@ class TorchDeviceStep:
         # the loop's state (mirrors of what _Decoding keeps on the host)
         self.count = keep("count", d.count, np.int64)
         self.root = keep("root", d.tokens[np.arange(d.N), d.count - 1], np.int64)
-        self.pending = keep("pending", d.pending, np.int64)
+        self.pending = keep("pending", d.proposer.pending, np.int64)
         self.image_of_row = keep("image_of_row", d.image_of_row, np.int64)
         self.offset = keep("offset", d.offset, np.int64)
         view = d.view
