@@ -52,6 +52,22 @@ def test_sampling_images_equal_direct_generation_whatever_else_is_queued(service
     assert not np.array_equal(alone[0], alone[1])  # two images of one request are two draws
 
 
+def test_jacobi_requests_are_served_as_direct_generation(service):
+    """The drafter-free proposer through the service: batched sampling images equal each
+    request alone, and greedy jacobi exact gives AR's tokens."""
+    jacobi = {"mode": "lantern++", "lam": 2, "k": 8, "cfg_scale": 2.0, "proposer": "jacobi", "window": 6}
+    requests = [service.parse(body(classes=[c], seed=c, settings=jacobi)) for c in (0, 5, 9)]
+    assert len(service.calls(requests)) == 1
+    for request, result in zip(requests, service.run(requests)):
+        assert result.stats["proposer"] == "jacobi" and result.stats["window"] == 6
+        np.testing.assert_array_equal(result.tokens, direct(service, request))
+    greedy = [service.parse(body(classes=[3], seed=1, settings={"mode": mode, "greedy": True, "proposer": "jacobi"}))
+              for mode in ("exact", "ar")]
+    exact, ar = service.run(greedy)
+    np.testing.assert_array_equal(exact.tokens, ar.tokens)
+    assert exact.stats["steps_per_image"] < ar.stats["steps_per_image"]
+
+
 def test_a_call_never_mixes_settings_and_never_exceeds_the_max_batch(service):
     greedy = {"mode": "exact", "greedy": True}
     requests = [service.parse(body(classes=[0, 1, 2], settings=greedy)),

@@ -48,7 +48,8 @@ CONDITION_FIELDS = ("classes", "caption", "caption_mask", "prompt", "prompt_ids"
 REQUEST_FIELDS = CONDITION_FIELDS + ("n", "seed", "settings", "response")
 # JSON type of each GenerationSettings field in a request
 SETTINGS = {"mode": str, "lam": float, "delta": float, "k": int, "greedy": bool, "temperature": float, "top_k": int,
-            "top_p": float, "cfg_scale": float, "cfg_interval": int}
+            "top_p": float, "cfg_scale": float, "cfg_interval": int, "tau": float, "proposer": str, "window": int,
+            "init": str}
 RESPONSES = ("json", "png")
 MAX_DEPTH = 8  # JSON nesting a request needs: object > caption > image > token > feature, with room
 logger = logging.getLogger(__name__)
@@ -289,9 +290,9 @@ class ImageService:
     def tree_for(self, request):
         """The draft tree every generate call of this request's settings uses: the one `lantern-run
         tune` chose for these settings at the max batch on this backend (read at start), else the
-        engine's."""
+        engine's; none where no drafter tree runs (ar, a drafter-free proposer)."""
         s = request.settings
-        return None if s.mode == "ar" else self.trees.get(s.key, self.engine.tree)
+        return None if s.mode == "ar" or s.proposer != "tree" else self.trees.get(s.key, self.engine.tree)
 
     def _generate(self, group):
         live = [r for r in group if not r.cancelled.is_set()]

@@ -92,6 +92,12 @@ def tuning_settings(engine, settings):
     generate resolves it, so its key is the one generate looks up)."""
     if settings.mode == "ar":
         raise LanternError("mode 'ar' drafts nothing, so there is no tree to tune; pick exact, lantern or lantern++")
+    if settings.proposer != "tree":
+        raise LanternError(f"tune picks the drafter's tree; the {settings.proposer} proposer has none (its window is "
+                           f"--window: `python -m lantern.tools.bench.jacobi` measures windows on this machine)")
+    if settings.mode not in engine.manifest.modes:
+        raise LanternError(f"tune records trees for the engine's modes ({', '.join(engine.manifest.modes)}), not "
+                           f"{settings.mode!r}")
     return settings.resolve(engine.manifest, engine.directory)
 
 
