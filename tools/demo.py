@@ -158,7 +158,9 @@ def run(args):
         tuned = _tune(engine, out, args, f"{first + 2}/{steps}", device)
         engine = open_demo_engine(out, backend, device, args.threads)  # reopened: generate finds the tuned trees
     # the preset rows name their tree, so a tree tuned for the same settings does not replace it
-    runs = [("ar", {}), ("exact", {"tree": args.tree}), ("lantern++", dict(lam=args.lam, k=args.k, tree=args.tree))]
+    runs = [("ar", {}), ("exact", {"tree": args.tree}), ("lantern++", dict(lam=args.lam, k=args.k, tree=args.tree)),
+            # drafter-free speculative Jacobi decoding beside the drafter (its window's default)
+            ("exact jacobi", {"proposer": "jacobi"}), ("lantern++ jacobi", dict(lam=args.lam, k=args.k, proposer="jacobi"))]
     if tuned is not None:
         runs.append(("lantern++ tuned", dict(lam=args.lam, k=args.k)))  # generate picks the tuned tree
     print(f"[{generating}/{steps}] generating {len(classes)} images ({args.per_class} per class"
@@ -465,13 +467,13 @@ def _embedded_reading(summary):
 
 
 def _print_table(rows):
-    head = (f"{'mode':15s} {'tree':13s} {'steps/img':>9s} {'accepted':>9s} | batch: {'step cost':>9s} {'s':>7s} "
+    head = (f"{'mode':17s} {'tree':13s} {'steps/img':>9s} {'accepted':>9s} | batch: {'step cost':>9s} {'s':>7s} "
             f"{'speedup':>8s} | 1 image: {'step cost':>9s} {'s':>7s} {'speedup':>8s}")
     print(head)
     print("-" * len(head))
     for r in rows:
         tree = r["tree"] if r["tree"] == r["tree_batch1"] else f"{r['tree']}/{r['tree_batch1']}"
-        print(f"{r['mode']:15s} {tree[:13]:13s} {r['steps_per_image']:9.1f} {r['mean_accepted_length']:9.2f} | "
+        print(f"{r['mode']:17s} {tree[:13]:13s} {r['steps_per_image']:9.1f} {r['mean_accepted_length']:9.2f} | "
               f"{r['step_cost_vs_ar']:14.1f}x {r['batch_seconds']:7.2f} {r['speedup_batch']:7.2f}x | "
               f"{r['step_cost_vs_ar_batch1']:16.1f}x {r['latency_batch1_seconds']:7.3f} {r['speedup_batch1']:7.2f}x"
               + (f"  (the same run as {r['same_run_as']})" if r.get("same_run_as") else ""))
@@ -485,7 +487,8 @@ def _plots(report_dir, rows):
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     modes = [r["mode"] for r in rows]
-    axes[0].bar(modes, [r["mean_accepted_length"] for r in rows], color=["#888", "#4a7", "#c63", "#36c"][: len(rows)])
+    axes[0].bar(modes, [r["mean_accepted_length"] for r in rows], color=["#888", "#4a7", "#c63", "#36c", "#a5c", "#dc3"][: len(rows)])
+    axes[0].tick_params(axis="x", labelrotation=30)
     axes[0].set_ylabel("tokens per target step")
     axes[0].set_title("mean accepted length")
     for r in rows:
