@@ -15,10 +15,18 @@ then reports (speculative methods draft with the engine's exported tree in every
              running: after a first difference the rest of the image usually differs too), and
              per scheme the teacher-forced agreement: on the reference's own greedy `ar` inputs,
              how often the scheme's target picks the same greedy token,
-  speed      mean accepted length and wall time against the reference `ar` in the same run,
+  speed      mean accepted length, target calls per image after prefill (steps/image) and wall
+             time against the reference `ar` in the same run,
 in report.json and report.md with a speed-versus-quality plot, written to its own directory
 (--out, default ./quality-ENGINE_NAME) which appears when the sweep is complete. The classifier is
 the demo's (tools/train/classifier.py) unless --classifier.
+
+Drafter-free rows: --proposers tree,jacobi adds, next to the drafter tree's rows, the same
+methods with the Jacobi window (lantern.runtime.jacobi; --window slots, --init drafts): "jacobi
+exact", "jacobi lantern++ k=.. lam=..", and grouped speculative decoding (mode gsd, lossy) per
+proposer, "gsd k=.. (tree)" and "gsd k=.. (jacobi)" at --taus (default 1 where jacobi is asked
+for, none otherwise). --proposers jacobi alone needs no drafter: an engine with a neighbor table
+and a VQ decoder serves it. Each jacobi row takes about as long as the tree's exact.
 
 The default (3 schemes x 3 methods, 6 images per class) takes about 3 min on two CPU cores;
 --schemes none compares methods on the engine alone (a third of that, or --per-class 20 for
@@ -40,12 +48,13 @@ import numpy as np
 from lantern.export.quantize import greedy_agreement, quantize_engine, QuantizeOptions
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import DECODE_CHUNK, Engine
+from lantern.runtime.jacobi import INITS, JacobiWindow
 from lantern.runtime.manifest import quantization_scheme
 from lantern.runtime.memory import available_memory
 from lantern.runtime.outdir import only_files, OutputDirectory
 from lantern.runtime.plan import decode_bytes
 from lantern.runtime.png import image_grid, write_png
-from lantern.runtime.settings import GenerationSettings
+from lantern.runtime.settings import GenerationSettings, PROPOSERS, RELAXED
 
 # What the report directory holds: --force replaces only a directory with nothing else in it.
 REPORT_FILES = ("report.json", "report.md", "*.png")
@@ -70,11 +79,23 @@ def _schemes(text):
     return [x for x in names if x != "none"]
 
 
+def _proposers(text):
+    names = list(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    bad = [x for x in names if x not in PROPOSERS]
+    if bad or not names:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"unknown proposer(s) {', '.join(bad) or '(none given)'}; valid: "
+                                         f"{', '.join(PROPOSERS)}")
+    return names
+
+
 def add_parser(sub):
     p = sub.add_parser("quality", help="speed vs quality sweep over quantization schemes and decoding methods "
                                        "(class accuracy, Fréchet distance and greedy agreement against fp32 ar)",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("engine", help="engine directory with a drafter, neighbor table and VQ decoder")
+    p.add_argument("engine", help="engine directory with a neighbor table and VQ decoder (and a drafter for the "
+                                  "tree rows)")
     p.add_argument("--classifier", help="classifier .safetensors (default: the demo model's)")
     p.add_argument("--schemes", type=_schemes, default=list(QUANTIZED),
                    help="quantized copies of the engine to compare with it (default int8,int4; 'none': the engine "
@@ -84,6 +105,14 @@ def add_parser(sub):
                    help="lantern++ λ values (default 5, the demo's; a wider sweep: 1,1.5,2,3,5)")
     p.add_argument("--ks", type=_ints, default=[20], help="lantern++ / lantern neighbor counts k (default 20)")
     p.add_argument("--deltas", type=_floats, default=[], help="lantern δ values (default none; e.g. 0.1,0.3)")
+    p.add_argument("--proposers", type=_proposers, default=["tree"],
+                   help="who drafts the speculative rows: tree (the drafter's exported tree, the default), jacobi "
+                        "(the drafter-free window), or tree,jacobi (both, each with its rows)")
+    p.add_argument("--window", type=int, default=16, help="jacobi rows: slots per verification (default 16)")
+    p.add_argument("--init", choices=INITS, default="random", help="jacobi rows: fresh drafts (default random)")
+    p.add_argument("--taus", type=_floats, default=None,
+                   help="gsd rows' τ, one row per proposer, k (--ks) and τ (default: 1 when --proposers names "
+                        "jacobi, else no gsd rows; '' for none)")
     p.add_argument("--cfg-scale", type=float, default=3.0)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -117,17 +146,47 @@ def project(features, reference, dims):
     return (features - mean) @ vt[:dims].T
 
 
-def methods(lams, ks, deltas, base=GenerationSettings()):
+def methods(lams, ks, deltas, base=GenerationSettings(), proposers=("tree",), taus=(), window=16, init="random"):
     """(row name, GenerationSettings) of every decoding method of the sweep: `base` (the shared
-    sampling and CFG settings) in each mode with its relaxations."""
+    sampling and CFG settings) in each mode with its relaxations, for each proposer: the tree's
+    rows keep their plain names, the jacobi window's are prefixed "jacobi "; gsd rows (one per
+    k and τ) name their proposer in brackets."""
     def with_(**changes):
         return dataclasses.replace(base, **changes)
 
-    out = [("ar", with_(mode="ar")), ("exact", with_(mode="exact"))]
-    for k in ks:
-        out += [(f"lantern++ k={k} lam={lam:g}", with_(mode="lantern++", k=k, lam=lam)) for lam in lams]
-    out += [(f"lantern k={max(ks)} delta={d:g}", with_(mode="lantern", k=max(ks), delta=d)) for d in deltas]
+    out = [("ar", with_(mode="ar", proposer="tree"))]
+    for proposer in proposers:
+        draft = {"proposer": "tree"} if proposer == "tree" else {"proposer": proposer, "window": window, "init": init}
+        name = "" if proposer == "tree" else f"{proposer} "
+        out.append((f"{name}exact", with_(mode="exact", **draft)))
+        for k in ks:
+            out += [(f"{name}lantern++ k={k} lam={lam:g}", with_(mode="lantern++", k=k, lam=lam, **draft))
+                    for lam in lams]
+        out += [(f"{name}lantern k={max(ks)} delta={d:g}", with_(mode="lantern", k=max(ks), delta=d, **draft))
+                for d in deltas]
+        out += [(f"gsd k={k}{'' if tau == 1 else f' tau={tau:g}'} ({proposer})", with_(mode="gsd", k=k, tau=tau,
+                                                                                       **draft))
+                for k in ks for tau in taus]
     return out
+
+
+def sweep_methods(args):
+    """methods() for the command line's options."""
+    return methods(args.lams, args.ks, args.deltas, sweep_settings(args), args.proposers, gsd_taus(args),
+                   args.window, args.init)
+
+
+def gsd_taus(args):
+    """--taus, or its default: one gsd row per k at τ 1 where the jacobi rows are asked for."""
+    if args.taus is not None:
+        return args.taus
+    return [1.0] if "jacobi" in args.proposers else []
+
+
+def row_tree(engine, settings):
+    """The tree a row passes to generate: the engine's exported one for the drafter tree's
+    speculative rows (not a tuned one), None for ar and the jacobi window (it has its own)."""
+    return engine.tree if settings.mode != "ar" and settings.proposer == "tree" else None
 
 
 def sweep_settings(args):
@@ -142,7 +201,26 @@ def _check_args(args):
             raise LanternError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if not args.ks:
         raise LanternError("--ks needs at least one k")
-    methods(args.lams, args.ks, args.deltas, sweep_settings(args))  # every row's settings, checked before any work
+    sweep_methods(args)  # every row's settings, checked before any work
+
+
+def load_judge(path=None):
+    """(classifier, its path): --classifier, else the demo model's (tools/train/classifier.py)."""
+    from lantern.tools import demo
+    from lantern.tools.train.classifier import load_classifier
+
+    path = path or os.path.join(demo.DEMO_DIR, "classifier.safetensors")
+    return load_classifier(path), path
+
+
+def classify(classifier, images):
+    """uint8 images [N, H, W, 3] -> (predicted classes [N], penultimate features [N, d] float64)."""
+    import torch
+
+    x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+    with torch.no_grad():
+        logits, feats = classifier(x), classifier.features(x)
+    return logits.argmax(-1).numpy(), feats.numpy().astype(np.float64)
 
 
 def batch_seed(seed, role, index):
@@ -166,10 +244,8 @@ def _engines(args, work):
     """{scheme label: Engine}: the engine as given first (the reference), then its quantized copies."""
 
     reference = Engine(args.engine, threads=args.threads)
+    check_engine(reference, args)
     m = reference.manifest
-    if m.condition.kind != "class" or "vq_decoder" not in m.graphs or "lantern++" not in m.modes:
-        raise LanternError(f"{args.engine}: the quality harness needs a class-conditional engine with a drafter "
-                           f"and a VQ decoder")
     label = quantization_scheme(m)
     label = m.dtype if label == "none" else label
     if args.schemes and label != "fp32":
@@ -186,15 +262,41 @@ def _engines(args, work):
     return engines
 
 
+def check_engine(engine, args):
+    """One line on an engine the requested rows cannot run on: class-conditional with a VQ
+    decoder always, a drafter for the tree's rows, a neighbor table for the relaxed ones."""
+    m, rows = engine.manifest, sweep_methods(args)
+    missing = [what for what, lacking in (
+        ("class conditioning", m.condition.kind != "class"),
+        ("a VQ decoder", "vq_decoder" not in m.graphs),
+        ("a drafter (for the tree rows; --proposers jacobi needs none)",
+         any(s.mode != "ar" and s.proposer == "tree" for _, s in rows) and "exact" not in m.modes),
+        ("a neighbor table (for the relaxed rows)", any(s.mode in RELAXED for _, s in rows) and m.neighbors is None),
+    ) if lacking]
+    if missing:
+        raise LanternError(f"{args.engine}: the quality harness needs a class-conditional engine with a VQ decoder; "
+                           f"this one lacks {', '.join(missing)}")
+
+
+def widest_trees(engine, args):
+    """(tree, drafter) of the step plans the sweep's rows run: the exported tree, the jacobi
+    window's chain."""
+    trees = [(engine.tree, True)] if "tree" in args.proposers else []
+    if "jacobi" in args.proposers:  # the target alone: no drafter call in its plan
+        trees.append((JacobiWindow(args.window, args.init, engine.manifest).tree, False))
+    return trees
+
+
 def check_memory(engine, args):
     """Refuse, in one line and before anything is quantized or allocated, a sweep this machine
-    cannot hold: its widest step plan (the exported tree over --batch images, or over the greedy
-    rows' one image per class) as generate refuses one, and a row's images decoded at once."""
+    cannot hold: its widest step plans (the exported tree, the jacobi window, over --batch images
+    or over the greedy rows' one image per class) as generate refuses one, and a row's images decoded at once."""
     n_classes = engine.manifest.condition.num_classes
     row = n_classes * args.per_class
     widest = max(min(args.batch, row), n_classes)
-    engine.check_memory(engine.tree, engine.condition.prefix(args.cfg_scale > 1,
-                                                             classes=np.arange(widest) % n_classes))
+    prefix = engine.condition.prefix(args.cfg_scale > 1, classes=np.arange(widest) % n_classes)
+    for tree, drafter in widest_trees(engine, args):
+        engine.check_memory(tree, prefix, drafter=drafter)
     need, limit = decode_bytes(engine.manifest, row, DECODE_CHUNK), available_memory()
     if limit is not None and need > 0.8 * limit:  # Engine.decode's margin
         raise LanternError(f"a row of {row} images ({args.per_class} per class) needs about {need / 2**30:.2f} GiB "
@@ -212,15 +314,10 @@ def sweep(args, out_dir):
 def _sweep(args, out_dir, work):
     import torch
 
-    from lantern.tools.train.classifier import load_classifier
-
     engines = _engines(args, work)
     reference_scheme, reference = next(iter(engines.items()))
     m = reference.manifest
-    from lantern.tools import demo
-
-    path = args.classifier or os.path.join(demo.DEMO_DIR, "classifier.safetensors")
-    classifier = load_classifier(path)
+    classifier, path = load_judge(args.classifier)
     n_classes = m.condition.num_classes
     classes = np.repeat(np.arange(n_classes), args.per_class)
     batches = [slice(i, i + args.batch) for i in range(0, len(classes), args.batch)]
@@ -229,8 +326,7 @@ def _sweep(args, out_dir, work):
     # Every scheme drafts with the engine's exported tree (not a tree `lantern-run tune` chose for
     # one engine's latency), so rows differ only in the scheme and the method.
     base = sweep_settings(args)
-    plan = [(name, settings, None if settings.mode == "ar" else reference.tree)
-            for name, settings in methods(args.lams, args.ks, args.deltas, base)]
+    plan = [(name, settings, row_tree(reference, settings)) for name, settings in sweep_methods(args)]
 
     def generate(engine, settings, tree, role):
         """All images of one row, batch by batch: tokens, engine seconds, per-image stats."""
@@ -255,33 +351,36 @@ def _sweep(args, out_dir, work):
 
     def judge(tokens):
         images = reference.decode(tokens)
-        x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
-        with torch.no_grad():
-            logits, feats = classifier(x), classifier.features(x)
-        return images, (logits.argmax(-1).numpy() == classes).mean(), feats.numpy().astype(np.float64)
+        predicted, feats = classify(classifier, images)
+        return images, (predicted == classes).mean(), feats
 
-    # Size and expected time: one batch of ar and one of exact on the reference, scaled to the
-    # sweep (a quantized engine costs about what the reference does on a CPU: 0.9-1.3x measured).
-    exact = dataclasses.replace(base, mode="exact")
-    reference.generate(classes=classes[:2].tolist(), settings=exact, tree=reference.tree)  # warm up
+    # Size and expected time: one batch of ar and one of exact per proposer on the reference,
+    # scaled to the sweep (a quantized engine costs about what the reference does on a CPU:
+    # 0.9-1.3x measured; a relaxed row about what its proposer's exact does).
     probe = classes[batches[0]].tolist()
+    probes = {"ar": dataclasses.replace(base, mode="ar")}
+    probes.update({name: settings for name, settings, _ in plan if settings.mode == "exact"})
+    for settings in probes.values():  # warm up
+        reference.generate(classes=classes[:2].tolist(), settings=settings, tree=row_tree(reference, settings))
     cost = {}
-    for mode in ("ar", "exact"):
+    for name, settings in probes.items():
         t = time.perf_counter()
-        r = reference.generate(classes=probe, settings=dataclasses.replace(base, mode=mode), seed=args.seed,
-                               tree=None if mode == "ar" else reference.tree)
+        r = reference.generate(classes=probe, settings=settings, seed=args.seed, tree=row_tree(reference, settings))
         decoded = time.perf_counter()
         reference.decode(r.tokens)
         per_image = (decoded - t) / len(probe)
-        cost[mode] = {"generate": per_image, "decode": (time.perf_counter() - decoded) / len(probe)}
-    per_row = sum(cost["ar" if settings.mode == "ar" else "exact"]["generate"] for _, settings, _ in plan)
+        cost[name] = {"generate": per_image, "decode": (time.perf_counter() - decoded) / len(probe)}
+    exact_of = {s.proposer: name for name, s in probes.items() if s.mode == "exact"}
+    per_row = sum(cost["ar" if settings.mode == "ar" else exact_of[settings.proposer]]["generate"]
+                  for _, settings, _ in plan)
     expected = len(engines) * (per_row * (len(classes) + len(greedy_classes)) + len(plan) * len(classes)
                                * cost["ar"]["decode"]) + len(classes) * sum(cost["ar"].values())
     total_images = (len(classes) + len(greedy_classes)) * len(plan) * len(engines) + len(classes) + len(greedy_classes)
     print(f"quality: {len(engines)} scheme{'s' if len(engines) > 1 else ''} ({', '.join(engines)}) x {len(plan)} methods "
           f"({', '.join(name for name, _, _ in plan)}) x {len(classes)} sampled images ({args.per_class} per class x "
           f"{n_classes} classes) + {len(greedy_classes)} greedy ones + ar's noise floor = {total_images} images in "
-          f"batches of {args.batch}; expect about {_duration(expected)} (measured on one batch of ar and of exact)",
+          f"batches of {args.batch}; expect about {_duration(expected)} (measured on one batch of ar and of "
+          f"{' and '.join(exact_of.values())})",
           flush=True)
 
     bar = _progress(total_images, not args.no_progress)
@@ -301,6 +400,7 @@ def _sweep(args, out_dir, work):
                 feats = judge(floor)[2]  # the reference row: ar against ar with other seeds
             agreement = float((greedy(engine, settings, tree) == greedy_ar).mean())
             rows.append({"scheme": scheme, "method": name, "mode": settings.mode, "settings": settings.canonical(),
+                         "proposer": "ar" if settings.mode == "ar" else settings.proposer,
                          "tree": None if tree is None else tree.name, "accuracy": float(accuracy),
                          "frechet_vs_ar": frechet_distance(project(reference_feats, reference_feats, args.feature_dims),
                                                            project(feats, reference_feats, args.feature_dims)),
@@ -311,9 +411,9 @@ def _sweep(args, out_dir, work):
             write_png(os.path.join(out_dir, _file(f"{scheme} {name}") + ".png"),
                       image_grid(images[:: args.per_class // 2 or 1], ncols=n_classes))
             r = rows[-1]
-            bar.write(f"{scheme:5s} {name:24s} accuracy {r['accuracy']:.3f}  frechet {r['frechet_vs_ar']:8.3f}  "
+            bar.write(f"{scheme:5s} {name:28s} accuracy {r['accuracy']:.3f}  frechet {r['frechet_vs_ar']:8.3f}  "
                       f"greedy agreement {r['greedy_agreement']:.3f}  accepted {r['mean_accepted_length']:.2f}  "
-                      f"speedup {r['speedup']:.2f}x")
+                      f"steps {r['steps_per_image']:.1f}  speedup {r['speedup']:.2f}x")
         engine.release()  # one scheme's step plan at a time: what check_memory measured
     bar.close()
     summary = {"engine": os.path.abspath(args.engine), "classifier": path, "images_per_row": len(classes),
@@ -386,10 +486,11 @@ def _plot(out_dir, rows):
                            (axes[2], "greedy_agreement", "greedy token agreement with the reference ar")):
         for r in rows:
             family = r["method"].split(" ")[0]
-            color = {"ar": "black", "exact": "tab:green", "lantern++": "tab:orange", "lantern": "tab:blue"}[family]
+            color = {"ar": "black", "exact": "tab:green", "lantern++": "tab:orange", "lantern": "tab:blue",
+                     "jacobi": "tab:purple", "gsd": "tab:red"}[family]
             marker = markers.setdefault(r["scheme"], "os^Dv"[len(markers) % 5])
             ax.scatter(r["speedup"], r[key], color=color, marker=marker)
-            short = r["method"].replace("lantern++ ", "").replace("lantern ", "")
+            short = r["method"].replace("lantern++ ", "").replace("lantern ", "").replace("jacobi ", "J ")
             ax.annotate(f"{r['scheme']} {short}", (r["speedup"], r[key]), fontsize=7, xytext=(3, 3),
                         textcoords="offset points")
         ax.set_xlabel("speedup over the reference ar (wall time, this machine)")
