@@ -18,9 +18,13 @@ def test_demo_exports_checks_generates_and_reports(demo):
     report = json.loads((demo / "report" / "report.json").read_text())
     assert report["check"]["ok"]
     rows = {r["mode"]: r for r in report["results"]}
-    assert set(rows) == {"ar", "exact", "lantern++", "lantern++ tuned"}
+    assert set(rows) == {"ar", "exact", "lantern++", "exact jacobi", "lantern++ jacobi", "lantern++ tuned"}
     assert rows["ar"]["steps_per_image"] == 63  # 64 tokens: one from prefill, 63 AR steps
     assert rows["exact"]["steps_per_image"] < 45  # the trained drafter compresses steps
+    # so does the drafter-free window (SJD), with no drafter calls: one engine call per step
+    assert rows["exact jacobi"]["steps_per_image"] < 40 and rows["exact jacobi"]["tree"] == "chain-15"
+    assert rows["lantern++ jacobi"]["steps_per_image"] < rows["exact jacobi"]["steps_per_image"]
+    assert rows["exact jacobi"]["engine_calls_per_step_batch1"] < rows["exact"]["engine_calls_per_step_batch1"]
     for name in ("report.md", "acceptance.png", "ar.png", "lanternpp.png"):
         assert (demo / "report" / name).stat().st_size > 0
     # Step costs at the batch and at one image, and what they show.
