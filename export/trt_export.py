@@ -53,6 +53,7 @@ from lantern.runtime.backends import runs_plans
 from lantern.runtime.backends.cuda import gpu_compute_capability
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
+from lantern.runtime.jacobi import check_window
 from lantern.runtime.manifest import (describe_files, PlanFile, PlanProfile, quantization_scheme, read_manifest,
                                       TensorRTPlans)
 from lantern.runtime.plan import StepPlan
@@ -87,12 +88,13 @@ def _prefix(manifest, images, cfg, adapter):
     return adapter.prefix(cfg, caption=caption)
 
 
-def call_shapes(manifest, batches, cfgs, trees):
+def call_shapes(manifest, batches, cfgs, trees, windows=()):
     """{graph: {label: (input shapes {input: shape}, occurrence)}}: every call the step plans make
     for these batches (images per call), CFG settings and trees (Tree objects; AR's root-only
-    tree is added), labelled like "verify n1 cfg mc_sim_7b_63"; occurrence counts the earlier
-    calls of the same graph and shapes in the same step plan. Plus the VQ decoder's calls, one
-    per batch."""
+    tree is added) and Jacobi windows (slots; their plans verify a chain with no drafter calls),
+    labelled like "verify n1 cfg mc_sim_7b_63" or "verify n1 jacobi16"; occurrence counts the
+    earlier calls of the same graph and shapes in the same step plan. Plus the VQ decoder's calls,
+    one per batch."""
     adapter = condition_adapter(manifest, np.float32, directory=None)  # ids only: no tokenizer needed
     backend = _ShapesOnly(np.float32)
     settings = dict(cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0)
@@ -100,13 +102,15 @@ def call_shapes(manifest, batches, cfgs, trees):
     for images in batches:
         for cfg in cfgs:
             prefix = _prefix(manifest, images, cfg, adapter)
-            for tree in [root_only()] + [t for t in trees if t.depth]:
-                plan = StepPlan(manifest, backend, tree, prefix, settings)
+            steps = [(t, True, t.name) for t in [root_only()] + [t for t in trees if t.depth]]
+            steps += [(build_tree(f"chain-{w - 1}"), False, f"jacobi{w}") for w in windows]
+            for tree, drafter, name in steps:
+                plan = StepPlan(manifest, backend, tree, prefix, settings, drafter)
                 seen = {}
                 for regime, (graph, shapes) in plan.shapes().items():
                     label = f"{regime} n{images}{' cfg' if cfg else ''}"
                     if regime.startswith(_TREE_REGIMES):
-                        label += f" {tree.name}"
+                        label += f" {name}"
                     key = (graph, tuple(sorted(shapes.items())))
                     occurrence = seen[key] = seen.get(key, -1) + 1
                     out[graph].setdefault(label, (shapes, occurrence))
@@ -203,6 +207,15 @@ def _trees(manifest, specs, directory):
     return trees
 
 
+def _windows(windows):
+    """Jacobi windows to build verification profiles for (slots per verification, root included)."""
+    for w in windows:
+        check_window(w, "random")
+    if len(set(windows)) != len(windows):
+        raise LanternError(f"windows repeat: {', '.join(map(str, windows))}")
+    return tuple(windows)
+
+
 def _tuned(manifest, directory):
     """The trees `lantern-run tune` chose on a backend that runs the plans (generate uses them there),
     so a rebuild of the plans keeps covering them; other backends' tuned trees never run on plans."""
@@ -229,8 +242,8 @@ def _cfgs(manifest, cfg):
 
 
 def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities=("current",), batches=(1,),
-                       trees=(), cfg=None, timing_cache=None, workspace_bytes=None, tf32=False, force=False,
-                       progress=False):
+                       trees=(), windows=(), cfg=None, timing_cache=None, workspace_bytes=None, tf32=False,
+                       force=False, progress=False):
     """Build the plans of every graph of an engine directory and record them in its manifest.
     Returns (key, TensorRTPlans, {graph: build record}). See the module docstring."""
     directory = os.path.abspath(os.fspath(directory))
@@ -249,6 +262,7 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
     ccs = resolve_compute_capabilities(flavor, compute_capabilities)
     key = plans_key(flavor, ccs)
     tree_list = _trees(manifest, trees, directory)
+    windows = _windows(windows)
     cfgs = _cfgs(manifest, cfg)
     if key in (manifest.tensorrt or {}) and not force:
         raise LanternError(f"{directory} already has plans/{key}; pass --force to rebuild them")
@@ -256,7 +270,7 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
     enginedir.check_writable(directory, "lantern-export trt")  # before the builds, not after them
     enginedir.inside(directory, f"plans/{key}")  # a planted link there is refused before any work
 
-    calls = call_shapes(manifest, batches, cfgs, tree_list)
+    calls = call_shapes(manifest, batches, cfgs, tree_list, windows)
     jobs = [(graph, graph_profiles(manifest, graph, calls[graph])) for graph in calls]
     jobs += acceptance_jobs(manifest, batches, cfgs, tree_list)
     graphs = manifest.all_graphs()
@@ -378,6 +392,9 @@ def add_parser(sub):
     p.add_argument("--tree", nargs="+", default=[], help="draft trees to build for, presets or JSON files "
                                                          "(default: the engine's tree and the trees tuned on the "
                                                          "tensorrt backend); AR is always included")
+    p.add_argument("--window", type=int, nargs="+", default=[],
+                   help="Jacobi windows to build for (slots per verification, e.g. 16: `lantern-run generate "
+                        "--proposer jacobi --window 16` on the tensorrt backend); default none")
     cfg = p.add_mutually_exclusive_group()
     cfg.add_argument("--cfg", dest="cfg", action="store_true", default=None,
                      help="only with classifier-free guidance (default: with and without, where the engine can)")
@@ -396,7 +413,7 @@ def run(args):
         raise LanternError(f"--workspace-mib must be a positive integer, got {args.workspace_mib}")
     key, entry, records = build_engine_plans(
         args.engine, flavor=args.flavor, compute_capabilities=args.compute_capability, batches=args.batch,
-        trees=args.tree, cfg=args.cfg, timing_cache=args.timing_cache,
+        trees=args.tree, windows=args.window, cfg=args.cfg, timing_cache=args.timing_cache,
         workspace_bytes=None if args.workspace_mib is None else args.workspace_mib * 2**20, tf32=args.tf32,
         force=args.force,
         progress=not args.no_progress)

@@ -383,3 +383,19 @@ def test_no_graph_the_backend_binds_has_a_shape_tensor_input(c2i_accept_engine):
         inputs = [network.get_input(i) for i in range(network.num_inputs)]
         assert {i.name for i in inputs} == set(graph.inputs), label
         assert [i.name for i in inputs if i.is_shape_tensor] == [], label
+
+
+def test_jacobi_windows_get_verification_profiles_and_no_drafter_calls(c2i_engine):
+    """`lantern-export trt --window 4`: the plan of a Jacobi window verifies root + 3 drafts in one
+    target call (a profile of its own) and calls no drafter; the drafter's profiles stay the
+    tree's; a window out of range is refused in one line."""
+    m = read_manifest(c2i_engine)
+    tree = build_tree(m.tree)
+    plain = trt_export.call_shapes(m, (1,), (True,), [tree])
+    calls = trt_export.call_shapes(m, (1,), (True,), [tree], windows=(4,))
+    shapes, _ = calls["target"]["verify n1 cfg jacobi4"]
+    assert shapes["input_ids"] == (2, 4) and shapes["attention_mask"][2:] == (4, shapes["attention_mask"][3])
+    assert calls["drafter"] == plain["drafter"] and not any("jacobi" in label for label in calls["drafter"])
+    assert set(calls["target"]) - set(plain["target"]) == {"verify n1 cfg jacobi4"}
+    with pytest.raises(LanternError, match=r"^window must be an integer in \[2, 17\]"):
+        trt_export._windows((1,))
