@@ -61,15 +61,18 @@ class Generation:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step decided, for observers (profiling, the tree tuner): decisions [N, M] int8
-    (1 on the accepted path, 0 evaluated and not on it, -1 never evaluated; rows of finished
-    images are -1), accepted [N] draft tokens accepted (0 for finished images), active [N]."""
+    """What one step decided, for observers (profiling, the tree tuner, the tests' references):
+    decisions [N, M] int8 (1 on the accepted path, 0 evaluated and not on it, -1 never evaluated;
+    rows of finished images are -1), accepted [N] draft tokens accepted (0 for finished images),
+    active [N], tokens [N, M] the block's node tokens as proposed (vocabulary ids; node 0 the
+    root; rows of finished images -1)."""
 
     step: int
     tree: object
     active: np.ndarray
     decisions: np.ndarray
     accepted: np.ndarray
+    tokens: np.ndarray = None
 
 
 class Engine:
@@ -453,7 +456,7 @@ class _Decoding:
         reads back what the active images emitted. Returns their Outcome (paths are not read
         back: decisions only when an observer asks)."""
         t0 = time.perf_counter()
-        accepted, emitted, invalid, decisions = device.step(decisions=self.observer is not None)
+        accepted, emitted, invalid, decisions, tokens = device.step(decisions=self.observer is not None)
         self.times["engine"] += time.perf_counter() - t0
         self.engine_calls += len(self.plan.calls) - ("prefill" in self.plan.calls) - ("condition" in self.plan.calls)
         bad = np.flatnonzero(invalid & active)
@@ -462,6 +465,8 @@ class _Decoding:
                                f"(device step)")
         a = np.flatnonzero(active)
         self.count[a] += self.emit(a, accepted[a], emitted[a])
+        if tokens is not None:
+            self.node_tokens[:] = tokens  # the observer's record reads them here, as on the host step
         return acceptance.Outcome(path=None, accepted=accepted[a], next_token=None,
                                   decisions=None if decisions is None else decisions[a])
 
@@ -489,7 +494,9 @@ class _Decoding:
         decisions = np.full((self.N, self.tree.num_nodes), -1, dtype=np.int8)
         accepted = np.zeros(self.N, dtype=np.int64)
         decisions[active], accepted[active] = outcome.decisions, outcome.accepted
-        return StepRecord(step=step, tree=self.tree, active=active.copy(), decisions=decisions, accepted=accepted)
+        tokens = np.where(active[:, None], self.node_tokens, -1)
+        return StepRecord(step=step, tree=self.tree, active=active.copy(), decisions=decisions, accepted=accepted,
+                          tokens=tokens)
 
     def stats(self, steps, total):
         speculative = self.tree.depth > 0

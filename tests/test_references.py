@@ -133,10 +133,26 @@ def test_drafts_match_a_full_drafter_forward(request, family, step):
         rank = int(np.flatnonzero(ranking == token)[0])
         return tree.child_at[node, rank] if rank < tree.child_at.shape[1] else -1
 
-    count, hits = np.ones(len(tokens), dtype=np.int64), [0, 0]
+    logits1, logits2 = llamagen_drafts(engine.directory, tokens, hidden)
+    lv1, lv2 = tree.levels[0], tree.levels[1]
+
+    def same_rank(logits, drafted, ranks):  # each draft is the reference's candidate of its rank (ties aside)
+        best = np.sort(logits)[::-1][ranks]
+        return np.abs(logits[drafted] - best) <= 1e-4 * max(1.0, np.abs(best).max())
+
+    count, hits, checked = np.ones(len(tokens), dtype=np.int64), [0, 0], 0
     for r in records:
         for n in np.flatnonzero(r.active):
             root = count[n] - 1
+            # the drafts themselves, rank by rank, against the full drafter forward: a slip in the
+            # draft phase (positions, pairs, masks) changes candidates before it changes acceptance
+            assert r.tokens[n, 0] == tokens[n, root]
+            assert same_rank(logits1[n, root], r.tokens[n, lv1.nodes], lv1.ranks).all(), (n, root)
+            truth = lv1.nodes[r.tokens[n, lv1.nodes] == tokens[n, root + 1]]
+            if truth.size and root + 2 < tokens.shape[1]:
+                below = lv2.nodes[lv2.parents == truth[0]]
+                assert same_rank(logits2[n, root], r.tokens[n, below], tree.ranks[below]).all(), (n, root)
+                checked += 1
             node = child(0, depth1[n, root], tokens[n, root + 1])
             assert (r.accepted[n] >= 1) == (node >= 0), (n, root, r.accepted[n])
             if node >= 0 and root + 2 < tokens.shape[1]:
@@ -145,4 +161,4 @@ def test_drafts_match_a_full_drafter_forward(request, family, step):
                 hits[1] += deeper >= 0
             hits[0] += node >= 0
             count[n] += r.accepted[n] + 1
-    assert hits[0] > 0 and hits[1] > 0  # steps accepted drafts at both depths
+    assert hits[0] > 0 and hits[1] > 0 and checked > 0  # steps accepted drafts at both depths

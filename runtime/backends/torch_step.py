@@ -141,8 +141,9 @@ class TorchDeviceStep:
         # the random streams' table: steps per upload (a constant of the plan, baked into the graph)
         self.table_steps = table_steps(d.N, max(d.length - 1, 1), d.streams.block) if self.sampling else 0
         self.steps_run = 0
-        # the report: per image accepted, emitted tokens [depth + 1], invalid; decisions after it
-        self.report = torch.zeros((d.N, tree.depth + 3 + tree.num_nodes), dtype=torch.int64, device=dev)
+        # the report: per image accepted, emitted tokens [depth + 1], invalid; decisions and the
+        # node tokens after it (read only for an observer)
+        self.report = torch.zeros((d.N, tree.depth + 3 + 2 * tree.num_nodes), dtype=torch.int64, device=dev)
         self.graph = None
         self.eager_steps = 0
         self.capture = b.device.type == "cuda" and getattr(b, "cuda_graphs", False)
@@ -252,7 +253,8 @@ class TorchDeviceStep:
     # -- the host side: one call per step ------------------------------------------------------
     def step(self, decisions=False):
         """Run one step; returns (accepted [N], emitted [N, depth + 1] vocabulary ids,
-        invalid [N] bool, decisions [N, M] or None) read back in one transfer."""
+        invalid [N] bool, decisions [N, M] or None, node tokens [N, M] or None) read back in one
+        transfer (decisions and node tokens only when asked: an observer's record)."""
         if self.sampling and self.steps_run and self.steps_run % self.table_steps == 0:
             self.table.copy_(self._up(self.streams.table(self.table_steps), np.float64))  # the next chunk
         self.steps_run += 1
@@ -266,9 +268,10 @@ class TorchDeviceStep:
                 self.graph = self._capture()
         width = self.report.shape[1] if decisions else self.report_width
         report = self.backend.to_host(self.report[:, :width])
-        D = self.depth
+        D, M = self.depth, self.tree.num_nodes
         return (report[:, 0], report[:, 1: D + 2], report[:, D + 2].astype(bool),
-                report[:, D + 3:].astype(np.int8) if decisions else None)
+                report[:, D + 3: D + 3 + M].astype(np.int8) if decisions else None,
+                report[:, D + 3 + M:] if decisions else None)
 
     def _capture(self):
         """The whole step as one CUDA graph over the step's static tensors; None (eager from
@@ -439,7 +442,8 @@ class TorchDeviceStep:
         self.report[:, 0] = torch.where(active, accepted, 0)
         self.report[:, 1: D + 2] = emitted
         self.report[:, D + 2] = (invalid & active).to(torch.int64)
-        self.report[:, D + 3:] = decisions
+        self.report[:, D + 3: D + 3 + self.tree.num_nodes] = decisions
+        self.report[:, D + 3 + self.tree.num_nodes:] = self.node_tokens
 
     def _combined(self, logits):
         """The CFG-combined verification logits [N, M, V] in float32, op for op as the host
