@@ -68,3 +68,54 @@ def test_quality_refuses_what_the_machine_cannot_hold_up_front(c2i_engine, tmp_p
     assert len(lines) == 1 and says in lines[0] and "GiB" in lines[0] and "1.00 GiB available" in lines[0], lines
     assert captured.out == ""
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_jacobi_rows_run_in_a_tiny_sweep(c2i_engine, tmp_path, capsys):
+    """--proposers jacobi: ar and the drafter-free rows only (no drafter tree row), each through
+    the same judging; the jacobi rows verify windows (fewer steps than ar's one per token), exact
+    keeps ar's greedy tokens and gsd names its proposer."""
+    import json
+
+    from lantern.tools import run_cli
+
+    out = tmp_path / "report"
+    argv = ["quality", c2i_engine, "--schemes", "none", "--per-class", "1", "--proposers", "jacobi", "--ks", "4",
+            "--window", "6", "--init", "uniform", "--threads", "1", "--no-progress", "--out", str(out)]
+    assert run_cli.main(argv) == 0, capsys.readouterr().err
+    rows = {r["method"]: r for r in json.loads((out / "report.json").read_text())["results"]}
+    assert list(rows) == ["ar", "jacobi exact", "jacobi lantern++ k=4 lam=5", "gsd k=4 (jacobi)"]
+    for name in list(rows)[1:]:
+        r = rows[name]
+        assert r["proposer"] == "jacobi" and r["tree"] is None, r
+        assert r["settings"]["window"] == 6 and r["settings"]["init"] == "uniform"
+        assert r["steps_per_image"] < rows["ar"]["steps_per_image"]
+        assert 0 <= r["accuracy"] <= 1 and r["frechet_vs_ar"] >= 0
+    assert rows["gsd k=4 (jacobi)"]["settings"]["tau"] == 1.0
+    assert rows["jacobi exact"]["greedy_agreement"] == 1.0  # lossless: ar's greedy tokens
+    # Both proposers: the tree's rows keep their names, gsd gets a row per proposer.
+    both = [m for m, _ in methods([5], [20], [], proposers=["tree", "jacobi"], taus=[1.0, 0.15])]
+    assert both == ["ar", "exact", "lantern++ k=20 lam=5", "gsd k=20 (tree)", "gsd k=20 tau=0.15 (tree)",
+                    "jacobi exact", "jacobi lantern++ k=20 lam=5", "gsd k=20 (jacobi)", "gsd k=20 tau=0.15 (jacobi)"]
+
+
+def test_jacobi_bench_quick_prints_its_json(c2i_engine, capsys):
+    """bench.jacobi --quick on the tiny engine (the demo classifier judges any image size): one
+    JSON object on stdout with its three parts, ar's ratio 1 and the windows swept."""
+    import json
+
+    from lantern.tools.bench import jacobi
+
+    assert jacobi.main(["--engine", c2i_engine, "--quick", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    compression = result["step_compression"]["methods"]
+    assert compression["ar"]["ratio_vs_ar"] == 1.0 and compression["ar"]["frechet_vs_ar"] == pytest.approx(0, abs=1e-6)
+    assert {"tree exact", "jacobi exact random", "jacobi exact spatial"} <= set(compression)
+    assert any(name.startswith("gsd tree") for name in compression)
+    assert set(result["step_compression"]["noise"]) == {"accuracy_ar", "accuracy_ar_other_seeds",
+                                                        "frechet_ar_vs_ar_other_seeds"}
+    (engine_wall,) = result["wall_clock"].values()
+    rows = engine_wall["batches"]["1"]["methods"]
+    assert rows["ar"]["step_cost_in_ar_steps"] == pytest.approx(1.0) and len(rows) == 3
+    assert set(result["window_sweep"]["windows"]) == {"4", "8", "16"}
+    assert "step compression" in captured.err

@@ -5,7 +5,7 @@ For every scheme (the engine as given, plus the weight-only quantized copies --s
 int8 and int4 by default, made from the engine in a temporary directory in a second or two) and
 every method (ar, exact and lantern++ at the demo's k 20, λ 5 by default) it generates the same
 requested classes with the same seeds (sampling with CFG, as images are generated in practice),
-then reports (speculative methods draft with the engine's exported tree in every scheme)
+then reports (the drafter's rows draft with the engine's exported tree in every scheme)
   accuracy   the classifier agrees with the requested class (class consistency),
   frechet    Fréchet distance between the row's samples and the engine's own `ar` samples (the
              reference: fp32 `ar`) in the classifier's feature space; the reference `ar` against
@@ -26,13 +26,14 @@ methods with the Jacobi window (lantern.runtime.jacobi; --window slots, --init d
 exact", "jacobi lantern++ k=.. lam=..", and grouped speculative decoding (mode gsd, lossy) per
 proposer, "gsd k=.. (tree)" and "gsd k=.. (jacobi)" at --taus (default 1 where jacobi is asked
 for, none otherwise). --proposers jacobi alone needs no drafter: an engine with a neighbor table
-and a VQ decoder serves it. Each jacobi row takes about as long as the tree's exact.
+and a VQ decoder serves it. A jacobi row takes about half as long as the tree's exact (demo,
+batch 32, CPU).
 
 The default (3 schemes x 3 methods, 6 images per class) takes about 3 min on two CPU cores;
 --schemes none compares methods on the engine alone (a third of that, or --per-class 20 for
 tighter numbers); --lams, --ks and --deltas widen the sweep, each speculative method taking about
 as long as exact. Before the sweep it states its size and the time it expects, measured on one
-batch of ar and one of exact. Images go through the engine in batches of --batch (a 26-node tree
+batch of ar and one of each proposer's exact. Images go through the engine in batches of --batch (a 26-node tree
 over hundreds of CFG rows at once is several times slower per image on a CPU); batch i of every
 row uses the same seed.
 """
