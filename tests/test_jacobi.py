@@ -14,7 +14,7 @@ from engines import build_engine, captions, export_like
 from lantern.export.torch_backend import open_torch_backend
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
-from lantern.runtime.jacobi import MAX_WINDOW
+from lantern.runtime.jacobi import JacobiWindow, MAX_WINDOW
 from lantern.runtime.settings import GenerationSettings
 from lantern.tools import run_cli
 from references import llamagen_forward
@@ -185,6 +185,43 @@ def test_jacobi_exact_sampling_draws_the_target_distribution(c2i_engine, c2i):
     # power: a lossy rule over the same windows fails the same test by far
     lossy = c2i.generate(mode="lantern++", lam=5.0, k=32, proposer="jacobi", window=4, classes=classes, seed=4 * n)
     assert ks_uniform(pit_values(c2i_engine, lossy.tokens, classes, 1.0, 1.0, rng)) > 3.0
+
+
+@pytest.mark.parametrize("init", ["random", "uniform"])
+def test_every_draft_is_a_draw_from_the_q_it_is_offered_with(c2i, init, monkeypatch):
+    """What exactness rests on, slot by slot: the window's drafts (re-drafts from the last
+    verification's rows, fresh uniform codes) are draws from the q the rule is given. The real
+    proposer runs; each step's block is recorded after it, and the drafts' randomised PIT under
+    their own q must be uniform. Fresh drafts rarely reach acceptance (they sit behind the
+    re-drafts), so the distribution test above barely sees a wrong q for them; this sees every one."""
+    blocks = []
+    propose = JacobiWindow.propose
+
+    def recording(self, d, active, race):
+        propose(self, d, active, race)
+        a = np.flatnonzero(active)
+        # node i's q is the distribution its child, slot i + 1, was drawn from
+        blocks.append((d.view.columns(d.node_tokens[a, 1:]), np.array(d.cand_probs[a, :-1], dtype=np.float64)))
+
+    monkeypatch.setattr(JacobiWindow, "propose", recording)
+    c2i.generate(mode="exact", proposer="jacobi", window=8, init=init, cfg_scale=3.0, temperature=0.7,
+                 classes=list(range(10)) * 4, seed=5)
+    drafts = np.concatenate([x.ravel() for x, _ in blocks])
+    q = np.concatenate([p.reshape(-1, p.shape[-1]) for _, p in blocks])
+    np.testing.assert_allclose(q.sum(1), 1.0, atol=1e-6)
+    below = np.where(np.arange(q.shape[1])[None, :] < drafts[:, None], q, 0.0).sum(1)
+    u = below + np.random.default_rng(0).random(len(q)) * q[np.arange(len(q)), drafts]
+    # given its q a draft is a draw from it, so the PIT is uniform within any group of slots
+    # chosen by q alone: flat q (fresh uniform drafts) apart from the rest (re-drafts), so the
+    # fewer fresh slots are not drowned; one-hot slots are their draft by construction
+    flat = np.isclose(q, q.max(1, keepdims=True)).sum(1) * q.max(1) > 1 - 1e-9
+    spread = q.max(1) < 1.0
+    groups = {"re-drafts": spread & ~flat}
+    if init == "uniform":
+        groups["fresh"] = spread & flat
+    for name, group in groups.items():
+        assert group.sum() > 300, name
+        assert ks_uniform(u[group]) < 1.95, name
 
 
 def test_lam_one_and_gsd_k0_sample_exacts_tokens(c2i):
