@@ -41,6 +41,14 @@ def inplace_c2i_engine(c2i_engine, tmp_path_factory):
                       lambda root: export_like(c2i_engine, root / "engine", "--attention", "inplace"))
 
 
+@pytest.fixture(scope="session")
+def inplace_no_drafter_engine(no_drafter_engine, tmp_path_factory):
+    """The drafter-less checkpoints with --attention inplace and room for 8 verified tokens."""
+    return built_once(tmp_path_factory, "c2i-no-drafter-inplace",
+                      lambda root: export_like(no_drafter_engine, root / "engine", "--attention", "inplace",
+                                               "--max-tree-nodes", "8"))
+
+
 def one_line(excinfo):
     text = str(excinfo.value)
     assert text and "\n" not in text, text
@@ -342,3 +350,18 @@ def test_greedy_jacobi_on_an_inplace_engine(inplace_c2i_engine):
         out = engine.generate(mode="exact", proposer="jacobi", window=window, init=init, **kw)
         np.testing.assert_array_equal(out.tokens, ar.tokens, err_msg=f"window {window}")
         assert out.stats["steps_per_image"] < ar.stats["steps_per_image"]
+
+
+def test_greedy_jacobi_on_an_inplace_engine_without_a_drafter(inplace_no_drafter_engine):
+    """No drafter, so no export tree: the static cache holds --max-tree-nodes verified tokens, a
+    window of up to that many runs (AR's tokens) and a wider one is refused in one line."""
+    engine = Engine(inplace_no_drafter_engine, threads=1)
+    assert engine.manifest.inplace_cache.tree_nodes == 8 and "drafter" not in engine.manifest.graphs
+    kw = dict(greedy=True, cfg_scale=3.0, classes=CLASSES)
+    ar = engine.generate(mode="ar", **kw)
+    for window in (2, 8):
+        out = engine.generate(mode="exact", proposer="jacobi", window=window, **kw)
+        np.testing.assert_array_equal(out.tokens, ar.tokens, err_msg=f"window {window}")
+    with pytest.raises(LanternError) as e:
+        engine.generate(mode="exact", proposer="jacobi", window=9, **kw)
+    assert "static cache" in one_line(e)
