@@ -22,7 +22,7 @@ import numpy as np
 
 from lantern.runtime import accept as acceptance
 from lantern.runtime.errors import LanternError
-from lantern.runtime.jacobi import check_window
+from lantern.runtime.jacobi import check_window, DEFAULT_WINDOW
 from lantern.runtime.sampling import sampler_for
 
 MODES = ("ar", "exact", "lantern", "lantern++", "gsd")
@@ -57,7 +57,7 @@ class GenerationSettings:
     cfg_interval: int = -1  # CFG for the first cfg_interval tokens only; -1: all
     tau: float = 1.0  # gsd: a neighbour joins the draft's group when |p(j) - p(x)| < tau
     proposer: str = "tree"  # tree: the drafter's static tree; jacobi: a drafter-free window
-    window: int = 16  # jacobi: slots per verification, the root included
+    window: int = DEFAULT_WINDOW  # jacobi: slots per verification, the root included
     init: str = "random"  # jacobi: fresh drafts (random, uniform, spatial)
 
     def __post_init__(self):

@@ -159,7 +159,7 @@ def run(args):
         engine = open_demo_engine(out, backend, device, args.threads)  # reopened: generate finds the tuned trees
     # the preset rows name their tree, so a tree tuned for the same settings does not replace it
     runs = [("ar", {}), ("exact", {"tree": args.tree}), ("lantern++", dict(lam=args.lam, k=args.k, tree=args.tree)),
-            # drafter-free speculative Jacobi decoding beside the drafter (its window's default)
+            # drafter-free speculative Jacobi decoding beside the drafter (the default window)
             ("exact jacobi", {"proposer": "jacobi"}), ("lantern++ jacobi", dict(lam=args.lam, k=args.k, proposer="jacobi"))]
     if tuned is not None:
         runs.append(("lantern++ tuned", dict(lam=args.lam, k=args.k)))  # generate picks the tuned tree

@@ -49,7 +49,7 @@ import numpy as np
 from lantern.export.quantize import greedy_agreement, quantize_engine, QuantizeOptions
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import DECODE_CHUNK, Engine
-from lantern.runtime.jacobi import INITS, JacobiWindow
+from lantern.runtime.jacobi import DEFAULT_WINDOW, INITS, JacobiWindow
 from lantern.runtime.manifest import quantization_scheme
 from lantern.runtime.memory import available_memory
 from lantern.runtime.outdir import only_files, OutputDirectory
@@ -109,7 +109,8 @@ def add_parser(sub):
     p.add_argument("--proposers", type=_proposers, default=["tree"],
                    help="who drafts the speculative rows: tree (the drafter's exported tree, the default), jacobi "
                         "(the drafter-free window), or tree,jacobi (both, each with its rows)")
-    p.add_argument("--window", type=int, default=16, help="jacobi rows: slots per verification (default 16)")
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                   help=f"jacobi rows: slots per verification (default {DEFAULT_WINDOW}, generate's)")
     p.add_argument("--init", choices=INITS, default="random", help="jacobi rows: fresh drafts (default random)")
     p.add_argument("--taus", type=_floats, default=None,
                    help="gsd rows' τ, one row per proposer, k (--ks) and τ (default: 1 when --proposers names "
@@ -147,7 +148,8 @@ def project(features, reference, dims):
     return (features - mean) @ vt[:dims].T
 
 
-def methods(lams, ks, deltas, base=GenerationSettings(), proposers=("tree",), taus=(), window=16, init="random"):
+def methods(lams, ks, deltas, base=GenerationSettings(), proposers=("tree",), taus=(), window=DEFAULT_WINDOW,
+            init="random"):
     """(row name, GenerationSettings) of every decoding method of the sweep: `base` (the shared
     sampling and CFG settings) in each mode with its relaxations, for each proposer: the tree's
     rows keep their plain names, the jacobi window's are prefixed "jacobi "; gsd rows (one per
