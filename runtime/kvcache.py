@@ -162,6 +162,10 @@ def cache_layout(manifest, prefix, tree, drafter=True):
     if prefix.length > s.image_tokens:
         raise LanternError(f"a {prefix.grid[0]}x{prefix.grid[1]} grid takes {prefix.length} tokens; this engine's "
                            f"static cache holds {s.image_tokens} (generate a smaller grid, or use a plain engine)")
+    if tree.num_nodes > s.tree_nodes and not drafter:  # a drafter-free window: its slots are its tokens
+        raise LanternError(f"a jacobi window of {tree.num_nodes} slots does not fit this engine's static cache, which "
+                           f"verifies at most {s.tree_nodes} tokens per step (use --window {s.tree_nodes} or less, or "
+                           f"{fix[0].lower() + fix[1:]} --max-tree-nodes)")
     if tree.num_nodes > s.tree_nodes:
         raise LanternError(f"tree {tree.name!r} has {tree.num_nodes} nodes; this engine's static cache holds trees of "
                            f"at most {s.tree_nodes} ({fix} --max-tree-nodes, or use a smaller tree)")

@@ -364,4 +364,4 @@ def test_greedy_jacobi_on_an_inplace_engine_without_a_drafter(inplace_no_drafter
         np.testing.assert_array_equal(out.tokens, ar.tokens, err_msg=f"window {window}")
     with pytest.raises(LanternError) as e:
         engine.generate(mode="exact", proposer="jacobi", window=9, **kw)
-    assert "static cache" in one_line(e)
+    assert "static cache" in one_line(e) and "--window 8 or less" in one_line(e)
