@@ -54,9 +54,10 @@ def add_generation_options(p, tree=True):
     p.add_argument("--proposer", default="tree", choices=PROPOSERS,
                    help="where drafts come from: tree (the drafter's static tree) or jacobi (a drafter-free window: "
                         "speculative Jacobi decoding; serves engines without a drafter)")
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW,
-                   help=f"jacobi: slots per verification, the root included (default {DEFAULT_WINDOW}, the fastest measured "
-                        f"on a CPU; 16 saves more steps where a wide verification costs about one token's, on a GPU)")
+    p.add_argument("--window", type=int, default=None,
+                   help=f"jacobi: slots per verification, the root included (default: the window `lantern-run tune "
+                        f"--proposer jacobi` chose for these settings, else {DEFAULT_WINDOW}, the fastest measured on a "
+                        f"CPU; 16 saves more steps where a wide verification costs about one token's, on a GPU)")
     p.add_argument("--init", default="random", choices=INITS,
                    help="jacobi: fresh drafts: random codes (q one-hot), uniform (q uniform), spatial (the code above)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling)")

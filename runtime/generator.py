@@ -38,6 +38,7 @@ from lantern.runtime.backends import DEFAULT, open_backend
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
 from lantern.runtime.integrity import load_neighbors
+from lantern.runtime.jacobi import DEFAULT_WINDOW
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.memory import available_memory
 from lantern.runtime.plan import Call, check_memory as check_plan_memory, decode_bytes, StepPlan
@@ -142,29 +143,27 @@ class Engine:
         if jacobi and given is not None:
             raise LanternError("a draft tree is the drafter's; the jacobi proposer verifies a window (window=, "
                                "--window) instead: give one or the other")
-        if jacobi:
-            proposer = proposer_for("jacobi", None, self.manifest, settings)
-            tree = proposer.tree
-        else:
+        if not jacobi:
             tree = root_only() if settings.mode == "ar" else self._tree(tree)
-        if not settings.greedy and not tree.contiguous:
-            raise LanternError(f"tree {tree.name!r} skips child ranks; sampling needs every node's children to "
-                               f"be ranks 0..w-1 (drafts drawn without replacement in rank order)")
+            if not settings.greedy and not tree.contiguous:
+                raise LanternError(f"tree {tree.name!r} skips child ranks; sampling needs every node's children to "
+                                   f"be ranks 0..w-1 (drafts drawn without replacement in rank order)")
         prefix = self.condition.prefix(settings.cfg, classes=classes, caption=caption, caption_mask=caption_mask,
                                        prompt=prompt, prompt_ids=prompt_ids, grid=grid)
         seeds = image_seeds(seed, prefix.images)
         self._check_positions(prefix)
-        source, why = self._tree_source(given, settings)
         if jacobi:
-            source, why = "jacobi", f"the jacobi proposer's window of {proposer.window} ({proposer.init} drafts)"
-        elif given is None and settings.mode != "ar":
-            chosen = self._tuned_tree(settings, prefix.images)
-            if chosen is not None:
-                tree, (source, why) = chosen
+            proposer, (source, why) = self._jacobi(settings, prefix.images)
+            tree = proposer.tree
+        else:
+            source, why = self._tree_source(given, settings)
+            if given is None and settings.mode != "ar":
+                chosen = self._tuned_tree(settings, prefix.images)
+                if chosen is not None:
+                    tree, (source, why) = chosen
+            proposer = proposer_for("tree", tree, self.manifest, settings)
         feeds = dict(cfg_scale=settings.cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
                      top_k=sampler.top_k, top_p=sampler.top_p)
-        if not jacobi:
-            proposer = proposer_for("tree", tree, self.manifest, settings)
         plan = self._plan_for(tree, prefix, feeds, proposer.drafter)
         streams = RandomStreams(seeds, plan.tree.num_nodes, proposer.candidates)
         run = _Decoding(self, plan, proposer, rule, sampler, settings.cfg_scale, settings.cfg_interval, streams,
@@ -223,6 +222,26 @@ class Engine:
                                f"drafter returns {self.manifest.candidates} candidates; re-export with --candidates "
                                f"{tree.max_width} or pick a narrower tree")
         return tree
+
+    def _jacobi(self, settings, images):
+        """(proposer, (source, why)) of a jacobi generation: the window given, else the one `lantern-run
+        tune --proposer jacobi` chose for these settings on this backend (for the tuned batch
+        nearest `images`; AR where it found AR fastest), else DEFAULT_WINDOW."""
+        if settings.window is not None:
+            proposer = proposer_for("jacobi", None, self.manifest, settings)
+            return proposer, ("given", f"a jacobi window of {proposer.window} slots, given for this call")
+        entry = self.manifest.tuned_trees.get(settings.key)
+        if entry is not None and entry.backend == self.backend.name:
+            chosen = entry.tree_for(images)
+            what = "AR was fastest" if chosen.window is None else f"a window of {chosen.window} slots"
+            why = (f"tuned by `lantern-run tune` for these settings on {entry.backend}, batch {chosen.images} ({what}); "
+                   f"--window picks another")
+            if chosen.window is None:
+                return proposer_for("tree", root_only(), self.manifest, settings), ("tuned", why)
+            return proposer_for("jacobi", None, self.manifest, settings.replace(window=chosen.window)), ("tuned", why)
+        proposer = proposer_for("jacobi", None, self.manifest, settings.replace(window=DEFAULT_WINDOW))
+        return proposer, ("default", f"the jacobi proposer's default window of {DEFAULT_WINDOW} slots (none tuned for "
+                                     f"these settings on this backend: `lantern-run tune --proposer jacobi`)")
 
     def _tuned_tree(self, settings, images):
         """(tree, ("tuned", why)) of the tree tuned for these settings on this backend, for the

@@ -57,7 +57,7 @@ class GenerationSettings:
     cfg_interval: int = -1  # CFG for the first cfg_interval tokens only; -1: all
     tau: float = 1.0  # gsd: a neighbour joins the draft's group when |p(j) - p(x)| < tau
     proposer: str = "tree"  # tree: the drafter's static tree; jacobi: a drafter-free window
-    window: int = DEFAULT_WINDOW  # jacobi: slots per verification, the root included
+    window: Optional[int] = None  # jacobi: slots per verification (root included); None: tuned, else DEFAULT_WINDOW
     init: str = "random"  # jacobi: fresh drafts (random, uniform, spatial)
 
     def __post_init__(self):
@@ -68,7 +68,7 @@ class GenerationSettings:
         if self.proposer not in PROPOSERS:
             raise LanternError(f"unknown proposer {self.proposer!r}; valid: {', '.join(PROPOSERS)}")
         if self.proposer == "jacobi":
-            check_window(self.window, self.init)
+            check_window(DEFAULT_WINDOW if self.window is None else self.window, self.init)
         self.sampler()  # the filters, checked where sampling uses them
         s = self.cfg_scale
         if not (isinstance(s, (int, float, np.floating)) and not isinstance(s, bool)
@@ -164,8 +164,8 @@ class GenerationSettings:
                      top_p=float(self.top_p))
         s["cfg_scale"] = float(self.cfg_scale) if self.cfg else 1.0
         s["cfg_interval"] = int(self.cfg_interval) if self.cfg else -1
-        if self.proposer == "jacobi" and self.mode != "ar":
-            s.update(proposer="jacobi", window=int(self.window), init=self.init)
+        if self.proposer == "jacobi" and self.mode != "ar":  # a window left open is the tuned one's key
+            s.update(proposer="jacobi", init=self.init, **({} if self.window is None else {"window": int(self.window)}))
         return s
 
     @property
@@ -191,7 +191,7 @@ class GenerationSettings:
         else:
             parts.append("nocfg")
         if "proposer" in s:
-            parts.append(f"jacobi{s['window']}-{s['init']}")
+            parts.append(f"jacobi{s.get('window', '')}-{s['init']}")
         return "_".join(parts)
 
     @classmethod

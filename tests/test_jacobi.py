@@ -282,7 +282,11 @@ def test_settings_name_the_window_only_for_jacobi():
     keys = {jacobi.key, tree.key, jacobi.replace(window=9).key, jacobi.replace(init="random").key}
     assert len(keys) == 4 and "jacobi8-uniform" in jacobi.key
     assert "proposer" not in GenerationSettings(mode="ar", proposer="jacobi").canonical()  # ar drafts nothing
-    for bad in (1, MAX_WINDOW + 1, 2.5, True, "8", None):
+    # no window: the tuned one, else the default; the key leaves it open (what tune records under)
+    open_window = GenerationSettings(mode="exact", proposer="jacobi", init="uniform")
+    assert "window" not in open_window.canonical() and "jacobi-uniform" in open_window.key
+    assert GenerationSettings.from_canonical(open_window.canonical()) == open_window
+    for bad in (1, MAX_WINDOW + 1, 2.5, True, "8"):
         with pytest.raises(LanternError) as e:
             GenerationSettings(mode="exact", proposer="jacobi", window=bad)
         assert "window" in one_line(e), bad

@@ -257,6 +257,9 @@ def test_retuning_replaces_the_entry_and_an_interruption_leaves_a_valid_engine(c
     (lambda e, k: e["trees"].update({"0": e["trees"]["1"]}), "positive integer"),
     (lambda e, k: e.update(extra=1), "unknown field"),
     (lambda e, k: e["settings"].update(mode="ar"), "mode"),
+    (lambda e, k: e["trees"]["1"].update(window=3), "needs file null"),  # a window where a tree file is
+    (lambda e, k: e["trees"]["1"].update(file=None, name="jacobi-3", nodes=3, depth=2, window=3),
+     "exactly where the settings' proposer is jacobi"),  # a window under the drafter's settings
 ])
 def test_bad_tuned_entries_are_refused_in_one_line(c2i_engine, tuned_report, tmp_path, change, words):
     report, _ = tuned_report
@@ -406,3 +409,44 @@ def test_whatif_is_a_lantern_run_subcommand_and_reads_tune_reports(tuned_report,
     assert out.startswith("PLANNING AID") and "(obs)" in out
     w = json.loads((tmp_path / "w.json").read_text())
     assert w["acceptance_counts"] == {k: v for k, v in report["calibration"]["counts"].items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The jacobi proposer's window
+
+
+def test_tune_picks_a_jacobi_window_and_generate_follows_it(c2i_engine, tmp_path, capsys):
+    """`tune --proposer jacobi` measures AR and each window whole, records the fastest per batch
+    for the settings with the window left open, and `generate --proposer jacobi` without
+    --window runs it and says so; --window always wins; tune refuses a given --window."""
+    d = engine_copy(c2i_engine, tmp_path)
+    argv = ["tune", d, "--threads", "1", "--proposer", "jacobi", "--mode", "exact", "--greedy", "--images", "2",
+            "--windows", "2,4", "--repeats", "1"]
+    assert run_main(argv + ["--window", "4"]) == 2
+    assert "drop --window 4" in capsys.readouterr().err
+    assert run_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "jacobi-2" in out and "jacobi-4" in out and "ms/image" in out
+    settings = GenerationSettings(mode="exact", greedy=True, proposer="jacobi")
+    m = read_manifest(d, verify=True)
+    entry = m.tuned_trees[settings.key]
+    assert settings.key == "exact_greedy_nocfg_jacobi-random" and entry.settings == settings
+    report = json.loads(open(os.path.join(d, entry.report)).read())
+    rows = {r["candidate"]: r for r in report["batches"]["1"]["candidates"]}
+    assert set(rows) == {"ar", "jacobi-2", "jacobi-4"} and rows["ar"]["steps_per_image"] == 35  # 36 tokens
+    fastest = min(rows.values(), key=lambda r: r["seconds_per_image"])
+    assert entry.trees[0].window == fastest["window"]  # the measured fastest, AR (None) included
+    # a window recorded for these settings (whatever this machine found fastest) is what generate runs
+    tune.install(d, {1: 4}, dict(report, batches={"1": dict(report["batches"]["1"], chosen=rows["jacobi-4"])}),
+                 render=tune.tune_window.write_report)
+    engine = Engine(d, threads=1)
+    tuned = engine.generate(settings, classes=[1, 2])
+    assert tuned.stats["window"] == 4 and tuned.stats["tree_source"] == "tuned"
+    assert "a window of 4 slots" in tuned.stats["tree_reason"]
+    given = engine.generate(settings.replace(window=2), classes=[1, 2])
+    assert given.stats["window"] == 2 and given.stats["tree_source"] == "given"
+    ar = engine.generate(mode="ar", greedy=True, classes=[1, 2])
+    np.testing.assert_array_equal(tuned.tokens, ar.tokens)  # exact greedy: AR's tokens whichever window
+    # another backend does not use it: the default window
+    other = Engine(d, threads=1, backend="onnxruntime-torch").generate(settings, classes=[1])
+    assert other.stats["tree_source"] == "default" and other.stats["window"] == 6

@@ -36,6 +36,10 @@ latency model from a file (a planning aid; see lantern.tools.tree_report).
    the tuned tree for these settings on this backend unless a tree is given. --out DIR writes
    a copy of the report and trees there as well.
 
+`--proposer jacobi` tunes the drafter-free window instead (tools/tune_window.py: AR and each of
+`--windows` measured whole, the fastest recorded per batch for the settings with the window left
+open; generate --proposer jacobi without --window runs it).
+
 "The settings it was tuned for" (GenerationSettings.canonical): mode; lam (lantern++) or delta
 (lantern) and k; greedy, or sampling with its temperature, top-k and top-p; the CFG scale (off
 below 1) and interval. These change the acceptance table or the rows each call carries. The batch
@@ -52,6 +56,7 @@ entry only on the backend it was measured on, so a tree tuned elsewhere never ru
 built for another tree, and `lantern-export trt` builds profiles for the trees tuned on the
 tensorrt backend besides the engine's own, so a rebuild keeps covering them.
 """
+import argparse
 import datetime
 import json
 import os
@@ -71,7 +76,7 @@ from lantern.runtime.outdir import write_file
 from lantern.runtime.plan import StepPlan
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, MAX_WIDTH, root_only
-from lantern.tools import tree_report
+from lantern.tools import tree_report, tune_window
 from lantern.tools.latency import CLOCKS, default_condition, draft_latency, draft_tree, verify_latency, verify_tree
 from lantern.tools.tree_search import (acceptance_vectors, AcceptanceCounts, calibration_tree, Candidate, LatencyModel,
                                        search, SearchResult)
@@ -87,14 +92,23 @@ GUESS = [[0.45, 0.15, 0.08, 0.05, 0.03, 0.02, 0.015, 0.01]]  # shapes the calibr
 # Inputs
 
 
+def _ints(text):
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of integers, e.g. 2,4,8; got {text!r}") from None
+
+
 def tuning_settings(engine, settings):
     """The GenerationSettings a tree is tuned for on this engine (mode checked, k resolved as
     generate resolves it, so its key is the one generate looks up)."""
     if settings.mode == "ar":
         raise LanternError("mode 'ar' drafts nothing, so there is no tree to tune; pick exact, lantern or lantern++")
-    if settings.proposer != "tree":
-        raise LanternError(f"tune picks the drafter's tree; the {settings.proposer} proposer has none (its window is "
-                           f"--window: `python -m lantern.tools.bench.jacobi` measures windows on this machine)")
+    if settings.proposer == "jacobi":
+        if settings.window is not None:
+            raise LanternError(f"tune picks the jacobi window (--windows lists the candidates); drop --window "
+                               f"{settings.window}")
+        return settings.resolve(engine.manifest, engine.directory)
     if settings.mode not in engine.manifest.modes:
         raise LanternError(f"tune records trees for the engine's modes ({', '.join(engine.manifest.modes)}), not "
                            f"{settings.mode!r}")
@@ -569,10 +583,11 @@ def _counts(data):
     return AcceptanceCounts.from_json(data)
 
 
-def install(directory, chosen, report):
+def install(directory, chosen, report, render=None):
     """Record the trees tuned for report["settings"] in the engine directory, under the engine's
     lock (lantern.runtime.enginedir) so concurrent tunes and plan builds each keep their entries:
-    the manifest is re-read under the lock; (1) if an entry for these settings exists, the
+    the manifest is re-read under the lock (chosen: {batch: Tree}, or {batch: window or None} from
+    tools.tune_window, whose report `render` writes); (1) if an entry for these settings exists, the
     manifest is rewritten without it and its files (the engine falls back to its exported tree
     meanwhile); (2) the trees and the report are written, each file atomically under a unique
     temporary name; (3) the manifest is rewritten with the new entry and the new files' sizes and
@@ -581,7 +596,7 @@ def install(directory, chosen, report):
     try:
         with tempfile.TemporaryDirectory(prefix="lantern-tune-") as scratch:
             # rendered outside the engine (matplotlib opens paths as given), copied in confined
-            report_names = write_report(scratch, report)
+            report_names = (render or write_report)(scratch, report)
             contents = {name: open(os.path.join(scratch, name), "rb").read() for name in report_names}
     except OSError as e:
         raise LanternError(f"cannot render the tune report in the temporary directory ({e.strerror or e}); free space "
@@ -597,6 +612,9 @@ def install(directory, chosen, report):
             m.write(directory)
         trees, names = [], []
         for images, tree in sorted(chosen.items()):
+            if not hasattr(tree, "depth"):  # a jacobi window (or None: AR), measured whole
+                trees.append(_tuned_window(images, tree, report["batches"][str(images)]["chosen"]))
+                continue
             predicted = {k: report["batches"][str(images)]["chosen"][k]
                          for k in ("tokens_per_step", "step_ms", "tokens_per_s", "speedup_vs_ar")}
             file = None
@@ -625,6 +643,14 @@ def install(directory, chosen, report):
             except (OSError, LanternError):
                 pass
     return entry
+
+
+def _tuned_window(images, window, row):
+    measured = {k: row[k] for k in ("seconds_per_image", "steps_per_image", "speedup_vs_ar")}
+    if window is None:
+        return TunedTree(images=images, file=None, name="ar", nodes=1, depth=0, predicted=measured)
+    return TunedTree(images=images, file=None, name=f"jacobi-{window}", nodes=window, depth=window - 1,
+                     predicted=measured, window=window)
 
 
 def _report_files(m, entry):
@@ -664,6 +690,9 @@ def add_parser(sub, backend_loaders=None):
     p.add_argument("--clock", choices=("auto", "wall", "cpu"), default="auto",
                    help="time on the wall clock or this process's CPU time (auto: cpu for --threads 1 on the "
                         "CPU, where it equals wall time and ignores other processes on the cores; else wall)")
+    p.add_argument("--windows", type=_ints, default=list(tune_window.WINDOWS),
+                   help="--proposer jacobi: the windows to measure (default "
+                        f"{','.join(map(str, tune_window.WINDOWS))}); AR is always a candidate")
     p.add_argument("--out", help="also write the report and trees into this directory")
     p.add_argument("--dry-run", action="store_true", help="report only: leave the engine directory untouched")
     p.set_defaults(func=run, backend_loaders=loaders)
@@ -685,6 +714,8 @@ def run(args):
     if not args.dry_run:  # before minutes of measurements, not after them
         enginedir.check_writable(args.engine, "lantern-run tune")
     batches = sorted({1, args.batch})
+    if settings.proposer == "jacobi":
+        return _run_windows(args, engine, settings, conds, note, batches)
     clock = clock_of(args)
     print(f"tuning {key} on {args.engine} ({engine.backend.name}, {args.threads or os.cpu_count()} thread(s), "
           f"{clock} clock)")
@@ -709,4 +740,32 @@ def run(args):
         print(f"{t.images} image(s) per call: {what}")
     print(f"manifest: generate with these settings on {engine.backend.name} now uses the tuned tree "
           f"(unless --tree is given); report: {os.path.join(args.engine, entry.report)}")
+    return 0
+
+
+def _run_windows(args, engine, settings, conds, note, batches):
+    """tune --proposer jacobi: the fastest window per batch, measured whole (tools.tune_window)."""
+    print(f"tuning the jacobi window for {settings.key} on {args.engine} ({engine.backend.name}, "
+          f"{args.threads or os.cpu_count()} thread(s)); windows {', '.join(map(str, args.windows))} and ar")
+    print(f"conditions: {note}")
+    calls = {images: batched(repeat_to(conds, max(images, len(conds) // images * images)), images)
+             for images in batches}
+    reports, chosen = tune_window.tune_windows(engine, settings, calls, args.windows, seed=args.seed)
+    report = {"key": settings.key, "settings": settings.canonical(), "engine": os.path.abspath(engine.directory),
+              "backend": engine.backend.name, "threads": args.threads or os.cpu_count(), "clock": "wall",
+              "machine": machine(), "conditions": note, "windows": list(args.windows),
+              "batches": {str(n): r for n, r in reports.items()}}
+    if args.out:
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            tune_window.write_report(args.out, report)
+        except OSError as e:
+            raise LanternError(f"{args.out}: cannot write the report ({e.strerror})") from None
+    if args.dry_run:
+        print("dry run: the engine directory was not changed")
+        return 0
+    install(args.engine, chosen, report, render=tune_window.write_report)
+    print("tuned: " + "; ".join(f"{n} image(s) per call: {'AR' if w is None else f'window {w}'}"
+                                for n, w in sorted(chosen.items())))
+    print(f"generate --proposer jacobi uses it for these settings on {engine.backend.name} (--window picks another)")
     return 0

@@ -74,7 +74,11 @@ def _check_quantization(q, r):
 
 @record_check(TunedTree)
 def _check_tuned_tree(t, r):
-    if (t.file is None) != (t.nodes == 1):
+    if t.window is not None:  # a jacobi window: no file, its slots are its nodes
+        if t.file is not None or (t.nodes, t.depth, t.name) != (t.window, t.window - 1, f"jacobi-{t.window}"):
+            r.fail("window", f"{t.window} needs file null, nodes {t.window}, depth {t.window - 1} and name "
+                             f"'jacobi-{t.window}'")
+    elif (t.file is None) != (t.nodes == 1):
         r.fail("file", "must be given for a tree with drafts and null for AR (nodes 1)")
 
 
@@ -82,6 +86,9 @@ def _check_tuned_tree(t, r):
 def _check_tuned_settings(t, r):
     if t.settings.key != r.key:
         r.fail("", f"is keyed {r.key!r} but its settings make the key {t.settings.key!r}")
+    jacobi = t.settings.proposer == "jacobi"
+    if any((tree.window is not None) != (jacobi and tree.nodes > 1) for tree in t.trees):
+        r.fail("trees", "hold windows exactly where the settings' proposer is jacobi (AR aside)")
 
 
 @record_check(CacheBudget)
@@ -154,7 +161,7 @@ def check_consistency(m, r):
         r.fail("graphs", "has no condition graph for a class-conditional engine")
     tuned = Reader({}, r.where, "tuned_trees.", RETUNE)
     for key, entry in m.tuned_trees.items():
-        if entry.settings.mode not in m.modes:
+        if entry.settings.proposer == "tree" and entry.settings.mode not in m.modes:
             tuned.fail(key, f"is for mode {entry.settings.mode!r}, which the engine does not serve")
     for key, plans in (m.tensorrt or {}).items():
         _check_plans(m, plans, Reader({}, r.where, f"tensorrt.{key}.", REBUILD_PLANS))

@@ -225,6 +225,9 @@ class TunedTree:
     nodes: int = rule(POSITIVE)  # root included (the verification's T)
     depth: int = rule(AT_LEAST_0)
     predicted: dict  # model predictions: tokens_per_step, step_ms, tokens_per_s (of a call), speedup_vs_ar
+    # the jacobi proposer's window tune chose (file None, name jacobi-W), or None
+    window: Optional[int] = rule(lambda v: v is None or (is_int(v) and 2 <= v <= 17), "a window of 2..17 slots or null",
+                                 default=None)
 
 
 def _read_tuned_settings(r, name):
@@ -258,7 +261,8 @@ def _read_trees_by_batch(r, name):
 
 
 def _write_trees_by_batch(trees):
-    return {str(t.images): {k: v for k, v in to_json(t).items() if k != "images"} for t in trees}
+    return {str(t.images): {k: v for k, v in to_json(t).items() if k != "images" and not (k == "window" and v is None)}
+            for t in trees}
 
 
 @dataclass(frozen=True)
