@@ -8,12 +8,12 @@ tree, in one run, and print ONE JSON object (progress lines go to stderr):
                     classifier, features and distance (lantern.tools.quality); the noise: AR
                     against AR with other seeds, as the harness computes its floor
   wall_clock        ONNX Runtime on the CPU with --threads, batch 1 and 8: ar, jacobi exact and
-                    jacobi lantern++ (window 16) per engine (--engine, and --gpt-b where present,
+                    jacobi lantern++ (window 16, the step compression's, and 6, generate's default) per engine (--engine, and --gpt-b where present,
                     with fewer images sized from one measured AR image to stay within
                     --gpt-b-seconds): seconds per image, the speedup over AR, and the step's cost
                     in AR steps (seconds per batch step of the method / seconds per AR step; a
                     batch step runs until its slowest image is done, prefill included)
-  window_sweep      windows 4, 8, 16 for jacobi exact and jacobi lantern++ on --engine: steps per
+  window_sweep      windows 3, 4, 6, 8, 16 for jacobi exact and jacobi lantern++ on --engine: steps per
                     image over the step_compression images and wall clock at batch 1
 
 Timed methods run on an Engine each (its own step plan) and are interleaved batch by batch, so a
@@ -33,12 +33,13 @@ import time
 import numpy as np
 
 from lantern.runtime.generator import Engine
+from lantern.runtime.jacobi import DEFAULT_WINDOW
 from lantern.runtime.settings import GenerationSettings, RELAXED
 from lantern.tools.quality import classify, frechet_distance, load_judge, project, row_tree
 
 K, LAM = 20, 5.0  # the demo's lantern++
 WINDOW = 16
-WINDOWS = (4, 8, 16)
+WINDOWS = (3, 4, 6, 8, 16)
 JUDGE_BATCH = 32  # images per generate call where only the tokens count (an image's tokens do not
 #                   depend on the images beside it: lantern.runtime.streams)
 
@@ -172,7 +173,7 @@ def wall_clock(directory, images, batches, args, base):
     probe = Engine(directory, threads=args.threads)
     m = probe.manifest
     k = min(K, m.neighbors.k) if m.neighbors is not None else None
-    named = [("ar", base.replace(mode="ar"))] + [x for x in wall_methods(base, k or K)
+    named = [("ar", base.replace(mode="ar"))] + [x for w in (WINDOW, DEFAULT_WINDOW) for x in wall_methods(base, k or K, w)
                                                    if k is not None or x[1].mode not in RELAXED]
     probe.release()
     out = {"engine": os.path.abspath(directory), "target": dataclasses.asdict(m.target),
