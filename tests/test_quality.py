@@ -116,6 +116,6 @@ def test_jacobi_bench_quick_prints_its_json(c2i_engine, capsys):
                                                         "frechet_ar_vs_ar_other_seeds"}
     (engine_wall,) = result["wall_clock"].values()
     rows = engine_wall["batches"]["1"]["methods"]
-    assert rows["ar"]["step_cost_in_ar_steps"] == pytest.approx(1.0) and len(rows) == 3
-    assert set(result["window_sweep"]["windows"]) == {"4", "8", "16"}
+    assert rows["ar"]["step_cost_in_ar_steps"] == pytest.approx(1.0) and len(rows) == 5  # ar + 2 modes x 2 windows
+    assert set(result["window_sweep"]["windows"]) == {"3", "4", "6", "8", "16"}
     assert "step compression" in captured.err
