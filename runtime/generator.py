@@ -189,7 +189,7 @@ class Engine:
         error that says why)."""
         if self.step == "host":
             return "host"
-        if proposer.name != "tree":
+        if proposer.name not in getattr(self.backend, "device_step_proposers", ("tree",)):
             why = f"it runs the drafter tree only, not the {proposer.name} proposer"
         elif rule is not None and rule.name not in DEVICE_RULES:
             why = f"it runs modes {', '.join(DEVICE_RULES)}, not {rule.name}"

@@ -325,22 +325,30 @@ def test_generate_cli_runs_the_jacobi_proposer(c2i, tmp_path, capsys):
 # Step paths and engine forms
 
 
-def test_the_device_step_refuses_jacobi_and_a_default_device_step_gives_way(c2i_engine):
+def test_the_device_step_runs_jacobi_refuses_gsd_and_a_default_device_step_gives_way(c2i_engine):
+    """The torch backend's device step runs the window (tests/test_device_jacobi.py: token for
+    token against the host); gsd it refuses in one line, and a default device step gives gsd
+    way to the host."""
     backend = open_torch_backend(c2i_engine, threads=1)
     kw = dict(mode="exact", greedy=True, cfg_scale=3.0, proposer="jacobi", window=4, classes=CLASSES)
+    device = Engine(c2i_engine, backend=backend, step="device").generate(**kw)
+    assert device.stats["step"] == "device" and device.stats["proposer"] == "jacobi"
+    gsd = dict(kw, mode="gsd", greedy=False, seed=[1, 2, 3, 4])
     with pytest.raises(LanternError) as e:
-        Engine(c2i_engine, backend=backend, step="device").generate(**kw)
-    assert "jacobi" in one_line(e) and "step='host'" in one_line(e)
+        Engine(c2i_engine, backend=backend, step="device").generate(**gsd)
+    assert "gsd" in one_line(e) and "step='host'" in one_line(e)
     # a backend whose default step is the device (the torch backend's on CUDA): the jacobi
-    # generation runs on the host instead, a tree generation on the device
+    # generation runs there, a gsd one on the host instead
     backend.default_step = "device"
     engine = Engine(c2i_engine, backend=backend)
     assert engine.step == "device"
     out = engine.generate(**kw)
-    assert out.stats["step"] == "host"
+    assert out.stats["step"] == "device"
+    assert engine.generate(**gsd).stats["step"] == "host"
     tree = engine.generate(mode="exact", greedy=True, cfg_scale=3.0, classes=CLASSES)
     assert tree.stats["step"] == "device"
     np.testing.assert_array_equal(out.tokens, tree.tokens)  # both greedy exact: AR's tokens
+    np.testing.assert_array_equal(device.tokens, tree.tokens)
 
 
 def test_greedy_jacobi_on_an_inplace_engine(inplace_c2i_engine):

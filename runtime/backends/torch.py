@@ -16,8 +16,8 @@ not their fast path.
 
 Device step (lantern.runtime.backends.torch_step): with the acceptance module factories
 (open_torch_backend hands in lantern.export's GreedyAcceptance and SamplingAcceptance),
-`device_step(decoding)` runs a generation's whole step on the device, greedy or sampling,
-captured as one CUDA graph per plan on CUDA. default_step is the step path
+`device_step(decoding)` runs a generation's whole step on the device, greedy or sampling, for
+the drafter tree or the drafter-free jacobi window, captured as one CUDA graph per plan on CUDA. default_step is the step path
 generate() takes when none is asked for: host on the CPU (measured faster there:
 tools/bench/device_step.py), device on CUDA."""
 import sys
@@ -36,6 +36,7 @@ _TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 class TorchBackend:
     name = TORCH.name
     key = None  # runs the ONNX graphs (or their modules), no compiled plans
+    device_step_proposers = ("tree", "jacobi")  # its device step runs the drafter tree and the jacobi window
 
     def __init__(self, modules, manifest, threads=None, device="cpu", cuda_graphs=True, acceptance=None,
                  accept_precision="float64"):

@@ -43,6 +43,16 @@ makes the decisions numpy makes (tests/test_device_step.py: token for token). fl
 decisions' edges. The first token after prefill is drawn by the host loop's prefill, as for
 greedy (one draw per generation; prefill's logits are read there anyway).
 
+Two proposers (lantern.runtime.proposers). The drafter tree, above. The drafter-free jacobi
+window (lantern.runtime.jacobi.JacobiWindow, the specification, ported op for op): a plan with
+no drafter calls (plan.drafts False) whose chain of W slots is verified in one target call. Its
+state is the re-drafts (columns [N, W-1]), their q ([N, W-1, S] over the view's S columns; in
+sampling only) and how many there are per image; the spatial init also keeps the generated body
+[N, length]. Fresh drafts and re-drafts' draws read the streams' race block, two uniforms per
+slot, greedy too; q is dense, so acceptance's candidates are every column. After verification the
+rows 1..W-1 (CFG-combined, forced tokens applied, as the host's combined_logits) give the next
+window's re-drafts: argmax, or a draw from SamplingAcceptance.filtered's p by inverse CDF.
+
 Both cache forms (lantern.runtime.kvcache). Plain caches: the step copies the entries it keeps
 into them (_Cache). In-place engines (`--attention inplace`): the graphs write their new K/V into
 the static caches themselves, at write_index, and attend over the whole cache, so the step
@@ -94,6 +104,9 @@ class TorchDeviceStep:
         self.plan = plan
         self.N, self.B, self.length = d.N, d.B, d.length
         self.depth = tree.depth
+        self.drafts = plan.drafts  # drafter calls (the tree); a jacobi window has none
+        self.jacobi = d.proposer.name == "jacobi"
+        self.init = d.proposer.init if self.jacobi else None
         self.key = self.key_of(decoding)
         self.sampling = not isinstance(d.sampler, Greedy)
         self.accept_dtype = getattr(torch, accept_dtype)
@@ -113,7 +126,7 @@ class TorchDeviceStep:
         # it at the slots the call writes, from these constants. draft0's block is state (_set_pending)
         self.blocks = {"verify": up(tree.mask)} if self.inplace else {}
         self.first_slots = {}
-        if tree.depth:
+        if self.drafts:
             W = tree.depth + 1
             self.pair_index = torch.arange(W, device=dev)
             self.pair_block = torch.tril(torch.ones((W, W), dtype=torch.bool, device=dev))
@@ -129,17 +142,32 @@ class TorchDeviceStep:
                 if self.inplace:
                     self.blocks[call.regime] = up(np.eye(call.tokens, dtype=bool))
                 self.first_slots[call.regime] = torch.full((d.B,), call.first_slot, dtype=torch.int64, device=dev)
-        K = d.engine.manifest.candidates if tree.depth else 0  # AR: no drafts, no candidates
-        self.candidates = torch.zeros((d.N, tree.num_nodes, K), dtype=torch.int64, device=dev)
-        self.candidate_probs = torch.zeros((d.N, tree.num_nodes, K), dtype=torch.float32, device=dev)
-        self.first_candidate = torch.arange(K, device=dev) == 0  # a forced draft's q: all mass on rank 0
+        self.race_width = d.proposer.candidates  # uniforms per node per step in the streams' race block
+        if self.jacobi:
+            # q dense over the view's columns (JacobiWindow.q_buffers): every column a candidate
+            S = view.size
+            self.columns = torch.arange(S, device=dev)
+            self.candidates = self.columns[None, None, :].expand(d.N, tree.num_nodes, S)
+            self.candidate_probs = torch.zeros((d.N, tree.num_nodes, S), dtype=self.accept_dtype, device=dev)
+            self.uniform_q = up(np.where(np.arange(S) < view.codes, 1.0 / view.codes, 0.0), np.float64).to(
+                self.accept_dtype)  # init uniform: q over the image codes, 1 / codes as the host's float64
+            self.slots = torch.arange(1, tree.depth + 1, device=dev)[None, :]  # [1, W - 1]: the window's drafts
+            self.pair_columns = torch.arange(tree.depth + 1, device=dev)[None, :]  # [1, W]: a step's emitted tokens
+        else:
+            K = d.engine.manifest.candidates if tree.depth else 0  # AR: no drafts, no candidates
+            self.candidates = torch.zeros((d.N, tree.num_nodes, K), dtype=torch.int64, device=dev)
+            self.candidate_probs = torch.zeros((d.N, tree.num_nodes, K), dtype=torch.float32, device=dev)
+            self.first_candidate = torch.arange(K, device=dev) == 0  # a forced draft's q: all mass on rank 0
         self.cfg_interval_on = d.cfg and d.cfg_interval >= 0
         # acceptance: the exported module over this token space
         factory = acceptance_modules["sampling" if self.sampling else "greedy"]
-        self.accept_module = factory(tree, np.concatenate([view.start + np.arange(view.codes), view.extra]),
-                                     view.codes).to(dev).eval()
-        # the random streams' table: steps per upload (a constant of the plan, baked into the graph)
-        self.table_steps = table_steps(d.N, max(d.length - 1, 1), d.streams.block) if self.sampling else 0
+        self.view_ids = np.concatenate([view.start + np.arange(view.codes), view.extra])  # each column's id
+        self.accept_module = factory(tree, self.view_ids, view.codes).to(dev).eval()
+        self.view_ids = up(self.view_ids, np.int64)
+        # the random streams' table: steps per upload (a constant of the plan, baked into the graph);
+        # a jacobi window reads it greedy too (its fresh drafts)
+        self.draws = self.sampling or self.jacobi
+        self.table_steps = table_steps(d.N, max(d.length - 1, 1), d.streams.block) if self.draws else 0
         self.steps_run = 0
         # the report: per image accepted, emitted tokens [depth + 1], invalid; decisions and the
         # node tokens after it (read only for an observer)
@@ -155,9 +183,11 @@ class TorchDeviceStep:
         """What fixes the step's structure beyond its plan: a generation with another key needs
         a step of its own (and its own graph)."""
         view = decoding.view
+        proposer = decoding.proposer
         return (decoding.cfg and decoding.cfg_interval >= 0, tuple(view.extra.tolist()),
                 None if decoding.neighbors is None else decoding.neighbors.shape,
-                not isinstance(decoding.sampler, Greedy))
+                not isinstance(decoding.sampler, Greedy), proposer.name,
+                getattr(proposer, "window", None), getattr(proposer, "init", None))
 
     def _up(self, x, dtype=None):
         return self.backend.to_device(np.ascontiguousarray(x) if dtype is None else np.asarray(x, dtype=dtype))
@@ -180,7 +210,8 @@ class TorchDeviceStep:
         # the loop's state (mirrors of what _Decoding keeps on the host)
         self.count = keep("count", d.count, np.int64)
         self.root = keep("root", d.tokens[np.arange(d.N), d.count - 1], np.int64)
-        self.pending = keep("pending", d.proposer.pending, np.int64)
+        if self.drafts:
+            self.pending = keep("pending", d.proposer.pending, np.int64)
         self.image_of_row = keep("image_of_row", d.image_of_row, np.int64)
         self.offset = keep("offset", d.offset, np.int64)
         view = d.view
@@ -190,13 +221,14 @@ class TorchDeviceStep:
         # caches: K/V live on the device already; what each row sees and how much it holds
         cache_type = _InPlaceCache if self.inplace else _Cache
         self.target = cache_type(self, "target", plan.target_cache)
-        self.drafter = cache_type(self, "drafter", plan.drafter_cache) if self.depth else None
+        self.drafter = cache_type(self, "drafter", plan.drafter_cache) if self.drafts else None
         # each call's feeds as device tensors (float ones are the plan's device buffers already);
         # where the backend bound the call (CUDA), its static input tensors themselves, so every
         # step path feeds a plan's calls from the same addresses (tensorrt-torch keys its
         # execution contexts by them)
         self.feeds = {}
-        regimes = ["verify"] + [f"draft{i}" for i in range(self.depth)] + ["commit"] * ("commit" in plan.calls)
+        regimes = ["verify"] + [f"draft{i}" for i in range(self.depth if self.drafts else 0)] + \
+            ["commit"] * ("commit" in plan.calls)
         for regime in regimes:
             call, feeds = plan.calls[regime], {}
             bound = self.backend.bound_inputs(call)
@@ -208,10 +240,10 @@ class TorchDeviceStep:
                     self.state.setdefault(f"{regime}/{name}", bound[name])
                 feeds[name] = keep(f"{regime}/{name}", plan.settings["cfg_pair"] if name == "cfg_pair" else buf)
             self.feeds[regime] = feeds
-        if self.depth:  # every drafter call's cfg_pair: the step writes them all at once
+        if self.drafts:  # every drafter call's cfg_pair: the step writes them all at once
             self.cfg_pairs = [f["cfg_pair"] for r, f in self.feeds.items() if r.startswith("draft") and "cfg_pair" in f]
             self.cfg_partners = keep("cfg_partners", plan.cfg_partners)
-        if self.inplace and self.depth:
+        if self.inplace and self.drafts:
             self.blocks["draft0"] = keep("draft0/block", plan.calls["draft0"].block)  # the prefill's pair
         elif not self.inplace:  # a plain mask's block columns hold its block (uploaded with it): write there
             for regime, feeds in self.feeds.items():
@@ -240,10 +272,20 @@ class TorchDeviceStep:
                      top_k=keep("s/top_k", [sampler.top_k], np.int64), top_p=keep("s/top_p", [sampler.top_p], real),
                      plain_scale=keep("s/plain_scale", [1.0], np.float32),
                      plain_interval=keep("s/plain_interval", [-1], np.int64))
+        if self.draws:
             self.streams = d.streams
             self.table = keep("table", d.streams.table(self.table_steps), np.float64)  # [N, steps, block]
             # the step counter every image's stream is read at (all advance each step, finished or not)
             self.draws_taken = keep("draws_taken", [0], np.int64)  # [1]: a 0-dim index would be read on the host
+        if self.jacobi:  # the window's state after prefill (JacobiWindow.start)
+            w = d.proposer
+            self.redrafts = keep("j/drafts", w.drafts, np.int64)  # [N, W - 1] columns
+            self.kept = keep("j/kept", w.kept, np.int64)  # [N]: re-drafts in slots 1..kept
+            if self.sampling:  # their q [N, W - 1, S] (greedy reads none)
+                self.redraft_q = keep("j/q", w.q, np.float64 if self.accept_dtype == torch.float64 else np.float32)
+            if self.init == "spatial":  # the code a grid row above (or left) comes from the body
+                self.stride = keep("j/stride", [w.stride], np.int64)
+                self.body = keep("j/body", d.tokens, np.int64)  # [N, length] ids generated so far
 
     @property
     def report_width(self):
@@ -255,7 +297,7 @@ class TorchDeviceStep:
         """Run one step; returns (accepted [N], emitted [N, depth + 1] vocabulary ids,
         invalid [N] bool, decisions [N, M] or None, node tokens [N, M] or None) read back in one
         transfer (decisions and node tokens only when asked: an observer's record)."""
-        if self.sampling and self.steps_run and self.steps_run % self.table_steps == 0:
+        if self.draws and self.steps_run and self.steps_run % self.table_steps == 0:
             self.table.copy_(self._up(self.streams.table(self.table_steps), np.float64))  # the next chunk
         self.steps_run += 1
         if self.graph is not None:
@@ -399,13 +441,15 @@ class TorchDeviceStep:
         active = self.count < self.length
         self.node_tokens[:, 0] = self.root
         uniforms = race = None
-        if self.sampling:  # this step's block of every image's stream (finished images' advance unread)
+        if self.draws:  # this step's block of every image's stream (finished images' advance unread)
             M = self.tree.num_nodes
             block = self.table.index_select(1, self.draws_taken % self.table_steps)[:, 0]  # [N, block]
-            uniforms, race = block[:, :M], block[:, M:].reshape(N, M, self.candidates.shape[2])
+            uniforms, race = block[:, :M], block[:, M:].reshape(N, M, self.race_width)
             self.draws_taken += 1
-        if self.depth:
+        if self.drafts:
             self._draft(active, race)
+        elif self.jacobi:
+            self._propose_window(race)
         # verify
         feeds = self.feeds["verify"]
         torch.index_select(self.node_tokens, 0, iob, out=feeds["input_ids"])
@@ -415,9 +459,10 @@ class TorchDeviceStep:
         # accept
         a = self.accept_feeds
         tokens = self.node_tokens if self.plain_view and not self.start else self.column_of_id[self.node_tokens]
+        combined = self._combined(out["logits"]) if self.sampling or self.jacobi else None
         if self.sampling:
             accepted, next_column, path, decisions, invalid = self.accept_module(
-                self._combined(out["logits"]).to(self.accept_dtype), a["cond_rows"], a["cond_rows"],
+                combined.to(self.accept_dtype), a["cond_rows"], a["cond_rows"],
                 a["plain_scale"], a["plain_interval"], self.count, a["forced_columns"], tokens, self.candidates,
                 self.candidate_probs, uniforms, a["neighbors"], a["k"], a["lam"], a["delta"], a["temperature"],
                 a["top_k"], a["top_p"])
@@ -431,7 +476,9 @@ class TorchDeviceStep:
         emit = torch.where(active, torch.minimum(accepted + 1, self.length - self.count), 0)
         cols = path.clamp(min=0)[iob]
         self.target.append(out, cols, emit[iob])
-        if self.depth:
+        if self.jacobi:  # before count moves: row i of the verification predicted body index count + i
+            self._commit_window(combined, active, accepted, race, emitted, emit)
+        if self.drafts:
             counts = torch.where(active, emit.clamp(min=1), 1)
             tokens = torch.where(active[:, None], emitted, 0)
             self._set_pending(out["hidden"], torch.where(active[iob][:, None], cols, 0), tokens,
@@ -444,6 +491,96 @@ class TorchDeviceStep:
         self.report[:, D + 2] = (invalid & active).to(torch.int64)
         self.report[:, D + 3: D + 3 + self.tree.num_nodes] = decisions
         self.report[:, D + 3 + self.tree.num_nodes:] = self.node_tokens
+
+    def _propose_window(self, race):
+        """JacobiWindow.propose: node tokens 1..W-1 and q (candidate_probs, node i holds the q of
+        slot i + 1) from the re-drafts where slot <= kept, fresh drafts after, forced tokens where
+        the grammar puts them."""
+        torch, codes = self.torch, self.codes
+        redraft = self.slots <= self.kept[:, None]  # [N, W - 1]
+        fresh = (race[:, 1:, 0] * codes).to(torch.int64).clamp(max=codes - 1)
+        if self.init == "spatial":
+            fresh = self._spatial(redraft, fresh)
+        cols = torch.where(redraft, self.redrafts, fresh)
+        if self.sampling:
+            q = self.candidate_probs
+            if self.init == "uniform":
+                fresh_q = self.uniform_q[None, None, :]
+            else:
+                fresh_q = (self.columns == cols[..., None]).to(q.dtype)
+            q[:, :-1] = torch.where(redraft[..., None], self.redraft_q, fresh_q)
+            q[:, -1].zero_()  # node W - 1 has no child
+        if not self.plain_view:
+            column = self._forced_at(self.count[:, None] - 1 + self.slots)
+            is_forced = column >= 0
+            cols = torch.where(is_forced, column, cols)
+            if self.sampling:
+                one_hot = (self.columns == column[..., None]).to(q.dtype)
+                q[:, :-1] = torch.where(is_forced[..., None], one_hot, q[:, :-1])
+        self.node_tokens[:, 1:] = self._ids(cols)
+
+    def _forced_at(self, body):
+        """VocabularyView.forced_at: the forced column at body indices, -1 where free or past the end."""
+        L = self.forced_column.shape[0]
+        inside = (body >= 0) & (body < L)
+        return self.torch.where(inside, self.forced_column[body.clamp(0, L - 1)], -1)
+
+    def _spatial(self, redraft, fresh):
+        """JacobiWindow._spatial: the code one grid row above each slot (left on the first
+        row), from the body or the window's earlier slots; the fresh code where that is not one."""
+        torch, count, W = self.torch, self.count, self.depth + 1
+        body = count[:, None] - 1 + self.slots
+        source = torch.where(body >= self.stride, body - self.stride, body - 1)
+        cols = fresh.clone()
+        for i in range(W - 1):
+            s = source[:, i]
+            emitted = s < count
+            from_window = (s - count).clamp(0, W - 2)[:, None]
+            generated = self.column_of_id[self.body.gather(1, s.clamp(0, self.length - 1)[:, None])[:, 0]]
+            window = torch.where(redraft.gather(1, from_window), self.redrafts.gather(1, from_window),
+                                 cols.gather(1, from_window))[:, 0]
+            seen = torch.where(emitted, generated, window)
+            ok = (s >= 0) & (seen >= 0) & (seen < self.codes)
+            cols[:, i] = torch.where(ok, seen, fresh[:, i])
+        return cols
+
+    def _commit_window(self, combined, active, accepted, race, emitted, emit):
+        """JacobiWindow.commit: rows 1..W-1 of this verification, drawn from their processed p
+        (greedy: argmax), become the next window's re-drafts, shifted by what was accepted; and
+        the spatial init's body gets this step's tokens."""
+        torch, W = self.torch, self.depth + 1
+        if self.init == "spatial":  # emitted[:emit] at count..; the other columns repeat a kept value
+            j = torch.minimum(self.pair_columns, (emit - 1).clamp(min=0)[:, None])
+            dst = (self.count[:, None] + j).clamp(max=self.length - 1)
+            value = torch.where((emit > 0)[:, None], emitted.gather(1, j), self.body.gather(1, dst))
+            self.body.scatter_(1, dst, value)
+        # the re-drafts' logits as the host's combined_logits gives them: the view's columns, forced tokens applied
+        later = combined[:, 1:].index_select(2, self.view_ids)  # [N, W - 1, S]
+        if not self.plain_view:
+            column = self._forced_at(self.count[:, None] + self.slots)
+            is_forced = column[..., None] >= 0
+            keep = (is_forced & (self.columns == column[..., None])) | (~is_forced & (self.columns < self.codes))
+            later = torch.where(keep, later, float("-inf"))
+        if self.sampling:
+            a = self.accept_feeds
+            p = self.accept_module.filtered(later.to(self.accept_dtype), a["temperature"], a["top_k"], a["top_p"])
+            cdf = torch.cumsum(p, dim=2)
+            u = race[:, 1:, 1].to(p.dtype)
+            drawn = (cdf <= (u * cdf[..., -1])[..., None]).sum(dim=2)
+            last = torch.where(p > 0, self.columns, -1).amax(dim=2)
+            draws = torch.minimum(drawn, last)
+        else:
+            draws = later.argmax(dim=2)  # the first maximum, as numpy's
+        row = accepted[:, None] + self.slots  # rows 1..W-1 as the next slots
+        valid = row <= W - 1
+        take = (row - 1).clamp(0, W - 2)
+        picked = draws.gather(1, take)
+        self.kept.copy_(torch.where(active, valid.sum(dim=1), self.kept))
+        self.redrafts.copy_(torch.where(active[:, None], torch.where(valid, picked, 0), self.redrafts))
+        if self.sampling:
+            q = p.gather(1, take[..., None].expand(-1, -1, p.shape[2]))
+            q = torch.where(valid[..., None], q, 0.0).to(self.redraft_q.dtype)
+            self.redraft_q.copy_(torch.where(active[:, None, None], q, self.redraft_q))
 
     def _combined(self, logits):
         """The CFG-combined verification logits [N, M, V] in float32, op for op as the host
