@@ -120,6 +120,18 @@ MUTANTS = [
     ("sampling-race-inverted", "runtime/sampling.py",
      "keys = -np.log(race) / probs.astype(np.float64)", "keys = -np.log(race) * probs.astype(np.float64)",
      ["tests/test_generator.py::test_relaxed_sampling_matches_the_specification"]),
+    # The jacobi window: q must be what each draft was drawn from (exactness rests on it), and the
+    # device step must read the streams as the host step does.
+    ("jacobi-redraft-q-row", "runtime/jacobi.py",
+     "np.take_along_axis(p, take[:, :, None], axis=1)",
+     "np.take_along_axis(p, np.minimum(take + 1, W - 2)[:, :, None], axis=1)",
+     ["tests/test_jacobi.py"]),
+    ("jacobi-uniform-q-half", "runtime/jacobi.py",
+     "q[n, i, :codes] = 1.0 / codes", "q[n, i, :codes // 2] = 2.0 / codes",
+     ["tests/test_jacobi.py"]),
+    ("torch-jacobi-redraft-uniforms", "runtime/backends/torch_step.py",
+     "u = race[:, 1:, 1].to(p.dtype)", "u = race[:, 1:, 0].to(p.dtype)",
+     ["tests/test_device_jacobi.py"]),
     # What the net already guarded (acceptance, cache commits, streams), kept in the list so a
     # rewrite of the step is checked against all of it.
     ("lanternpp-bound-exclusive", "runtime/accept.py",
