@@ -130,6 +130,8 @@ def _replicas(args, replicas, levels, settings, classes, expected):
 
 def run(args):
     settings = {"mode": args.mode, "cfg_scale": args.cfg_scale, "lam": args.lam, "k": args.k}
+    if args.proposer != "tree":
+        settings.update(proposer=args.proposer, window=args.window)
     engine = Engine(args.engine, threads=1)
     service = ImageService(engine, max_batch=args.max_batch)  # the settings and tree the server will use
     probe = service.parse(json.dumps({"classes": [0], "settings": settings}).encode())
@@ -173,6 +175,8 @@ def main(argv=None):
     p.add_argument("--batch-wait-ms", type=float, default=100.0,
                    help="how long a batch waits to fill (20 ms measured: half-full batches at 32-64 clients)")
     p.add_argument("--mode", default="ar")
+    p.add_argument("--proposer", default="tree", choices=("tree", "jacobi"), help="where drafts come from")
+    p.add_argument("--window", type=int, default=6, help="--proposer jacobi: the window")
     p.add_argument("--cfg-scale", type=float, default=3.0)
     p.add_argument("--lam", type=float, default=5.0)
     p.add_argument("--k", type=int, default=20)
