@@ -86,7 +86,7 @@ MUTANTS = [
      "temperature=args.temperature, top_k=args.top_k", "temperature=1.0, top_k=args.top_k",
      ["tests/test_cli_commands.py::test_generate_option_reaches_the_engine"]),
     ("cli-cfg-interval-dropped", "runtime/cli.py",
-     "cfg_interval=args.cfg_interval)", "cfg_interval=-1)",
+     "cfg_interval=args.cfg_interval, tau=args.tau,", "cfg_interval=-1, tau=args.tau,",
      ["tests/test_cli_commands.py::test_generate_option_reaches_the_engine"]),
     ("cli-caption-mask-dropped", "runtime/cli.py",
      "caption=caption, caption_mask=mask,", "caption=caption, caption_mask=None,",
