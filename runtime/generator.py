@@ -7,7 +7,10 @@ engine calls. Open an engine directory once, generate many times:
     out.stats         # steps, mean accepted length, time per phase
     engine.decode(out.tokens)  # uint8 images [N, H, W, 3] when the engine has a VQ decoder
 
-One step (DESIGN.md "One decoding step"); `ar` is the same loop over the root-only tree:
+One step (DESIGN.md "One decoding step"); `ar` is the same loop over the root-only tree. The
+draft phase is the proposer's (lantern.runtime.proposers): the drafter tree, as below, or a
+drafter-free Jacobi window (lantern.runtime.jacobi: the last verification's rows re-drafted,
+no calls):
   draft   draft0: one drafter call over the pairs the last step accepted, (h_t, x_{t+1}) with the
           target's own hidden states, ending with the root, whose candidates fill depth 1; then
           one call per depth over that depth's nodes (fed the drafter's own hidden states).
