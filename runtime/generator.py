@@ -164,7 +164,11 @@ class Engine:
                 chosen = self._tuned_tree(settings, prefix.images)
                 if chosen is not None:
                     tree, (source, why) = chosen
-            proposer = proposer_for("tree", tree, self.manifest, settings)
+            if isinstance(tree, int):  # tune measured a jacobi window faster than the drafter's trees
+                proposer = proposer_for("jacobi", None, self.manifest, settings.replace(proposer="jacobi", window=tree))
+                tree = proposer.tree
+            else:
+                proposer = proposer_for("tree", tree, self.manifest, settings)
         feeds = dict(cfg_scale=settings.cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
                      top_k=sampler.top_k, top_p=sampler.top_p)
         plan = self._plan_for(tree, prefix, feeds, proposer.drafter)
@@ -248,14 +252,18 @@ class Engine:
 
     def _tuned_tree(self, settings, images):
         """(tree, ("tuned", why)) of the tree tuned for these settings on this backend, for the
-        tuned batch nearest `images`; root_only() where the tuner found AR fastest; None if untuned."""
+        tuned batch nearest `images`; root_only() where the tuner found AR fastest; the window (an int)
+        where `tune --also-jacobi` found the jacobi proposer fastest; None if untuned."""
         entry = self.manifest.tuned_trees.get(settings.key)
         if entry is None or entry.backend != self.backend.name:
             return None
         chosen = entry.tree_for(images)
-        what = "AR was fastest" if chosen.file is None else chosen.file
+        what = chosen.file or (f"the jacobi proposer's window of {chosen.window} slots was fastest" if chosen.window
+                               else "AR was fastest")
         why = (f"tuned by `lantern-run tune` for these settings on {entry.backend}, batch {chosen.images} "
                f"({what}); --tree picks another")
+        if chosen.window is not None:
+            return chosen.window, ("tuned", why)
         if chosen.file is None:
             return root_only(), ("tuned", why)
         tree = build_tree(os.path.join(self.directory, chosen.file))

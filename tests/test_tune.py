@@ -258,8 +258,6 @@ def test_retuning_replaces_the_entry_and_an_interruption_leaves_a_valid_engine(c
     (lambda e, k: e.update(extra=1), "unknown field"),
     (lambda e, k: e["settings"].update(mode="ar"), "mode"),
     (lambda e, k: e["trees"]["1"].update(window=3), "needs file null"),  # a window where a tree file is
-    (lambda e, k: e["trees"]["1"].update(file=None, name="jacobi-3", nodes=3, depth=2, window=3),
-     "exactly where the settings' proposer is jacobi"),  # a window under the drafter's settings
 ])
 def test_bad_tuned_entries_are_refused_in_one_line(c2i_engine, tuned_report, tmp_path, change, words):
     report, _ = tuned_report
@@ -450,3 +448,43 @@ def test_tune_picks_a_jacobi_window_and_generate_follows_it(c2i_engine, tmp_path
     # another backend does not use it: the default window
     other = Engine(d, threads=1, backend="onnxruntime-torch").generate(settings, classes=[1])
     assert other.stats["tree_source"] == "default" and other.stats["window"] == 6
+
+
+def test_tune_also_jacobi_chooses_between_proposers_and_generate_and_serving_follow(c2i_engine, tmp_path, capsys):
+    """tune --also-jacobi measures the chosen tree against the jacobi windows whole; a window
+    recorded under the drafter's settings makes generate (without --tree) run the jacobi proposer
+    with it, --tree still wins, and the server pins it per settings key like a tree."""
+    from lantern.tools.image_service import ImageService
+
+    d = engine_copy(c2i_engine, tmp_path)
+    assert run_main(["tune", d, "--threads", "1", "--mode", "exact", "--greedy", "--budget", "4", "--depth", "2",
+                     "--images", "2", "--repeats", "1", "--also-jacobi", "--windows", "2,4"]) == 0
+    out = capsys.readouterr().out
+    assert "between proposers" in out and "jacobi-4" in out
+    settings = GenerationSettings(mode="exact", greedy=True)
+    entry = read_manifest(d, verify=True).tuned_trees[settings.key]
+    report = json.loads(open(os.path.join(d, entry.report)).read())
+    rows = {r["candidate"]: r for r in report["batches"]["1"]["proposers"]["candidates"]}
+    assert {"ar", "jacobi-2", "jacobi-4"} <= set(rows)
+    fastest = min(rows.values(), key=lambda r: r["seconds_per_image"])
+    if fastest["window"] is not None:  # what this machine measured is what was recorded
+        assert entry.trees[0].window == fastest["window"]
+    # a window recorded for the drafter's settings: generate runs the jacobi proposer with it
+    batch = dict(report["batches"]["1"], proposers=dict(report["batches"]["1"]["proposers"], chosen=rows["jacobi-4"]))
+    tune.install(d, {1: 4}, dict(report, batches={"1": batch}))
+    engine = Engine(d, threads=1)
+    tuned = engine.generate(settings, classes=[1, 2])
+    assert tuned.stats["proposer"] == "jacobi" and tuned.stats["window"] == 4 and tuned.stats["tree_source"] == "tuned"
+    assert "window of 4 slots was fastest" in tuned.stats["tree_reason"]
+    given = engine.generate(settings, classes=[1, 2], tree="chain-2")
+    assert given.stats["proposer"] == "tree" and given.stats["tree"] == "chain-2"
+    np.testing.assert_array_equal(tuned.tokens, engine.generate(mode="ar", greedy=True, classes=[1, 2]).tokens)
+    # the server pins it: the request's settings carry the window, its images equal direct generation
+    service = ImageService(Engine(d, threads=1), max_batch=2)
+    request = service.parse(json.dumps({"classes": [3], "seed": 5, "settings": {"mode": "lantern++", "lam": 2, "k": 8,
+                                                                                 "greedy": False}}).encode())
+    assert request.settings.proposer == "tree"  # another key: nothing tuned for it
+    request = service.parse(json.dumps({"classes": [3], "seed": 5, "settings": {"mode": "exact", "greedy": True}}).encode())
+    assert (request.settings.proposer, request.settings.window) == ("jacobi", 4)
+    served = service.run([request])[0]
+    np.testing.assert_array_equal(served.tokens, engine.generate(request.settings, classes=[3], seed=5).tokens)

@@ -127,14 +127,15 @@ class ImageService:
 
     def _tuned_trees(self):
         """{settings key: Tree} of the trees `lantern-run tune` chose at the max batch on this
-        backend, each file read once and checked against its sha256 in the manifest."""
+        backend, each file read once and checked against its sha256 in the manifest; a jacobi
+        window (an int) where tune found it faster (parse pins it into the request's settings)."""
         m, trees = self.engine.manifest, {}
         for key, entry in m.tuned_trees.items():
             if entry.backend != self.engine.backend.name:
                 continue
             chosen = entry.tree_for(self.max_batch)
-            if chosen.file is None:
-                trees[key] = root_only()
+            if chosen.window is not None or chosen.file is None:
+                trees[key] = chosen.window if chosen.window is not None else root_only()
                 continue
             try:
                 trees[key] = self._read_tree(chosen)
@@ -203,6 +204,11 @@ class ImageService:
         if unknown:
             raise RequestError(400, f"unknown request field(s) {', '.join(unknown)}; valid: {', '.join(REQUEST_FIELDS)}")
         settings = self._settings(data.get("settings", {}))
+        pick = self.trees.get(settings.key) if settings.mode != "ar" else None
+        if isinstance(pick, int):  # tune measured the jacobi proposer's window faster: pinned like a tree
+            settings = settings.replace(proposer="jacobi", window=pick)
+        elif pick is not None and settings.proposer == "jacobi":  # tune found AR faster than every window
+            settings = settings.replace(mode="ar")
         n = data.get("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise RequestError(400, f"n (images per condition) must be an integer >= 1, got {n!r}")

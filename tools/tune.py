@@ -36,6 +36,8 @@ latency model from a file (a planning aid; see lantern.tools.tree_report).
    the tuned tree for these settings on this backend unless a tree is given. --out DIR writes
    a copy of the report and trees there as well.
 
+`--also-jacobi` (an engine with a drafter) then measures the chosen tree against the jacobi
+windows and AR, whole, and records a window where one is faster (between proposers).
 `--proposer jacobi` tunes the drafter-free window instead (tools/tune_window.py: AR and each of
 `--windows` measured whole, the fastest recorded per batch for the settings with the window left
 open; generate --proposer jacobi without --window runs it).
@@ -613,7 +615,8 @@ def install(directory, chosen, report, render=None):
         trees, names = [], []
         for images, tree in sorted(chosen.items()):
             if not hasattr(tree, "depth"):  # a jacobi window (or None: AR), measured whole
-                trees.append(_tuned_window(images, tree, report["batches"][str(images)]["chosen"]))
+                batch = report["batches"][str(images)]
+                trees.append(_tuned_window(images, tree, batch.get("proposers", batch)["chosen"]))
                 continue
             predicted = {k: report["batches"][str(images)]["chosen"][k]
                          for k in ("tokens_per_step", "step_ms", "tokens_per_s", "speedup_vs_ar")}
@@ -693,6 +696,10 @@ def add_parser(sub, backend_loaders=None):
     p.add_argument("--windows", type=_ints, default=list(tune_window.WINDOWS),
                    help="--proposer jacobi: the windows to measure (default "
                         f"{','.join(map(str, tune_window.WINDOWS))}); AR is always a candidate")
+    p.add_argument("--also-jacobi", action="store_true",
+                   help="an engine with a drafter: also measure the jacobi proposer's --windows against the chosen "
+                        "tree, whole, and record a window where one is faster (generate then runs it for these "
+                        "settings)")
     p.add_argument("--out", help="also write the report and trees into this directory")
     p.add_argument("--dry-run", action="store_true", help="report only: leave the engine directory untouched")
     p.set_defaults(func=run, backend_loaders=loaders)
@@ -723,11 +730,21 @@ def run(args):
     report, chosen = tune(engine, settings, conds, budget=args.budget, depth=args.depth, batches=batches,
                           calibration_batch=args.batch, repeats=args.repeats, seed=args.seed, note=note,
                           threads=args.threads or os.cpu_count(), clock=clock)
+    if args.also_jacobi:  # between proposers: the chosen trees against the windows, measured whole
+        print(f"between proposers: the chosen tree(s) against jacobi windows {', '.join(map(str, args.windows))} and "
+              f"ar, whole generations in turns")
+        calls = {images: batched(repeat_to(conds, max(images, len(conds) // images * images)), images)
+                 for images in batches}
+        measured, picks = tune_window.tune_windows(engine, settings, calls, args.windows, seed=args.seed, trees=chosen)
+        for images, pick in picks.items():
+            report["batches"][str(images)]["proposers"] = measured[images]
+            if isinstance(pick, int):  # a jacobi window ran faster than the tree (and AR)
+                chosen[images] = pick
     if args.out:
         try:
             write_report(args.out, report)
             for images, tree in chosen.items():
-                if tree.depth:
+                if getattr(tree, "depth", 0):
                     _write_json(os.path.join(args.out, f"tree-b{images}.json"), tree.to_json())
         except OSError as e:
             raise LanternError(f"{args.out}: cannot write the report ({e.strerror})") from None
@@ -736,7 +753,8 @@ def run(args):
         return 0
     entry = install(args.engine, chosen, report)
     for t in entry.trees:
-        what = f"{t.name} ({t.nodes} nodes, depth {t.depth}) in {t.file}" if t.file else "AR (no drafting)"
+        what = f"{t.name} ({t.nodes} nodes, depth {t.depth}) in {t.file}" if t.file else \
+            f"the jacobi proposer's window of {t.window} slots" if t.window else "AR (no drafting)"
         print(f"{t.images} image(s) per call: {what}")
     print(f"manifest: generate with these settings on {engine.backend.name} now uses the tuned tree "
           f"(unless --tree is given); report: {os.path.join(args.engine, entry.report)}")

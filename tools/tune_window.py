@@ -28,32 +28,38 @@ def check_windows(windows):
     return tuple(sorted(windows))
 
 
-def tune_windows(engine, settings, calls_per_batch, windows=WINDOWS, rounds=2, seed=0, log=print):
-    """({batch: report}, {batch: chosen window or None for AR}). settings: resolved, jacobi, window
-    None; calls_per_batch: {batch size: [generate() condition dicts of that many images]}."""
-    candidates = [("ar", settings.replace(mode="ar", proposer="tree", window=None))]
-    candidates += [(f"jacobi-{w}", settings.replace(window=w)) for w in check_windows(windows)]
+def tune_windows(engine, settings, calls_per_batch, windows=WINDOWS, rounds=2, seed=0, trees=None, log=print):
+    """({batch: report}, {batch: chosen window, or None for AR, or the drafter's tree}). settings:
+    resolved, window None (the drafter's settings when `trees` is given); calls_per_batch: {batch
+    size: [generate() condition dicts of that many images]}; trees: {batch: the Tree tune chose
+    for the drafter}, measured beside the windows (tune --also-jacobi: between proposers)."""
+    jacobi = settings.replace(proposer="jacobi", window=None)
     reports, chosen = {}, {}
     for images, calls in sorted(calls_per_batch.items()):
         t0 = time.perf_counter()
-        for _, s in candidates:  # plans made and sessions warmed outside the clock
-            engine.generate(s, **calls[0], seed=seed)
-        seconds = {name: np.inf for name, _ in candidates}
+        candidates = [("ar", settings.replace(mode="ar", proposer="tree", window=None), None, None)]
+        tree = (trees or {}).get(images)
+        if tree is not None and tree.depth:
+            candidates.append((f"tree {tree.name}", settings, tree, tree))
+        candidates += [(f"jacobi-{w}", jacobi.replace(window=w), None, w) for w in check_windows(windows)]
+        for _, s, t, _ in candidates:  # plans made and sessions warmed outside the clock
+            engine.generate(s, **calls[0], seed=seed, tree=t)
+        seconds = {name: np.inf for name, *_ in candidates}
         steps = {}
         for r in range(rounds):
-            for name, s in candidates:
+            for name, s, t, _ in candidates:
                 start, taken = time.perf_counter(), []
                 for i, call in enumerate(calls):
-                    out = engine.generate(s, **call, seed=seed + 1000 * r + i * images)
+                    out = engine.generate(s, **call, seed=seed + 1000 * r + i * images, tree=t)
                     taken.append(out.stats["steps_per_image"])
                 seconds[name] = min(seconds[name], time.perf_counter() - start)
                 steps[name] = float(np.mean(taken))
         n = images * len(calls)
-        rows = [{"candidate": name, "window": None if name == "ar" else s.window, "seconds_per_image": seconds[name] / n,
+        rows = [{"candidate": name, "window": s.window, "seconds_per_image": seconds[name] / n,
                  "steps_per_image": steps[name], "speedup_vs_ar": seconds["ar"] / seconds[name]}
-                for name, s in candidates]
+                for name, s, _, _ in candidates]
         best = min(rows, key=lambda row: row["seconds_per_image"])
-        chosen[images] = best["window"]
+        chosen[images] = {name: pick for name, _, _, pick in candidates}[best["candidate"]]
         reports[images] = {"images": images, "generations": len(calls), "rounds": rounds, "candidates": rows,
                            "chosen": best, "seconds": time.perf_counter() - t0}
         log(f"  {images} image(s) per call: " + ", ".join(
