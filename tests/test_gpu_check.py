@@ -112,3 +112,14 @@ def test_only_refuses_an_unknown_section_in_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "unknown section torch-cuda-step-grpah" in err[-1]
     assert "torch-cuda-step-graph" in err[-1]  # the names it knows
+
+
+def test_throughput_measures_both_proposers(c2i_engine):
+    """The runbook's throughput rows: the drafter's tree and the drafter-free jacobi window beside
+    ar, each with its step cost in AR steps (the numbers a GPU window is for)."""
+    from lantern.runtime.generator import Engine
+
+    rows = gpu_check.throughput(Engine(c2i_engine, threads=1), batches=(2,), repeats=1)["batch2"]
+    assert set(rows) == {"ar", "exact", "lantern++", "jacobi exact", "jacobi lantern++"}
+    assert rows["ar"]["step_cost_in_ar_steps"] == 1.0
+    assert rows["jacobi exact"]["steps_per_image"] < rows["ar"]["steps_per_image"]

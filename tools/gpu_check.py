@@ -37,7 +37,8 @@ each measuring
   latency         the target's verification call L(T) for T = 1 .. 64 at a mid-generation
                   cache (median of repeats, through real step plans)
   throughput      images/s, ms/step and host share for `ar`, `exact` and `lantern++` (sampling,
-                  CFG 3) at batch 1 and a batch, and what a speculative step costs in AR steps
+                  CFG 3) with the drafter's tree and with the drafter-free jacobi window (16
+                  slots) at batch 1 and a batch, and what a speculative step costs in AR steps
 A section that cannot run here says why ({"skipped": reason}); one that fails is one line
 ({"error": "..."}); the others still run. Sections past the time budget are skipped, so the
 command ends within it. Without a GPU the GPU-less parts still run: the engines' export and
@@ -212,14 +213,25 @@ def latency(engine, tokens, repeats):
             "ratio_vs_T1": {str(t): round(v / base, 3) for t, v in curve.items()}}
 
 
+JACOBI_WINDOW = 16  # on a GPU a 16-token verification costs about one token's: the step compression is the speed-up
+
+
 def throughput(engine, batches, repeats, lam=5.0, k=20):
+    """Per batch, `ar`, `exact` and `lantern++` with the engine's drafter (where it has one), and
+    the drafter-free jacobi proposer's `exact` and `lantern++` at JACOBI_WINDOW slots."""
     out = {}
-    modes = [("ar", {}), ("exact", {}), ("lantern++", dict(lam=lam, k=min(k, engine.neighbors.shape[1])))] \
-        if engine.neighbors is not None else [("ar", {}), ("exact", {})]
+    relaxed = dict(mode="lantern++", lam=lam, k=min(k, engine.neighbors.shape[1])) if engine.neighbors is not None \
+        else None
+    jacobi = dict(proposer="jacobi", window=JACOBI_WINDOW)
+    modes = [("ar", dict(mode="ar"))]
+    if "exact" in engine.manifest.modes:
+        modes += [("exact", dict(mode="exact"))] + ([("lantern++", relaxed)] if relaxed else [])
+    modes += [("jacobi exact", dict(mode="exact", **jacobi))] + ([("jacobi lantern++", dict(relaxed, **jacobi))]
+                                                                 if relaxed else [])
     for batch in batches:
         row = {}
         for mode, extra in modes:
-            kw = dict(**classes_for(engine, batch), cfg_scale=3.0, mode=mode, **extra)
+            kw = dict(**classes_for(engine, batch), cfg_scale=3.0, **extra)
             engine.generate(seed=99, **kw)  # warm up: plan, bindings, graph capture
             runs = [engine.generate(seed=s, **kw).stats for s in range(repeats)]
             seconds = float(np.median([s["seconds"] for s in runs]))
