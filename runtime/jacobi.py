@@ -81,8 +81,8 @@ class JacobiWindow:
             fresh = self._spatial(d, redraft, fresh)
         cols = np.where(redraft, self.drafts, fresh)
         q = d.cand_probs  # node i holds the q of slot i + 1 (the distribution node i's child was drawn from)
-        q[:] = 0.0
-        q[:, :-1] = np.where(redraft[:, :, None], self.q, 0.0)
+        q[:, :-1] = np.where(redraft[:, :, None], self.q, 0.0)  # every row rewritten: no buffer-wide clear
+        q[:, -1] = 0.0
         n, i = np.nonzero(~redraft)
         if self.init == "uniform":
             q[n, i, :codes] = 1.0 / codes

@@ -5,11 +5,12 @@ A window's step has one shape (W tokens verified, no drafter calls) and its acce
 on the target alone, so there is nothing to model: each candidate window, and AR, runs whole
 generations of the calibration conditions at each batch size, in turns (a change in what else
 runs on the machine touches them alike), and the fastest per batch (seconds per image, the best
-of --repeats rounds) is recorded for these settings with the window left open (the settings'
+of two rounds) is recorded for these settings with the window left open (the settings'
 key without a window). `generate --proposer jacobi` without --window then runs it and says so;
 where AR was fastest it runs AR.
 """
 import json
+import os
 import time
 
 import numpy as np
@@ -84,8 +85,6 @@ def markdown(report):
 
 def write_report(directory, report):
     """report.json and report.md into `directory`; returns their names."""
-    import os
-
     with open(os.path.join(directory, "report.json"), "w") as f:
         json.dump(report, f, indent=2)
     with open(os.path.join(directory, "report.md"), "w") as f:
