@@ -23,7 +23,7 @@ from lantern.runtime.manifest import read_manifest
 from lantern.runtime.memory import available_memory, cgroup_headroom
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, root_only
-from lantern.tools import tune
+from lantern.tools import tune, tune_record
 from lantern.tools.run_cli import main as run_main
 
 SETTINGS = dict(mode="lantern++", lam=3.0, k=8, cfg_scale=2.0)
@@ -86,13 +86,13 @@ WRITER = """
 import json, sys
 from lantern.runtime.errors import LanternError
 from lantern.runtime.tree import build_tree
-from lantern.tools import tune
+from lantern.tools import tune_record
 d, rounds, reports = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 reports = [json.load(open(p)) for p in reports]
 print("ready", flush=True)
 try:
     for i in range(rounds):
-        tune.install(d, {1: build_tree("chain-2", name=f"r{i}")}, reports[i % len(reports)])
+        tune_record.install(d, {1: build_tree("chain-2", name=f"r{i}")}, reports[i % len(reports)])
 except LanternError as e:
     print(e, file=sys.stderr)
     sys.exit(2)
@@ -153,7 +153,7 @@ def test_readers_refuse_a_link_out_of_the_engine(c2i_engine, tmp_path, name, ver
 
 def test_a_linked_tuned_directory_is_ignored_with_a_warning_and_never_written(c2i_engine, report, tmp_path, capsys):
     d = copy(c2i_engine, tmp_path)
-    tune.install(d, {1: build_tree("chain-2", name="t")}, report)
+    tune_record.install(d, {1: build_tree("chain-2", name="t")}, report)
     outside = tmp_path / "outside-tuned"
     shutil.move(os.path.join(d, "tuned"), outside)
     os.symlink(outside, os.path.join(d, "tuned"))
@@ -163,7 +163,7 @@ def test_a_linked_tuned_directory_is_ignored_with_a_warning_and_never_written(c2
     assert "tuned is a symbolic link" in err and "lantern-run tune" in err and len(err.strip().splitlines()) == 1
     assert engine.generate(classes=[1], **SETTINGS).stats["tree"] == engine.manifest.tree["name"]
     with pytest.raises(LanternError) as error:
-        tune.install(d, {1: build_tree("chain-1", name="u")}, keyed(report, 4.0))
+        tune_record.install(d, {1: build_tree("chain-1", name="u")}, keyed(report, 4.0))
     assert "tuned is a symbolic link" in one_line(error)
     assert sorted(os.listdir(outside)) == before
 
@@ -176,7 +176,7 @@ def test_tune_writes_nothing_through_planted_links(c2i_engine, report, tmp_path)
     os.makedirs(os.path.join(d, "tuned", key))
     for planted in ("manifest.json.tmp", f"tuned/{key}/report.md.tmp", f"tuned/{key}.b1.json.tmp"):
         os.symlink(victim, os.path.join(d, planted))
-    tune.install(d, {1: build_tree("chain-2", name="t")}, report)
+    tune_record.install(d, {1: build_tree("chain-2", name="t")}, report)
     assert victim.read_text() == "keep me"
     assert not os.path.islink(os.path.join(d, "manifest.json"))
     assert key in read_manifest(d, verify=True).tuned_trees
@@ -187,7 +187,7 @@ def test_tune_writes_nothing_through_planted_links(c2i_engine, report, tmp_path)
     os.makedirs(os.path.join(d2, "tuned"))
     os.symlink(target, os.path.join(d2, "tuned", key))
     with pytest.raises(LanternError) as err:
-        tune.install(d2, {1: build_tree("chain-2", name="t")}, report)
+        tune_record.install(d2, {1: build_tree("chain-2", name="t")}, report)
     assert f"tuned/{key} is a symbolic link" in one_line(err)
     assert os.listdir(target) == []
     assert read_manifest(d2, verify=True).tuned_trees == {}
@@ -262,7 +262,7 @@ def test_kill_9_of_a_writer_at_any_moment_leaves_a_valid_engine(c2i_engine, repo
         writer.communicate(timeout=TIMEOUT)
         engine = Engine(d, threads=1)  # every listed file matches its hash
         assert engine.generate(classes=[1, 2], **SETTINGS).tokens.shape == (2, 36)
-    tune.install(d, {1: build_tree("chain-1", name="last")}, report)  # the lock was not left held
+    tune_record.install(d, {1: build_tree("chain-1", name="last")}, report)  # the lock was not left held
     assert leftovers(d) == []  # the next writer removed what the killed ones left
     assert read_manifest(d, verify=True).tuned_trees[report["key"]].trees[0].name == "last"
 
@@ -280,13 +280,13 @@ def test_a_killed_trt_build_leaves_nothing_the_next_writer_keeps(c2i_engine, rep
     trt.wait(timeout=TIMEOUT)
     assert os.path.isdir(os.path.join(d, stage[0]))
     Engine(d, threads=1).generate(classes=[1], mode="exact", greedy=True)
-    tune.install(d, {1: build_tree("chain-1")}, report)
+    tune_record.install(d, {1: build_tree("chain-1")}, report)
     assert leftovers(d) == []
 
 
 def test_a_damaged_tune_report_degrades_with_a_warning_and_says_re_tune(c2i_engine, report, tmp_path, capsys):
     d = copy(c2i_engine, tmp_path)
-    tune.install(d, {1: build_tree("chain-2", name="t")}, report)
+    tune_record.install(d, {1: build_tree("chain-2", name="t")}, report)
     with open(os.path.join(d, "tuned", report["key"], "acceptance.png"), "r+b") as f:
         f.write(b"\0" * 16)  # same size, other bytes
     assert run_main(["generate", d, *generation_argv(SETTINGS), "--classes", "1", "--threads", "1",
@@ -294,7 +294,7 @@ def test_a_damaged_tune_report_degrades_with_a_warning_and_says_re_tune(c2i_engi
     err = capsys.readouterr().err
     assert "acceptance.png does not match its sha256" in err and "run `lantern-run tune` again" in err
     assert json.loads((tmp_path / "out" / "stats.json").read_text())["tree_source"] == "exported"
-    tune.install(d, {1: build_tree("chain-2", name="t")}, report)  # re-tuning repairs it
+    tune_record.install(d, {1: build_tree("chain-2", name="t")}, report)  # re-tuning repairs it
     assert report["key"] in read_manifest(d, verify=True).tuned_trees
 
 
@@ -349,7 +349,7 @@ def _file_size_limit(limit):
 
 def test_a_file_size_limit_is_one_line_and_leaves_the_engine_valid(c2i_engine, report, tmp_path):
     d = copy(c2i_engine, tmp_path)
-    tune.install(d, {1: build_tree("chain-1", name="before")}, keyed(report, 4.0))
+    tune_record.install(d, {1: build_tree("chain-1", name="before")}, keyed(report, 4.0))
     writer = start_writer(tmp_path, d, 1, report, preexec_fn=_file_size_limit(3000))  # the report.json is larger
     code, _, err = finish(writer)
     assert code == 2 and "file-size limit" in err and len(err.strip().splitlines()) == 1, err
@@ -543,7 +543,7 @@ def test_threads_sharing_an_engine_are_serialised(c2i_engine):
 def test_a_tuned_choice_is_said_in_the_summary_and_stats(c2i_engine, report, tmp_path, capsys):
     d = copy(c2i_engine, tmp_path)
     settings = GenerationSettings(mode="exact", greedy=True)
-    tune.install(d, {1: root_only()}, {**report, "key": settings.key, "settings": settings.canonical()})
+    tune_record.install(d, {1: root_only()}, {**report, "key": settings.key, "settings": settings.canonical()})
     assert run_main(["generate", d, "--mode", "exact", "--greedy", "--classes", "1", "--threads", "1",
                      "--out", str(tmp_path / "out")]) == 0
     tree_line, line = capsys.readouterr().out.strip().splitlines()[-2:]

@@ -14,7 +14,7 @@ from lantern.runtime.integrity import sha256_file as sha256
 from lantern.runtime.manifest import PlanFile, PlanProfile, TensorRTPlans, read_manifest
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, root_only
-from lantern.tools import tune
+from lantern.tools import plan_coverage, tune, tune_measure, tune_record
 from lantern.tools.run_cli import build_parser, main as run_main
 from lantern.tools.tree_search import AcceptanceCounts, LatencyModel, count_accepted_paths
 
@@ -91,7 +91,7 @@ def test_calibration_counts_and_observations(c2i_engine, tuned_report):
     assert tree.depth == 3 and tree.max_width <= read_manifest(c2i_engine).candidates and tree.contiguous
     counts = AcceptanceCounts.from_json(cal["counts"])
     assert counts.trials[0, 0] == counts.steps > 0  # every row-step tries rank 0 at depth 1
-    assert "(obs)" in tune.markdown(report) and str(int(counts.trials[0, 0])) in tune.markdown(report)
+    assert "(obs)" in tune_record.markdown(report) and str(int(counts.trials[0, 0])) in tune_record.markdown(report)
     p = np.array(report["acceptance_vectors"])
     assert p.shape[0] == 3 and (p.sum(1) <= 1 + 1e-9).all()
 
@@ -106,19 +106,19 @@ def test_host_fit_recovers_known_terms():
     engine_only = LatencyModel(verify, draft)
     trees = [build_tree(s) for s in ("chain-1", "chain-3", "kary-2-2", "kary-3-2", [[0], [1], [2], [3]])]
     measured = [(t, engine_only.step_ms(t) + 0.5 + 0.02 * t.num_nodes + 0.3 * t.depth, "x") for t in trees]
-    latency, fit, host = tune.fit_latency(verify, draft, 1.7, measured)
+    latency, fit, host = tune_measure.fit_latency(verify, draft, 1.7, measured)
     assert host["per_step_ms"] == pytest.approx(0.5) and host["per_node_ms"] == pytest.approx(0.02)
     assert host["per_drafter_call_ms"] == pytest.approx(0.3)
     assert all(abs(row["error"]) < 1e-9 for row in fit)
     assert latency.ar_step_ms() == 1.7
     # a negative residual never makes a negative host term
-    _, _, host = tune.fit_latency(verify, draft, 1.7, [(t, engine_only.step_ms(t) - 0.1, "x") for t in trees])
+    _, _, host = tune_measure.fit_latency(verify, draft, 1.7, [(t, engine_only.step_ms(t) - 0.1, "x") for t in trees])
     assert min(host.values()) >= 0
 
 
 def test_latency_sizes_cover_the_budget():
-    assert tune.latency_sizes(5) == [1, 2, 3, 4, 5]
-    sizes = tune.latency_sizes(64)
+    assert tune_measure.latency_sizes(5) == [1, 2, 3, 4, 5]
+    sizes = tune_measure.latency_sizes(64)
     assert sizes[:8] == list(range(1, 9)) and sizes[-1] == 64 and sizes == sorted(set(sizes))
     assert all(b <= max(a + 1, round(a * 1.25)) for a, b in zip(sizes[7:], sizes[8:]))
 
@@ -159,7 +159,7 @@ def test_settings_key_names_what_changes_acceptance():
 
 
 def install_trees(engine_dir, report, chosen):
-    return tune.install(engine_dir, chosen, report)
+    return tune_record.install(engine_dir, chosen, report)
 
 
 def test_install_and_generate_use_the_tuned_trees(c2i_engine, tuned_report, tmp_path):
@@ -225,7 +225,7 @@ def test_retuning_replaces_the_entry_and_an_interruption_leaves_a_valid_engine(c
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(tune, "write_report", fail)  # the report is rendered before the engine is touched
+    monkeypatch.setattr(tune_record, "write_report", fail)  # the report is rendered before the engine is touched
     with pytest.raises(LanternError, match="disk full"):
         install_trees(d, report, {1: build_tree("chain-3", name="d"), 2: root_only()})
     assert [t.name for t in read_manifest(d, verify=True).tuned_trees[key].trees] == ["c", "ar"]
@@ -238,8 +238,8 @@ def test_retuning_replaces_the_entry_and_an_interruption_leaves_a_valid_engine(c
         written.append(name)
         return real_write(directory, name, data)
 
-    real_write = tune.enginedir.write_file
-    monkeypatch.setattr(tune.enginedir, "write_file", full_at_the_report)
+    real_write = tune_record.enginedir.write_file
+    monkeypatch.setattr(tune_record.enginedir, "write_file", full_at_the_report)
     with pytest.raises(LanternError):
         install_trees(d, report, {1: build_tree("chain-3", name="d"), 2: root_only()})
     assert f"tuned/{key}.b1.json" in written
@@ -279,9 +279,9 @@ def test_bad_tuned_entries_are_refused_in_one_line(c2i_engine, tuned_report, tmp
 def test_plans_coverage_of_a_tuned_tree(c2i_engine):
     engine = Engine(c2i_engine, threads=1)
     m = engine.manifest
-    assert tune.plans_coverage(m, engine.condition, "chain-2", 2, True) is None
+    assert plan_coverage.plans_coverage(m, engine.condition, "chain-2", 2, True) is None
     # plans built with exact profiles for chain-2 at 2 images with CFG, recorded as `lantern-export trt` does
-    shapes = tune.call_shapes(m, engine.condition, "chain-2", 2, True)
+    shapes = plan_coverage.call_shapes(m, engine.condition, "chain-2", 2, True)
     profiles = {}
     for regime, (graph, inputs) in shapes.items():
         ranges = {name: {"min": list(s), "opt": list(s), "max": list(s)} for name, s in inputs.items()}
@@ -290,12 +290,12 @@ def test_plans_coverage_of_a_tuned_tree(c2i_engine):
                           plans={g: PlanFile(file=f"plans/x/{g}.plan", profiles=tuple(p)) for g, p in profiles.items()},
                           batches=(2,), cfg=(True,), trees=("chain-2",))
     with_plans = m.replace(tensorrt={"tensorrt-rtx-SM89": plans})
-    assert tune.plans_coverage(with_plans, engine.condition, "chain-2", 2, True) == {"tensorrt-rtx-SM89": []}
-    missing = tune.plans_coverage(with_plans, engine.condition, "kary-2-2", 2, True)["tensorrt-rtx-SM89"]
+    assert plan_coverage.plans_coverage(with_plans, engine.condition, "chain-2", 2, True) == {"tensorrt-rtx-SM89": []}
+    missing = plan_coverage.plans_coverage(with_plans, engine.condition, "kary-2-2", 2, True)["tensorrt-rtx-SM89"]
     assert "verify" in missing and "prefill" not in missing and "condition" not in missing
-    assert "needs `lantern-export trt` again" in tune.coverage_note({"tensorrt-rtx-SM89": missing})
-    assert tune.plans_coverage(with_plans, engine.condition, "chain-2", 1, True)["tensorrt-rtx-SM89"]  # other batch
-    assert "within plans/tensorrt-rtx-SM89" in tune.coverage_note({"tensorrt-rtx-SM89": []})
+    assert "needs `lantern-export trt` again" in plan_coverage.coverage_note({"tensorrt-rtx-SM89": missing})
+    assert plan_coverage.plans_coverage(with_plans, engine.condition, "chain-2", 1, True)["tensorrt-rtx-SM89"]  # other batch
+    assert "within plans/tensorrt-rtx-SM89" in plan_coverage.coverage_note({"tensorrt-rtx-SM89": []})
 
 
 @pytest.mark.parametrize("backend", ["tensorrt", "tensorrt-torch"])  # both run the engine's plans
@@ -332,7 +332,7 @@ def test_trt_export_builds_for_trees_tuned_on_plans(c2i_engine, tuned_report, tm
 ])
 def test_auto_clock_follows_where_the_runner_runs(argv, clock):
     args = build_parser().parse_args(["tune", "ENGINE", "--threads", "1"] + argv)
-    assert tune.clock_of(args) == clock
+    assert tune_measure.clock_of(args) == clock
 
 
 def test_cli_dry_run_and_errors(c2i_engine, t2i_engine, tmp_path, capsys):
@@ -435,7 +435,7 @@ def test_tune_picks_a_jacobi_window_and_generate_follows_it(c2i_engine, tmp_path
     fastest = min(rows.values(), key=lambda r: r["seconds_per_image"])
     assert entry.trees[0].window == fastest["window"]  # the measured fastest, AR (None) included
     # a window recorded for these settings (whatever this machine found fastest) is what generate runs
-    tune.install(d, {1: 4}, dict(report, batches={"1": dict(report["batches"]["1"], chosen=rows["jacobi-4"])}),
+    tune_record.install(d, {1: 4}, dict(report, batches={"1": dict(report["batches"]["1"], chosen=rows["jacobi-4"])}),
                  render=tune.tune_window.write_report)
     engine = Engine(d, threads=1)
     tuned = engine.generate(settings, classes=[1, 2])
@@ -471,7 +471,7 @@ def test_tune_also_jacobi_chooses_between_proposers_and_generate_and_serving_fol
         assert entry.trees[0].window == fastest["window"]
     # a window recorded for the drafter's settings: generate runs the jacobi proposer with it
     batch = dict(report["batches"]["1"], proposers=dict(report["batches"]["1"]["proposers"], chosen=rows["jacobi-4"]))
-    tune.install(d, {1: 4}, dict(report, batches={"1": batch}))
+    tune_record.install(d, {1: 4}, dict(report, batches={"1": batch}))
     engine = Engine(d, threads=1)
     tuned = engine.generate(settings, classes=[1, 2])
     assert tuned.stats["proposer"] == "jacobi" and tuned.stats["window"] == 4 and tuned.stats["tree_source"] == "tuned"

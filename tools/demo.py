@@ -39,7 +39,7 @@ from lantern.runtime.generator import Engine
 from lantern.runtime.outdir import OutputDirectory, only_files
 from lantern.runtime.png import image_grid, write_png
 from lantern.runtime.settings import GenerationSettings
-from lantern.tools import tune
+from lantern.tools import tune, tune_measure, tune_record
 
 REPORT_FILES = ("report.json", "report.md", "*.png")
 DEFAULTS = dict(tree="mc_sim_7b_63", lam=5.0, k=20, cfg_scale=3.0, temperature=1.0, top_k=0, per_class=2, seed=0)
@@ -280,8 +280,8 @@ def _tune(engine, out, args, step, device):
     report, chosen = tune.tune(engine, settings, conds, budget=TUNE["budget"], depth=TUNE["depth"],
                                batches=TUNE["batches"], repeats=TUNE["repeats"], loop_runs=TUNE["loop_runs"],
                                seed=args.seed, note=note, threads=args.threads,
-                               clock=tune.default_clock(args.threads, device), log=lambda *a: None)
-    entry = tune.install(out, chosen, report)
+                               clock=tune_measure.default_clock(args.threads, device), log=lambda *a: None)
+    entry = tune_record.install(out, chosen, report)
     batches = {}
     for images, r in report["batches"].items():
         preset = next((row for row in r["presets"] if row["name"] == args.tree and "skipped" not in row), None)

@@ -12,7 +12,7 @@ latency model from a file (a planning aid; see lantern.tools.tree_report).
    range; a caption engine without --caption gets blank, all-zero caption features, and the
    report says so). The loop's StepRecords go to AcceptanceCounts; the report lists how many
    observations back each cell of the acceptance table.
-2. Latency model, per batch size (1 and --batch), on the engine's backend:
+2. Latency model, per batch size (1 and --batch), on the engine's backend (tools/tune_measure.py):
    - verification of T tokens and drafter calls of width w, timed through real step plans at a
      mid-generation cache length (lantern.tools.latency), on a grid of sizes up to the largest
      the search may pick (every size up to 8, then steps of about 25 %), interpolated between;
@@ -32,9 +32,9 @@ latency model from a file (a planning aid; see lantern.tools.tree_report).
    with AR and the presets under the same model.
 4. Output, unless --dry-run: the chosen trees as choices JSON (`--tree` reads them) and the
    report (report.json, report.md, plots) under ENGINE/tuned/, then the manifest's
-   `tuned_trees` entry for these settings, written last (see `install`). `generate` then uses
-   the tuned tree for these settings on this backend unless a tree is given. --out DIR writes
-   a copy of the report and trees there as well.
+   `tuned_trees` entry for these settings, written last (tools/tune_record.py's `install`).
+   `generate` then uses the tuned tree for these settings on this backend unless a tree is
+   given. --out DIR writes a copy of the report and trees there as well.
 
 `--also-jacobi` (an engine with a drafter) then measures the chosen tree against the jacobi
 windows and AR, whole, and records a window where one is faster (between proposers).
@@ -49,9 +49,9 @@ changes only latency: one tree per batch size tuned, and generate takes the tune
 its image count. The backend is recorded and must match; the thread count and the machine are
 recorded in the entry, not matched (re-run tune after moving an engine to other hardware).
 
-Compiled plans: where the engine records TensorRT plans (`Manifest.tensorrt`),
-`plans_coverage` checks whether a tree's calls (StepPlan.shapes()) each get a profile of the
-plans, as the tensorrt backend assigns them. Tuning on the tensorrt backend keeps the search
+Compiled plans: where the engine records TensorRT plans (`Manifest.tensorrt`), `plans_coverage`
+(tools/plan_coverage.py) checks whether a tree's calls (StepPlan.shapes()) each get a profile of
+the plans, as the tensorrt backend assigns them. Tuning on the tensorrt backend keeps the search
 within its plans (AR and the trees they were built for); tuning on another backend reports a
 chosen tree the plans do not cover as needing `lantern-export trt` again. The runtime uses an
 entry only on the backend it was measured on, so a tree tuned elsewhere never runs on plans
@@ -59,29 +59,22 @@ built for another tree, and `lantern-export trt` builds profiles for the trees t
 tensorrt backend besides the engine's own, so a rebuild keeps covering them.
 """
 import argparse
-import datetime
-import json
 import os
-import platform
-import tempfile
 import time
 
 import numpy as np
 
 from lantern.runtime import enginedir
 from lantern.runtime.backends import runs_plans
-from lantern.runtime.cli import (_classes, _load_npy, add_generation_options, device_of, generation_settings,
-                                 open_engine)
+from lantern.runtime.cli import _classes, _load_npy, add_generation_options, generation_settings, open_engine
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest import describe_files, read_manifest, TunedSettings, TunedTree
-from lantern.runtime.outdir import write_file
-from lantern.runtime.plan import StepPlan
-from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, MAX_WIDTH, root_only
-from lantern.tools import tree_report, tune_window
-from lantern.tools.latency import CLOCKS, default_condition, draft_latency, draft_tree, verify_latency, verify_tree
-from lantern.tools.tree_search import (acceptance_vectors, AcceptanceCounts, calibration_tree, Candidate, LatencyModel,
-                                       search, SearchResult)
+from lantern.tools import tree_report, tune_record, tune_window
+from lantern.tools.latency import default_condition
+from lantern.tools.plan_coverage import coverage_note, plans_coverage
+from lantern.tools.tree_search import acceptance_vectors, AcceptanceCounts, calibration_tree, search
+from lantern.tools.tune_measure import (call_latency, check_memory, clock_of, fit_latency, fit_table, fit_trees,
+                                        loop_step_ms, machine, StepTimer)
 
 DEFAULT_BUDGET = 64
 DEFAULT_DEPTH = 6
@@ -186,34 +179,6 @@ def batched(conds, size):
 def repeat_to(conds, images):
     return [conds[i % len(conds)] for i in range(images)]
 
-
-# ---------------------------------------------------------------------------------------------
-# Measuring
-
-
-class StepTimer:
-    """An observer timing the loop's steps on a clock (latency.CLOCKS): the time between
-    consecutive records is one whole step as the loop pays it (the loop builds each record in
-    microseconds; an inner observer's own time is left out)."""
-
-    def __init__(self, clock="wall", inner=None):
-        self.now, self.inner = CLOCKS[clock], inner
-        self.times, self.last = [], None
-
-    def __call__(self, record):
-        t = self.now()
-        if self.last is not None:
-            self.times.append(t - self.last)
-        if self.inner is not None:
-            self.inner(record)
-        self.last = self.now()
-
-    @property
-    def step_ms(self):
-        """Mean milliseconds per step, the first step (which follows the prefill) left out."""
-        return 1000.0 * float(np.mean(self.times)) if self.times else float("nan")
-
-
 def calibrate(engine, settings, tree, conds, batch, seed=0, clock="wall"):
     """AcceptanceCounts from generations of `conds` in calls of `batch` images with `tree`, and
     per call (images, ms per loop step, steps)."""
@@ -225,193 +190,8 @@ def calibrate(engine, settings, tree, conds, batch, seed=0, clock="wall"):
     return counts, runs
 
 
-def latency_sizes(largest):
-    """Every size up to 8, then steps of about 25 %, and `largest` itself."""
-    sizes, x = list(range(1, min(largest, 8) + 1)), 8
-    while x < largest:
-        x = min(largest, max(x + 1, int(round(x * 1.25))))
-        sizes.append(x)
-    return sizes
-
-
-def fit_trees(candidates, budget, depth, calibration):
-    """Trees whose whole generations fix the host terms: different node counts and depths, the
-    calibration tree the largest (every one within the budget, depth and candidates)."""
-    flat = min(8, candidates, budget - 1)
-    specs = [("chain-1", None), (f"chain-{min(4, depth)}", None), ([[r] for r in range(flat)], f"flat-{flat + 1}"),
-             (f"kary-2-{min(3, depth)}", None), (calibration, None)]
-    out, seen = [], set()
-    for spec, name in specs:
-        tree = build_tree(spec, name=name)
-        if tree.num_nodes <= budget and tree.depth <= depth and tree.max_width <= candidates and tree.paths not in seen:
-            seen.add(tree.paths)
-            out.append(tree)
-    return out
-
-
-def nnls(X, y):
-    """Non-negative least squares for a few columns: the best of the unconstrained fits over
-    every subset of columns whose coefficients are all >= 0."""
-    X, y = np.asarray(X, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    best, best_err = np.zeros(X.shape[1]), float(np.sum(y ** 2))
-    for mask in range(1, 2 ** X.shape[1]):
-        cols = [j for j in range(X.shape[1]) if mask >> j & 1]
-        coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
-        if (coef >= 0).all():
-            err = float(np.sum((X[:, cols] @ coef - y) ** 2))
-            if err < best_err:
-                best, best_err = np.zeros(X.shape[1]), err
-                best[cols] = coef
-    return best
-
-
-def call_latency(engine, settings, images, budget, depth, repeats=5, seed=0, clock="wall"):
-    """(verify_ms, draft_ms): engine calls alone for `images` images, timed through real step
-    plans at a mid-generation cache length, the fastest of `repeats` runs per size."""
-    cfg = settings.cfg_scale
-    prefix = engine.condition.prefix(cfg > 1, **default_condition(engine.manifest, 1))
-    context = prefix.tokens + engine.manifest.image.tokens // 2  # mid-generation
-    verify = verify_latency(engine, latency_sizes(budget), images, cfg, context, repeats, seed, "min", clock)
-    draft = draft_latency(engine, latency_sizes(max(budget - 1, depth + 1)), images, cfg, context, repeats, seed,
-                          "min", clock)
-    return {T: 1000 * s for T, s in verify.items()}, {w: 1000 * s for w, s in draft.items()}
-
-
-def check_memory(engine, settings, calib, budget, depth, batches):
-    """Refuse up front (one line, before minutes of calibration) a batch whose largest plan the
-    machine cannot hold: the calibration tree and the latency model's widest calls."""
-    widest = [calib, verify_tree(max(latency_sizes(budget))), draft_tree(max(latency_sizes(max(budget - 1, depth + 1))))]
-    for images in batches:
-        prefix = engine.condition.prefix(settings.cfg, **default_condition(engine.manifest, images))
-        for tree in widest:
-            engine.check_memory(tree, prefix)
-
-
-def loop_step_ms(engine, call, settings, trees, runs=3, seed=0, clock="wall"):
-    """{tree paths: the loop's milliseconds per step} for each tree (root_only(): AR), as it pays:
-    the mean over a whole generation of `call`'s images, the fastest of `runs` generations. The
-    trees take turns, so a change in what else runs on the machine touches them alike."""
-    best = {tree.paths: np.inf for tree in trees}
-    for r in range(runs):
-        for tree in trees:
-            ar = tree.depth == 0
-            timer = StepTimer(clock)
-            engine.generate(**call, settings=settings.replace(mode="ar") if ar else settings, seed=seed + r,
-                            tree=None if ar else tree, observer=timer)
-            best[tree.paths] = min(best[tree.paths], timer.step_ms)
-    return best
-
-
-def fit_latency(verify_ms, draft_ms, ar_ms, measured):
-    """LatencyModel from the engine-call curves plus host terms fitted to whole-loop steps.
-    measured: [(Tree, loop ms per step, source)]. What the calls leave of each measured step is
-    host time a + b * nodes + c * drafter calls (non-negative least squares). Returns (model,
-    per-tree fit rows, {a, b, c})."""
-    engine_only = LatencyModel(verify_ms, draft_ms)
-    X = [[1.0, tree.num_nodes, tree.depth] for tree, _, _ in measured]
-    y = [ms - engine_only.step_ms(tree) for tree, ms, _ in measured]
-    a, b, c = nnls(X, y)
-    T = max(verify_ms)
-    latency = LatencyModel(verify_ms, draft_ms, host_ms={1: a + b, T: a + b * T}, ar_ms=ar_ms, draft_host_ms=c)
-    fit = [{"tree": tree.name, "nodes": tree.num_nodes, "depth": tree.depth, "source": source,
-            "measured_step_ms": ms, "engine_calls_ms": engine_only.step_ms(tree),
-            "model_step_ms": latency.step_ms(tree), "error": latency.step_ms(tree) / ms - 1.0}
-           for tree, ms, source in measured]
-    fit.append({"tree": "ar", "nodes": 1, "depth": 0, "source": "generation", "measured_step_ms": ar_ms,
-                "engine_calls_ms": verify_ms[1], "model_step_ms": ar_ms, "error": 0.0})
-    return latency, fit, {"per_step_ms": a, "per_node_ms": b, "per_drafter_call_ms": c}
-
-
-def default_clock(threads, device):
-    """"cpu" for a single-threaded run on the CPU (its CPU time is its wall time on an idle
-    machine, and stays put while other processes share the cores), else "wall"."""
-    return "cpu" if threads == 1 and device == "cpu" else "wall"
-
-
-def clock_of(args):
-    """The clock the command's --clock names, for the device its runner runs on (as generate's)."""
-    return default_clock(args.threads, device_of(args)) if args.clock == "auto" else args.clock
-
-
-# ---------------------------------------------------------------------------------------------
-# Compiled plans
-
-
-class _ShapesOnly:
-    """A stand-in backend for StepPlan when only its shapes are wanted: nothing is allocated."""
-
-    name = "shapes"
-    float_dtype = np.float32
-
-    def zeros(self, shape):
-        return np.broadcast_to(np.float32(0), shape)
-
-
-def call_shapes(manifest, condition, tree, images, cfg):
-    """StepPlan.shapes() of a generation of `images` images with `tree`, allocating nothing
-    (prompt engines: a five-token prompt, as lantern.tools.latency times them)."""
-    c = manifest.condition
-    if c.kind == "class":
-        inputs = {"classes": [0] * images}
-    elif c.kind == "caption":
-        inputs = {"caption": np.zeros((images, c.tokens, c.caption_dim), dtype=np.float32)}
-    else:
-        inputs = {"prompt_ids": np.full((images, 5), 100, dtype=np.int64)}
-    prefix = condition.prefix(cfg, **inputs)
-    settings = dict(cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0)
-    return StepPlan(manifest, _ShapesOnly(), build_tree(tree), prefix, settings).shapes()
-
-
-def plans_coverage(manifest, condition, tree, images, cfg):
-    """None when the engine records no TensorRT plans (`Manifest.tensorrt`); else per plans
-    build {key: the call regimes of the tree's generation (for `images` images, CFG on or off)
-    that no profile of their graph's plan covers}, [] where every call fits. As the tensorrt
-    backend assigns them, every call of one step plan needs a profile of its own."""
-    if not manifest.tensorrt:
-        return None
-    shapes = call_shapes(manifest, condition, tree, images, cfg)
-    out = {}
-    for key, entry in manifest.tensorrt.items():
-        taken, missing = {}, []
-        for regime, (graph, call) in shapes.items():
-            plan, used = entry.plans.get(graph), taken.setdefault(graph, set())
-            index = None if plan is None else next(
-                (i for i, p in enumerate(plan.profiles) if i not in used and p.covers(call)), None)
-            if index is None:
-                missing.append(regime)
-            else:
-                used.add(index)
-        out[key] = missing
-    return out
-
-
-def coverage_note(coverage):
-    if coverage is None:
-        return "no TensorRT plans recorded"
-    notes = []
-    for key, missing in coverage.items():
-        notes.append(f"within plans/{key}" if not missing else
-                     f"plans/{key} do not cover {', '.join(missing)}: needs `lantern-export trt` again to run it there")
-    return "; ".join(notes)
-
-
 # ---------------------------------------------------------------------------------------------
 # The whole run
-
-
-def machine():
-    info = {"platform": platform.platform(), "cpus": os.cpu_count(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    try:
-        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
-    return info
 
 
 def tune(engine, settings, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH, batches=(1,), calibration_batch=None,
@@ -419,7 +199,7 @@ def tune(engine, settings, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH,
     """Calibrate, measure and search for the GenerationSettings `settings` on
     the conditions `conds`. Returns (report dict, {batch: chosen Tree}; root_only() for AR).
     clock: "wall", or "cpu" (this process's CPU time: steady on a shared machine, and equal to
-    wall time only for a single-threaded CPU backend; see `default_clock`)."""
+    wall time only for a single-threaded CPU backend; see tune_measure.default_clock)."""
     m = engine.manifest
     K = m.candidates
     settings = tuning_settings(engine, settings)
@@ -504,166 +284,6 @@ def tune(engine, settings, conds, *, budget=DEFAULT_BUDGET, depth=DEFAULT_DEPTH,
     return report, chosen
 
 
-def fit_table(fit, host):
-    lines = ["  host fit: %.3f ms per step + %.4f ms per node + %.3f ms per drafter call"
-             % (host["per_step_ms"], host["per_node_ms"], host["per_drafter_call_ms"]),
-             "  tree                       nodes depth  measured ms  engine calls ms  model ms  error"]
-    for r in fit:
-        lines.append(f"  {r['tree'][:26]:<26} {r['nodes']:>5} {r['depth']:>5} {r['measured_step_ms']:>12.3f} "
-                     f"{r['engine_calls_ms']:>16.3f} {r['model_step_ms']:>9.3f} {100 * r['error']:>5.1f}%")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing
-
-
-def _json_bytes(data):
-    return (json.dumps(data, indent=1) + "\n").encode()
-
-
-def _write_json(path, data):
-    """A file outside any engine directory (--out), atomically."""
-    write_file(path, _json_bytes(data))
-
-
-def write_report(directory, report, chosen=None):
-    """report.json, report.md and the plots into `directory` (made if needed), and with `chosen`
-    ({batch: Tree}) each drafting tree as tree-b{batch}.json. Returns the names written."""
-    os.makedirs(directory, exist_ok=True)
-    _write_json(os.path.join(directory, "report.json"), report)
-    names = ["report.json", "report.md", "acceptance.png"]
-    tree_report.plot_acceptance(np.array(report["acceptance_vectors"]), os.path.join(directory, "acceptance.png"),
-                                _counts(report["calibration"]["counts"]),
-                                title=f"positional acceptance, {report['key']}")
-    for images, r in report["batches"].items():
-        tree_report.plot_latency(LatencyModel.from_json(r["latency_model"]), _result_of(r),
-                                 os.path.join(directory, f"latency-b{images}.png"),
-                                 title=f"latency model ({images} image(s) per call) and predicted speedup")
-        names.append(f"latency-b{images}.png")
-    write_file(os.path.join(directory, "report.md"), markdown(report).encode())
-    return names
-
-
-def _result_of(r):
-    """A SearchResult-like view of a batch report for plot_latency (best and best per budget)."""
-
-    def cand(d):
-        return Candidate(name=d["name"], paths=d.get("paths", []), nodes=d["nodes"], depth=d["depth"],
-                         tokens_per_step=d["tokens_per_step"], step_ms=d["step_ms"], ar_ms=r["ar"]["step_ms"],
-                         images=d["images"], generation_tokens_per_step=d["generation_tokens_per_step"])
-
-    return SearchResult(best=cand(r["chosen"]), candidates=[cand(d) for d in r["search"]["best_per_budget"].values()],
-                        skipped=[])
-
-
-def markdown(report):
-    lines = [f"# Tuned draft tree: `{report['key']}`", "",
-             f"Engine `{report['engine']}`, backend {report['backend']} ({report['threads']} thread(s), timed on the "
-             f"{report['clock']} clock), "
-             f"{report['machine'].get('cpu') or report['machine']['platform']}; load average "
-             f"{report['machine'].get('load_average')} (a shared machine makes timings noisy).", "",
-             "Settings: " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()) + ".",
-             f"Conditions: {report['conditions']}.", "",
-             f"Calibration tree: {report['calibration']['nodes']} nodes, depth {report['calibration']['depth']}, "
-             f"{report['calibration']['width']} ranks per opened node; {report['calibration']['images']} images.", "",
-             "## Acceptance (p, observations)", "", "```",
-             tree_report.acceptance_table(np.array(report["acceptance_vectors"]),
-                                          _counts(report["calibration"]["counts"])), "```", "",
-             "![acceptance](acceptance.png)", ""]
-    for images, r in report["batches"].items():
-        latency = LatencyModel.from_json(r["latency_model"])
-        lines += [f"## {images} image(s) per call", "", "```", tree_report.format_report(r), "",
-                  fit_table(r["fit"], r["host_fit"]), "", tree_report.latency_table(latency), "```", "",
-                  f"Compiled plans: {r['plans']}.", "", f"![latency](latency-b{images}.png)", ""]
-    lines += ["Predictions come from the positional acceptance model and the measured latency model "
-              "(lantern.tools.tree_search's docstring lists what is modelled and assumed).", ""]
-    return "\n".join(lines)
-
-
-def _counts(data):
-    return AcceptanceCounts.from_json(data)
-
-
-def install(directory, chosen, report, render=None):
-    """Record the trees tuned for report["settings"] in the engine directory, under the engine's
-    lock (lantern.runtime.enginedir) so concurrent tunes and plan builds each keep their entries:
-    the manifest is re-read under the lock (chosen: {batch: Tree}, or {batch: window or None} from
-    tools.tune_window, whose report `render` writes); (1) if an entry for these settings exists, the
-    manifest is rewritten without it and its files (the engine falls back to its exported tree
-    meanwhile); (2) the trees and the report are written, each file atomically under a unique
-    temporary name; (3) the manifest is rewritten with the new entry and the new files' sizes and
-    sha256, last. A crash at any point leaves a manifest that matches its files. Returns the entry."""
-    key = report["key"]
-    try:
-        with tempfile.TemporaryDirectory(prefix="lantern-tune-") as scratch:
-            # rendered outside the engine (matplotlib opens paths as given), copied in confined
-            report_names = (render or write_report)(scratch, report)
-            contents = {name: open(os.path.join(scratch, name), "rb").read() for name in report_names}
-    except OSError as e:
-        raise LanternError(f"cannot render the tune report in the temporary directory ({e.strerror or e}); free space "
-                           f"(or raise the file-size limit) and run again; {directory} was left as it was") from None
-    with enginedir.locked(directory, "lantern-run tune"):
-        m = read_manifest(directory)
-        old = m.tuned_trees.get(key)
-        old_files = set()
-        if old is not None:
-            old_files = {t.file for t in old.trees if t.file} | _report_files(m, old)
-            m = m.replace(tuned_trees={k: v for k, v in m.tuned_trees.items() if k != key},
-                          files={k: v for k, v in m.files.items() if k not in old_files})
-            m.write(directory)
-        trees, names = [], []
-        for images, tree in sorted(chosen.items()):
-            if not hasattr(tree, "depth"):  # a jacobi window (or None: AR), measured whole
-                batch = report["batches"][str(images)]
-                trees.append(_tuned_window(images, tree, batch.get("proposers", batch)["chosen"]))
-                continue
-            predicted = {k: report["batches"][str(images)]["chosen"][k]
-                         for k in ("tokens_per_step", "step_ms", "tokens_per_s", "speedup_vs_ar")}
-            file = None
-            if tree.depth:
-                file = f"tuned/{key}.b{images}.json"
-                enginedir.write_file(directory, file, _json_bytes(tree.to_json()))
-                names.append(file)
-            trees.append(TunedTree(images=images, file=file, name=tree.name if tree.depth else "ar",
-                                   nodes=tree.num_nodes, depth=tree.depth, predicted=predicted))
-        report_dir = f"tuned/{key}"
-        for name, data in contents.items():
-            enginedir.write_file(directory, f"{report_dir}/{name}", data)
-            names.append(f"{report_dir}/{name}")
-        measured = {"threads": report["threads"], "clock": report["clock"], "machine": report["machine"],
-                    "step": {images: r.get("step") for images, r in report["batches"].items()}}
-        entry = TunedSettings(settings=GenerationSettings.from_canonical(report["settings"]),
-                              backend=report["backend"], trees=tuple(trees),
-                              report=f"{report_dir}/report.json", measured=measured)
-        files = {k: v for k, v in m.files.items() if k not in names}
-        files.update(describe_files(directory, names))
-        m = m.replace(tuned_trees={**m.tuned_trees, key: entry}, files=dict(sorted(files.items())))
-        m.write(directory)
-        for name in old_files - set(names):
-            try:
-                os.remove(enginedir.inside(directory, name))
-            except (OSError, LanternError):
-                pass
-    return entry
-
-
-def _tuned_window(images, window, row):
-    measured = {k: row[k] for k in ("seconds_per_image", "steps_per_image", "speedup_vs_ar")}
-    if window is None:
-        return TunedTree(images=images, file=None, name="ar", nodes=1, depth=0, predicted=measured)
-    return TunedTree(images=images, file=None, name=f"jacobi-{window}", nodes=window, depth=window - 1,
-                     predicted=measured, window=window)
-
-
-def _report_files(m, entry):
-    """The files of an entry's report directory that the manifest lists."""
-    if not entry.report:
-        return set()
-    folder = os.path.dirname(entry.report) + "/"
-    return {name for name in m.files if name.startswith(folder)}
-
-
 # ---------------------------------------------------------------------------------------------
 # The command
 
@@ -742,16 +362,16 @@ def run(args):
                 chosen[images] = pick
     if args.out:
         try:
-            write_report(args.out, report)
+            tune_record.write_report(args.out, report)
             for images, tree in chosen.items():
                 if getattr(tree, "depth", 0):
-                    _write_json(os.path.join(args.out, f"tree-b{images}.json"), tree.to_json())
+                    tune_record.write_json(os.path.join(args.out, f"tree-b{images}.json"), tree.to_json())
         except OSError as e:
             raise LanternError(f"{args.out}: cannot write the report ({e.strerror})") from None
     if args.dry_run:
         print("dry run: the engine directory was not changed")
         return 0
-    entry = install(args.engine, chosen, report)
+    entry = tune_record.install(args.engine, chosen, report)
     for t in entry.trees:
         what = f"{t.name} ({t.nodes} nodes, depth {t.depth}) in {t.file}" if t.file else \
             f"the jacobi proposer's window of {t.window} slots" if t.window else "AR (no drafting)"
@@ -782,7 +402,7 @@ def _run_windows(args, engine, settings, conds, note, batches):
     if args.dry_run:
         print("dry run: the engine directory was not changed")
         return 0
-    install(args.engine, chosen, report, render=tune_window.write_report)
+    tune_record.install(args.engine, chosen, report, render=tune_window.write_report)
     print("tuned: " + "; ".join(f"{n} image(s) per call: {'AR' if w is None else f'window {w}'}"
                                 for n, w in sorted(chosen.items())))
     print(f"generate --proposer jacobi uses it for these settings on {engine.backend.name} (--window picks another)")

@@ -29,7 +29,7 @@ from lantern.export.onnx_export import export_engine
 from lantern.runtime.generator import Engine
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.settings import GenerationSettings
-from lantern.tools import tune
+from lantern.tools import tune, tune_record
 from lantern.tools.latency import draft_latency, verify_latency
 
 LAM, K = 5.0, 20  # the demo's lantern++ settings
@@ -202,7 +202,7 @@ def tune_modes(engine, modes, threads, images):
         t = time.perf_counter()
         report, chosen = tune.tune(engine, settings, conds, budget=32, depth=5, batches=(1, 8), repeats=3, loop_runs=1,
                                    threads=threads, note=note, log=lambda *a: None)
-        tune.install(engine.directory, chosen, report)
+        tune_record.install(engine.directory, chosen, report)
         out[mode] = {"seconds": round(time.perf_counter() - t, 1),
                      "chosen": {b: {"tree": r["chosen"]["name"], "nodes": r["chosen"]["nodes"],
                                     "predicted_speedup": r["chosen"]["speedup_vs_ar"]}

@@ -35,7 +35,7 @@ import numpy as np
 from lantern.runtime.generator import Engine
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import MAX_WIDTH, build_tree, root_only
-from lantern.tools import tree_report, tune
+from lantern.tools import tree_report, tune, tune_measure
 from lantern.tools.tree_search import LatencyModel, TreeTable, expected_accept_length, search
 
 SETTINGS = dict(mode="lantern++", lam=5.0, k=20, cfg_scale=3.0, temperature=1.0, top_k=0)
@@ -54,7 +54,7 @@ def run_tree(engine, settings, tree, classes_per_call, seed):
            "images": 0, "row_steps": 0, "accepted_drafts": 0}
     for i, classes in enumerate(classes_per_call):
         ar = tree.depth == 0
-        timer = tune.StepTimer("cpu")
+        timer = tune_measure.StepTimer("cpu")
         cpu = time.process_time()
         g = engine.generate(classes=classes, settings=settings.replace(mode="ar") if ar else settings,
                             tree=None if ar else tree, seed=seed + i, observer=timer)
@@ -134,7 +134,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     result = {"engine": os.path.abspath(args.engine), "settings": SETTINGS, "threads": args.threads,
-              "load_average_start": load(), "machine": tune.machine(),
+              "load_average_start": load(), "machine": tune_measure.machine(),
               "note": "shared 2-core machine: other processes run concurrently; medians over shuffled repeats"}
     engine = Engine(args.engine, threads=args.threads)
     settings = tune.tuning_settings(engine, GenerationSettings(**SETTINGS))
