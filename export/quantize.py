@@ -18,12 +18,7 @@ ONNX Runtime: weight-only `int8` / `int4` (quantize_graph; for engines `lantern-
   quantizer leaves alone (an N-D weight with batch dims) is listed in the record's `skipped`.
   The block must be a power of two >= 16 (MatMulNBits' rule).
 
-TensorRT: Q/DQ forms `fp8`, `int8` (weights and activations, calibrated) and `int4` (weight-only,
-  blocked DequantizeLinear), made by NVIDIA ModelOpt's ONNX PTQ (quantize_qdq; see there),
-  calibrated on ONNX Runtime's CPU provider. TensorRT for RTX 1.7 builds all three on this CPU
-  for SM89 and SM120 (tools/bench/quant_trt.py; GPT-B target plans: fp32 407 MB, fp8 and int8
-  155 MB, int4 113 MB, the head in float); fp8 does not build for SM75-SM86, int8 and int4 not
-  for SM75.
+TensorRT: Q/DQ forms fp8, int8 and int4, made by NVIDIA ModelOpt: lantern.export.quantize_qdq.
 
 DECISIONS. Measured with `python -m lantern.tools.bench.quant --decisions` (ONNX Runtime 1.32 CPU,
 2 intra-op threads, no spinning; a 2-core machine shared with other jobs, so times are medians
@@ -67,12 +62,9 @@ generation) and the logits' relative RMS error; deterministic.
   * Quantized verification is relatively dearer: L(58)/L(1) is 12.6 (fp32), 23 (int8), 20 (int4),
     so on a CPU quantized engines favour smaller trees (pick the tree per engine, as always).
 """
-import contextlib
 import dataclasses
-import io
 import logging
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -82,6 +74,8 @@ from typing import Optional
 import numpy as np
 
 from lantern.export import placement
+from lantern.export.quant_graph import graph_bytes, has_external_data, load_graph, output_heads, quiet, save_graph, \
+    source_name, weight_matmuls
 from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest import describe_files, QUANTIZABLE, Quantization, quantization_scheme, read_manifest
 from lantern.runtime.plan import Call
@@ -149,10 +143,10 @@ def quantize_graph(src, dst, scheme, *, block=DEFAULT_BLOCK, head=None, accuracy
     src, dst = os.fspath(src), os.fspath(dst)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise LanternError(f"{dst}: the quantized graph must not overwrite its source")
-    model = _load(src)
+    model = load_graph(src)
     if any(n.op_type == "MatMulNBits" for n in model.graph.node):
         raise LanternError(f"{src}: the graph is already quantized (it has MatMulNBits nodes); start from the float graph")
-    external = _uses_external_data(src)
+    external = has_external_data(src)
     weights = weight_matmuls(model)
     heads = output_heads(model)
 
@@ -170,13 +164,13 @@ def quantize_graph(src, dst, scheme, *, block=DEFAULT_BLOCK, head=None, accuracy
     if len(quantized) + len(left) != len(weights):
         raise RuntimeError(f"{src}: {len(weights)} weight MatMuls became {len(quantized)} quantized + "
                            f"{len(left)} float; the quantizer changed something else")
-    _save(model, dst, external)
+    save_graph(model, dst, external)
     record = Quantization(scheme=scheme, bits=BITS[scheme], block=block, symmetric=symmetric,
                           accuracy_level=accuracy_level, head=head, head_nodes=tuple(heads), quantized=len(quantized),
                           skipped=tuple(sorted(left)),
                           tool={"onnxruntime": onnxruntime.__version__,
                                 "quantizer": "onnxruntime MatMulNBitsQuantizer (round to nearest)"})
-    return {"record": record, "bytes": {"source": _graph_bytes(src), "quantized": _graph_bytes(dst)},
+    return {"record": record, "bytes": {"source": graph_bytes(src), "quantized": graph_bytes(dst)},
             "seconds": round(seconds, 3)}
 
 
@@ -184,7 +178,7 @@ def _matmul_nbits(model, bits, block, symmetric, accuracy_level, exclude):
     """One pass of ONNX Runtime's MatMulNBitsQuantizer over every MatMul not in `exclude`
     (those without a constant weight are left alone by the quantizer)."""
     quantizer_class = _nbits_quantizer()
-    with _quiet("onnxruntime.quantization"):
+    with quiet("onnxruntime.quantization"):
         quantizer = quantizer_class(model, bits=bits, block_size=block, is_symmetric=symmetric,
                                     accuracy_level=accuracy_level, nodes_to_exclude=sorted(exclude))
         quantizer.process()
@@ -293,7 +287,7 @@ def verify_record(path, record):
                            f"{head_nodes} is {'float' if float_heads else 'quantized'}")
     for node in nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        is_head = _source_name(node) in head_nodes
+        is_head = source_name(node) in head_nodes
         expected = {"bits": BITS[record.head] if is_head else record.bits, "block": record.block,
                     "accuracy_level": record.accuracy_level, "symmetric": record.symmetric}
         found = {"bits": attrs.get("bits", 4), "block": attrs.get("block_size"),
@@ -307,27 +301,6 @@ def verify_record(path, record):
                            f"{sorted(record.skipped)} as skipped")
 
 
-def weight_matmuls(model):
-    """{node name: weight shape} of the MatMuls whose second input is a constant (an initializer)."""
-    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
-    return {n.name: shapes[n.input[1]] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in shapes}
-
-
-def output_heads(model, quantized=False):
-    """Names of the weight MatMuls that read a graph output: the output head, which maps the
-    `hidden` (target) / `hidden_out` (drafter) output to the vocabulary in both graph contracts.
-    quantized: also find MatMulNBits heads (by the name of the MatMul they replaced)."""
-    outputs = {o.name for o in model.graph.output}
-    weights = weight_matmuls(model)
-    names = [n.name for n in model.graph.node if n.input and n.input[0] in outputs and n.name in weights]
-    if quantized:
-        names += [_source_name(n) for n in model.graph.node if n.op_type == "MatMulNBits" and n.input[0] in outputs]
-    return sorted(names)
-
-
-def _source_name(node):
-    """The MatMul a MatMulNBits node replaced: the quantizer names it <name>_Q<bits>."""
-    return re.sub(r"_Q\d+$", "", node.name)
 
 
 def relative_errors(reference, quantized):
@@ -468,213 +441,6 @@ def run(args):
     return 0
 
 
-# ---------------------------------------------------------------------------------------------
-# TensorRT: Q/DQ forms made by NVIDIA ModelOpt
-
-
-QDQ_SCHEMES = ("fp8", "int8", "int4")
-QDQ_INT4_BLOCK = 128  # ModelOpt's default INT4 block; TensorRT's weight-only INT4 takes blocks along K
-
-
-def quantize_qdq(src, dst, scheme, calibration=None, *, block=QDQ_INT4_BLOCK, head="float",
-                 method=None, high_precision=None):
-    """Write `dst`, the graph `src` in the Q/DQ form TensorRT builds from, made by NVIDIA ModelOpt's
-    ONNX post-training quantization (`modelopt.onnx.quantization.quantize`), calibrated with ONNX
-    Runtime on the CPU:
-      fp8   FP8 E4M3 weights and activations of the MatMuls (per-tensor activation scales), the
-            attention MatMuls included (TensorRT for RTX builds it for SM89 and later)
-      int8  INT8 weights (per channel) and activations, likewise (SM80 and later)
-      int4  weight-only INT4 in blocks of `block` along K (blocked DequantizeLinear, opset 21;
-            SM80 and later)
-    calibration: a list of feed dicts for the graph (the inputs a real generation gives it);
-    required for fp8 and int8, optional for int4 (AWQ-clip with it, round-to-nearest without).
-    method: ModelOpt's calibration method (default: 'max' for fp8/int8, 'awq_clip' / 'rtn_dq'
-    for int4). high_precision: what stays unquantized, 'fp32' or 'fp16' (default: the graph's own
-    float type). head: 'float' (default) or 'quantized' (the same scheme as the body). Returns
-    the record."""
-    import onnx
-    import onnxruntime
-    from importlib import metadata
-
-    if scheme not in QDQ_SCHEMES:
-        raise LanternError(f"unknown Q/DQ scheme {scheme!r}; valid: {', '.join(QDQ_SCHEMES)}")
-    if scheme != "int4" and not calibration:
-        raise LanternError(f"{scheme} quantizes activations too: give calibration feeds (a list of input dicts)")
-    if scheme == "int4" and (isinstance(block, bool) or not isinstance(block, int) or block < 16 or block & (block - 1)):
-        raise LanternError(f"INT4 block must be a power of two >= 16, got {block!r}")
-    try:
-        from modelopt.onnx.quantization import quantize as modelopt_quantize
-    except ImportError as e:
-        raise LanternError(f"NVIDIA ModelOpt's ONNX quantization is not importable ({e}); "
-                           f"pip install 'lantern[trt-quant]'") from None
-    src, dst = os.fspath(src), os.fspath(dst)
-    model = _load(src)
-    external = _uses_external_data(src)
-    if high_precision is None:
-        high_precision = "fp16" if _float_type(model) == onnx.TensorProto.FLOAT16 else "fp32"
-    if method is None:
-        method = "max" if scheme != "int4" else ("awq_clip" if calibration else "rtn_dq")
-    heads = output_heads(model)
-    if head not in ("float", "quantized"):
-        raise LanternError(f"head must be 'float' or 'quantized' for Q/DQ graphs, got {head!r}")
-    exclude = [] if head == "quantized" else ["^" + re.escape(name) + "$" for name in heads]
-    weights = weight_matmuls(model)
-    del model
-
-    # Weights stored quantized (DequantizeLinear of an int8 / fp8 constant; dq_only) rather than as
-    # fp32 behind a Q/DQ pair: a quarter of the bytes, and TensorRT builds either.
-    options = {"block_size": block} if scheme == "int4" else {"dq_only": True}
-    if calibration and method.startswith("awq"):
-        # AWQ concatenates each MatMul's activations over the calibration calls, so they must
-        # share one shape: keep the most common call shape (a run's verification calls).
-        calibration = _largest_shape_group(calibration)
-    start = time.perf_counter()
-    printed = io.StringIO()  # ModelOpt logs to stdout (and tools print JSON there)
-    with tempfile.TemporaryDirectory(prefix="lantern-modelopt-") as work, contextlib.redirect_stdout(printed), \
-            _quiet("modelopt"), _quiet("onnxruntime"), _quiet("onnxslim"):
-        out = os.path.join(work, "quantized.onnx")
-        modelopt_quantize(src, quantize_mode=scheme, calibration_method=method,
-                          calibration_data_reader=_feed_reader(calibration) if calibration else None,
-                          calibration_eps=["cpu"], nodes_to_exclude=exclude, high_precision_dtype=high_precision,
-                          use_external_data_format=external, output_path=out, log_level="CRITICAL", **options)
-        quantized = onnx.load(out)
-    seconds = time.perf_counter() - start
-    dequantized = _dequantized_weights(quantized)
-    left = weight_matmuls(quantized)
-    skipped = [{"node": name, "reason": "output head (kept in float)" if name in heads else "not quantized by ModelOpt"}
-               for name in sorted(left)]
-    _save(quantized, dst, external)
-    return {
-        "scheme": scheme,
-        "format": "qdq",
-        "weights": {"fp8": "float8e4m3fn", "int8": "int8", "int4": "int4"}[scheme],
-        "activations": {"fp8": "float8e4m3fn", "int8": "int8", "int4": "float"}[scheme],
-        "block": block if scheme == "int4" else None,
-        "symmetric": True,
-        "calibration": {"method": method, "samples": len(calibration or []), "provider": "CPUExecutionProvider"},
-        "high_precision": high_precision,
-        "head": {"nodes": heads, "precision": scheme if head == "quantized" else "float"},
-        "weight_matmuls": len(weights),
-        "quantized": len(dequantized),
-        "skipped": skipped,
-        "bytes": {"source": _graph_bytes(src), "quantized": _graph_bytes(dst)},
-        "seconds": round(seconds, 3),
-        "tool": {"modelopt": metadata.version("nvidia-modelopt"), "onnxruntime": onnxruntime.__version__},
-    }
-
-
-def _feed_reader(feeds):
-    """ONNX Runtime's CalibrationDataReader over a list of feed dicts, with the get_first() and
-    rewind() ModelOpt's calibration also calls."""
-    from onnxruntime.quantization import CalibrationDataReader
-
-    class FeedReader(CalibrationDataReader):
-        def __init__(self):
-            self.feeds, self.position = list(feeds), 0
-
-        def get_next(self):
-            self.position += 1
-            return self.feeds[self.position - 1] if self.position <= len(self.feeds) else None
-
-        def get_first(self):
-            return self.feeds[0]
-
-        def rewind(self):
-            self.position = 0
-
-        def __len__(self):
-            return len(self.feeds)
-
-    return FeedReader()
-
-
-def _largest_shape_group(feeds):
-    groups = {}
-    for f in feeds:
-        groups.setdefault(tuple((k, np.shape(v)) for k, v in sorted(f.items())), []).append(f)
-    return max(groups.values(), key=len)
-
-
-def _dequantized_weights(model):
-    """Names of the MatMuls whose second input is a DequantizeLinear of a constant (directly, or
-    through a QuantizeLinear of a constant)."""
-    constants = {t.name for t in model.graph.initializer}
-    producer = {out: n for n in model.graph.node for out in n.output}
-
-    def constant(name):
-        node = producer.get(name)
-        return name in constants or (node is not None and node.op_type == "QuantizeLinear" and node.input[0] in constants)
-
-    names = []
-    for n in model.graph.node:
-        dq = producer.get(n.input[1]) if n.op_type == "MatMul" else None
-        if dq is not None and dq.op_type == "DequantizeLinear" and constant(dq.input[0]):
-            names.append(n.name)
-    return names
-
-
-def _float_type(model):
-    for value in model.graph.input:
-        kind = value.type.tensor_type.elem_type
-        if kind in (1, 10, 16):  # float, float16, bfloat16
-            return kind
-    return 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Files
-
-
-def _load(path):
-    import onnx
-
-    if not os.path.isfile(path):
-        raise LanternError(f"{path}: no such ONNX file")
-    try:
-        return onnx.load(path)  # external data is read from next to the file
-    except Exception as e:  # onnx raises several types for unreadable files / missing data
-        raise LanternError(f"{path}: cannot load the graph ({str(e).splitlines()[0]})") from None
-
-
-def _uses_external_data(path):
-    import onnx
-    from onnx.external_data_helper import uses_external_data
-
-    model = onnx.load(path, load_external_data=False)
-    return any(uses_external_data(t) for t in model.graph.initializer)
-
-
-def _save(model, dst, external):
-    """Write `dst` (and `dst`.data) through a temporary directory beside it, so a failed save
-    leaves nothing half-written under the final names."""
-    import onnx
-
-    parent = os.path.dirname(os.path.abspath(dst)) or "."
-    name = os.path.basename(dst)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-    try:
-        onnx.save_model(model, os.path.join(tmp, name), save_as_external_data=external,
-                        all_tensors_to_one_file=True, location=name + ".data", size_threshold=1024)
-        if not external and os.path.exists(dst + ".data"):
-            os.remove(dst + ".data")  # a stale data file of an earlier quantized graph
-        for file in sorted(os.listdir(tmp), reverse=True):  # the .onnx.data first, the graph last
-            os.chmod(os.path.join(tmp, file), 0o666 & ~_umask())  # onnx writes .data files private
-            os.replace(os.path.join(tmp, file), os.path.join(parent, file))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _graph_bytes(path):
-    return os.path.getsize(path) + (os.path.getsize(path + ".data") if os.path.exists(path + ".data") else 0)
-
-
 def _nbits_quantizer():
     """ONNX Runtime's MatMulNBitsQuantizer. Its module calls logging.basicConfig(level=INFO) on
     import, which would make every logger of this process print INFO lines; undo that."""
@@ -686,14 +452,3 @@ def _nbits_quantizer():
     root.setLevel(level)
     return MatMulNBitsQuantizer
 
-
-@contextlib.contextmanager
-def _quiet(logger_name):
-    """ONNX Runtime's quantizers log every node at INFO."""
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)

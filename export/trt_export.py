@@ -251,7 +251,7 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
     if (scheme := quantization_scheme(manifest)) != "none":  # TensorRT parses MatMulNBits only with fp16 inputs
         raise LanternError(f"{directory} has {scheme} weight-only graphs (ONNX Runtime's MatMulNBits on fp32), which "
                            f"TensorRT's parser refuses; build plans from the fp32 engine (TensorRT's quantized forms: "
-                           f"lantern.export.quantize.quantize_qdq)")
+                           f"lantern.export.quantize_qdq)")
     trt = tb.load_tensorrt(flavor)
     if not batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batches):
         raise LanternError(f"--batch takes positive integers (images per call), got {list(batches)}")

@@ -23,7 +23,7 @@ import onnxruntime as ort
 import pytest
 
 from engines import build_engine
-from lantern.export import cli, quantize
+from lantern.export import cli, quant_graph, quantize, quantize_qdq
 from lantern.export.check import check_engine
 from lantern.export.quantize import QuantizeOptions, quantize_engine
 from lantern.runtime.errors import LanternError
@@ -117,7 +117,7 @@ def edit_manifest(directory, change):
 def test_quantized_graph_matches_fp32_within_tolerance(c2i, quantized, feeds, scheme, graph):
     src, dst = os.path.join(c2i, f"{graph}.onnx"), os.path.join(quantized[scheme], f"{graph}.onnx")
     record = read_manifest(quantized[scheme]).graphs[graph].quantization
-    weights = quantize.weight_matmuls(onnx.load(src))
+    weights = quant_graph.weight_matmuls(onnx.load(src))
     assert record.quantized == len(weights) > 0  # every weight MatMul, the head at int8
     assert record.skipped == () and record.head == "int8" and len(record.head_nodes) == 1
     assert record.bits == {"int8": 8, "int4": 4}[scheme] and record.block == 32 and record.accuracy_level == 4
@@ -176,14 +176,14 @@ def test_wrong_record_is_caught(c2i, tmp_path):
 
 def test_head_precision(c2i, tmp_path):
     src = os.path.join(c2i, "target.onnx")
-    heads = quantize.output_heads(onnx.load(src))
+    heads = quant_graph.output_heads(onnx.load(src))
     assert len(heads) == 1
     bits = {}
     for head in quantize.HEAD_PRECISIONS:
         dst = str(tmp_path / f"{head}.onnx")
         record = quantize.quantize_graph(src, dst, "int4", head=head)["record"]
         quantize.verify_record(dst, record)
-        nodes = {quantize._source_name(n): n for n in onnx.load(dst).graph.node if n.op_type == "MatMulNBits"}
+        nodes = {quant_graph.source_name(n): n for n in onnx.load(dst).graph.node if n.op_type == "MatMulNBits"}
         bits[head] = {a.name: a.i for a in nodes[heads[0]].attribute}["bits"] if heads[0] in nodes else None
         assert list(record.skipped) == (heads if head == "float" else [])
     assert bits == {"float": None, "int8": 8, "int4": 4}
@@ -194,7 +194,7 @@ def test_block_larger_than_k_is_padded(c2i, feeds, tmp_path):
     blocks, so these MatMuls are quantized too, and the graph still matches."""
     src, dst = os.path.join(c2i, "target.onnx"), str(tmp_path / "b64.onnx")
     record = quantize.quantize_graph(src, dst, "int8", block=64)["record"]
-    assert record.skipped == () and record.quantized == len(quantize.weight_matmuls(onnx.load(src)))
+    assert record.skipped == () and record.quantized == len(quant_graph.weight_matmuls(onnx.load(src)))
     quantize.verify_record(dst, record)
     for r, q in zip(outputs(src, feeds["target"]), outputs(dst, feeds["target"])):
         quantize.check_outputs(r, q, "int8")
@@ -455,19 +455,19 @@ def qdq(c2i, feeds, tmp_path_factory):
     """The tiny target in each Q/DQ form: {scheme: (path, record)}."""
     out = tmp_path_factory.mktemp("qdq")
     made = {}
-    for scheme in quantize.QDQ_SCHEMES:
+    for scheme in quantize_qdq.QDQ_SCHEMES:
         path = str(out / f"target-{scheme}.onnx")
-        made[scheme] = (path, quantize.quantize_qdq(os.path.join(c2i, "target.onnx"), path, scheme, feeds["target"]))
+        made[scheme] = (path, quantize_qdq.quantize_qdq(os.path.join(c2i, "target.onnx"), path, scheme, feeds["target"]))
     return made
 
 
 @needs_modelopt
-@pytest.mark.parametrize("scheme", quantize.QDQ_SCHEMES)
+@pytest.mark.parametrize("scheme", quantize_qdq.QDQ_SCHEMES)
 def test_qdq_form_matches_fp32(c2i, feeds, qdq, scheme):
     path, record = qdq[scheme]
     src = onnx.load(os.path.join(c2i, "target.onnx"))
-    heads = quantize.output_heads(src)
-    assert record["quantized"] == len(quantize.weight_matmuls(src)) - len(heads) > 0
+    heads = quant_graph.output_heads(src)
+    assert record["quantized"] == len(quant_graph.weight_matmuls(src)) - len(heads) > 0
     assert [s["node"] for s in record["skipped"]] == heads and record["head"]["precision"] == "float"
     model = onnx.load(path)
     constants = {t.name: t.data_type for t in model.graph.initializer}
@@ -484,13 +484,13 @@ def test_qdq_form_matches_fp32(c2i, feeds, qdq, scheme):
 def test_qdq_refuses_missing_calibration(c2i, tmp_path):
     for scheme in ("int8", "fp8"):
         with pytest.raises(LanternError, match="calibration"):
-            quantize.quantize_qdq(os.path.join(c2i, "target.onnx"), str(tmp_path / "x.onnx"), scheme)
+            quantize_qdq.quantize_qdq(os.path.join(c2i, "target.onnx"), str(tmp_path / "x.onnx"), scheme)
     assert os.listdir(tmp_path) == []
 
 
 @needs_modelopt
 @needs_trt_rtx
-@pytest.mark.parametrize("scheme", quantize.QDQ_SCHEMES)
+@pytest.mark.parametrize("scheme", quantize_qdq.QDQ_SCHEMES)
 def test_qdq_form_builds_with_tensorrt_rtx(c2i, qdq, scheme):
     """Parse + strongly typed build for SM89 and SM120 on this CPU; FP8 has no Ampere kernels,
     so the SM86 build must fail (the check can fail)."""

@@ -20,7 +20,8 @@ import tempfile
 import time
 
 import numpy as np
-from lantern.export.quantize import quantize_qdq, relative_errors
+from lantern.export.quantize import relative_errors
+from lantern.export.quantize_qdq import quantize_qdq
 from lantern.runtime.backends.tensorrt import error_logger
 from lantern.runtime.generator import Engine
 from lantern.runtime.manifest import read_manifest
