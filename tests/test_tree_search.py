@@ -9,9 +9,10 @@ import pytest
 from lantern.runtime.errors import LanternError
 from lantern.runtime.tree import build_tree
 from lantern.tools import tree_report, tree_search
-from lantern.tools.tree_search import (AcceptanceCounts, Curve, LatencyModel, TreeTable, acceptance_vectors,
-                                       calibration_tree, count_accepted_paths, expected_accept_length, search,
-                                       tree_json)
+from lantern.tools.acceptance_stats import (AcceptanceCounts, acceptance_vectors, count_accepted_paths,
+                                            expected_accept_length)
+from lantern.tools.latency_model import Curve, LatencyModel
+from lantern.tools.tree_search import TreeTable, calibration_tree, search, tree_json
 
 
 def random_vectors(rng, depth, width):

@@ -16,7 +16,8 @@ from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, root_only
 from lantern.tools import plan_coverage, tune, tune_measure, tune_record
 from lantern.tools.run_cli import build_parser, main as run_main
-from lantern.tools.tree_search import AcceptanceCounts, LatencyModel, count_accepted_paths
+from lantern.tools.acceptance_stats import AcceptanceCounts, count_accepted_paths
+from lantern.tools.latency_model import LatencyModel
 
 SETTINGS = dict(mode="lantern++", lam=3.0, k=8, cfg_scale=2.0)
 

@@ -27,9 +27,10 @@ import numpy as np
 
 from lantern.runtime.errors import LanternError, cli_main
 from lantern.runtime.tree import build_tree
-from lantern.tools.tree_search import (DEFAULT_PRIOR_STRENGTH, AcceptanceCounts, LatencyModel,
-                                       acceptance_vectors, ar_candidate, check_vectors, expected_accept_length,
-                                       price, search, tree_json)
+from lantern.tools.acceptance_stats import (DEFAULT_PRIOR_STRENGTH, AcceptanceCounts, acceptance_vectors,
+                                            check_vectors, expected_accept_length)
+from lantern.tools.latency_model import LatencyModel
+from lantern.tools.tree_search import ar_candidate, price, search, tree_json
 
 PRESETS = ("mc_sim_7b_63", "naive_extend_57", "chain-2", "chain-3", "chain-4", "chain-5", "chain-6",
            "kary-2-2", "kary-2-3", "kary-3-2", "kary-4-2")

@@ -72,7 +72,8 @@ from lantern.runtime.tree import build_tree, MAX_WIDTH, root_only
 from lantern.tools import tree_report, tune_record, tune_window
 from lantern.tools.latency import default_condition
 from lantern.tools.plan_coverage import coverage_note, plans_coverage
-from lantern.tools.tree_search import acceptance_vectors, AcceptanceCounts, calibration_tree, search
+from lantern.tools.acceptance_stats import acceptance_vectors, AcceptanceCounts
+from lantern.tools.tree_search import calibration_tree, search
 from lantern.tools.tune_measure import (call_latency, check_memory, clock_of, fit_latency, fit_table, fit_trees,
                                         loop_step_ms, machine, StepTimer)
 

@@ -14,7 +14,7 @@ import numpy as np
 from lantern.runtime.cli import device_of
 from lantern.runtime.tree import build_tree
 from lantern.tools.latency import CLOCKS, default_condition, draft_latency, draft_tree, verify_latency, verify_tree
-from lantern.tools.tree_search import LatencyModel
+from lantern.tools.latency_model import LatencyModel
 
 
 class StepTimer:

@@ -15,7 +15,9 @@ from lantern.runtime.manifest import describe_files, read_manifest, TunedSetting
 from lantern.runtime.outdir import write_file
 from lantern.runtime.settings import GenerationSettings
 from lantern.tools import tree_report
-from lantern.tools.tree_search import AcceptanceCounts, Candidate, LatencyModel, SearchResult
+from lantern.tools.acceptance_stats import AcceptanceCounts
+from lantern.tools.latency_model import LatencyModel
+from lantern.tools.tree_search import Candidate, SearchResult
 from lantern.tools.tune_measure import fit_table
 
 

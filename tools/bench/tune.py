@@ -36,7 +36,9 @@ from lantern.runtime.generator import Engine
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import MAX_WIDTH, build_tree, root_only
 from lantern.tools import tree_report, tune, tune_measure
-from lantern.tools.tree_search import LatencyModel, TreeTable, expected_accept_length, search
+from lantern.tools.acceptance_stats import expected_accept_length
+from lantern.tools.latency_model import LatencyModel
+from lantern.tools.tree_search import TreeTable, search
 
 SETTINGS = dict(mode="lantern++", lam=5.0, k=20, cfg_scale=3.0, temperature=1.0, top_k=0)
 PRESETS = ("mc_sim_7b_63", "naive_extend_57", "chain-1", "chain-2", "chain-3", "chain-4", "chain-5", "chain-6",
