@@ -79,6 +79,40 @@ class StepRecord:
     tokens: np.ndarray = None
 
 
+@dataclass
+class Setup:
+    """A generation as Engine.prepare resolved it (see there)."""
+    settings: GenerationSettings
+    rule: object
+    sampler: object
+    prefix: object
+    seeds: list
+    proposer: object
+    source: str  # where the proposer's tree or window came from: given, tuned, exported, default, ar
+    why: str
+
+    @property
+    def feeds(self):
+        """The drafter calls' sampling inputs (StepPlan's settings)."""
+        s = self.sampler
+        return dict(cfg_scale=self.settings.cfg_scale if self.prefix.cfg else 1.0, temperature=s.temperature,
+                    top_k=s.top_k, top_p=s.top_p)
+
+    def decoding(self, engine, plan, observer=None, step_path="host"):
+        """The loop's state for one run of this setup on `plan` (streams from the seeds)."""
+        streams = RandomStreams(self.seeds, plan.tree.num_nodes, self.proposer.candidates)
+        return _Decoding(engine, plan, self.proposer, self.rule, self.sampler, self.settings.cfg_scale,
+                         self.settings.cfg_interval, streams, observer, step_path)
+
+    def describe(self):
+        """Which tree (or window) ran and why: a tuned tree (or AR) may stand in for the exported one."""
+        out = dict(requested_mode=self.settings.mode, tree_source=self.source, tree_reason=self.why,
+                   proposer=self.proposer.name)
+        if self.proposer.name == "jacobi":
+            out.update(window=self.proposer.window, init=self.proposer.init)
+        return out
+
+
 class Engine:
     """An engine directory opened on one backend. Holds no per-generation state but the last
     step plan, which the next generation with the same tree and batch reuses.
@@ -139,6 +173,19 @@ class Engine:
                                   observer)
 
     def _generate(self, settings, classes, caption, caption_mask, prompt, prompt_ids, grid, seed, tree, observer):
+        setup = self.prepare(settings, dict(classes=classes, caption=caption, caption_mask=caption_mask, prompt=prompt,
+                                            prompt_ids=prompt_ids, grid=grid), seed, tree)
+        plan = self._plan_for(setup.proposer.tree, setup.prefix, setup.feeds, setup.proposer.drafter)
+        run = setup.decoding(self, plan, observer, self._step_path(plan, setup.proposer, setup.rule, setup.sampler))
+        out = run.generate()
+        out.stats.update(setup.describe())
+        return out
+
+    def prepare(self, settings, condition, seed, tree=None):
+        """What a generation of these settings, condition (generate's condition arguments) and
+        seed runs, before any plan: the resolved settings, rule and sampler, the prefix, the
+        images' seeds and the proposer (the tree given, tuned or exported; or the jacobi window)
+        with why it was chosen."""
         settings = settings.resolve(self.manifest, self.directory)
         rule, sampler = settings.rule(), settings.sampler()
         given = tree
@@ -151,13 +198,11 @@ class Engine:
             if not settings.greedy and not tree.contiguous:
                 raise LanternError(f"tree {tree.name!r} skips child ranks; sampling needs every node's children to "
                                    f"be ranks 0..w-1 (drafts drawn without replacement in rank order)")
-        prefix = self.condition.prefix(settings.cfg, classes=classes, caption=caption, caption_mask=caption_mask,
-                                       prompt=prompt, prompt_ids=prompt_ids, grid=grid)
+        prefix = self.condition.prefix(settings.cfg, **condition)
         seeds = image_seeds(seed, prefix.images)
         self._check_positions(prefix)
         if jacobi:
             proposer, (source, why) = self._jacobi(settings, prefix.images)
-            tree = proposer.tree
         else:
             source, why = self._tree_source(given, settings)
             if given is None and settings.mode != "ar":
@@ -166,21 +211,9 @@ class Engine:
                     tree, (source, why) = chosen
             if isinstance(tree, int):  # tune measured a jacobi window faster than the drafter's trees
                 proposer = proposer_for("jacobi", None, self.manifest, settings.replace(proposer="jacobi", window=tree))
-                tree = proposer.tree
             else:
                 proposer = proposer_for("tree", tree, self.manifest, settings)
-        feeds = dict(cfg_scale=settings.cfg_scale if prefix.cfg else 1.0, temperature=sampler.temperature,
-                     top_k=sampler.top_k, top_p=sampler.top_p)
-        plan = self._plan_for(tree, prefix, feeds, proposer.drafter)
-        streams = RandomStreams(seeds, plan.tree.num_nodes, proposer.candidates)
-        run = _Decoding(self, plan, proposer, rule, sampler, settings.cfg_scale, settings.cfg_interval, streams,
-                        observer, self._step_path(plan, proposer, rule, sampler))
-        out = run.generate()
-        # which tree ran and why: a tuned tree (or AR) may stand in for the exported one
-        out.stats.update(requested_mode=settings.mode, tree_source=source, tree_reason=why, proposer=proposer.name)
-        if proposer.name == "jacobi":
-            out.stats.update(window=proposer.window, init=proposer.init)
-        return out
+        return Setup(settings, rule, sampler, prefix, seeds, proposer, source, why)
 
     def _tree_source(self, given, settings):
         """(source, why) of the tree a request names or defaults to, before any tuned one."""
@@ -353,7 +386,7 @@ class _Decoding:
         self.cfg, self.cfg_scale, self.cfg_interval = plan.prefix.cfg, cfg_scale, cfg_interval
         self.N, self.B = plan.images, plan.rows
         self.image_of_row = plan.image_of_row  # [B]: the image each batch row belongs to (CFG: both halves)
-        self.offset = plan.prefix.position_offset
+        self.offset = plan.prefix.position_offset.copy()  # per row: a continuous batch's joiners bring their own
         self.max_position = engine.manifest.max_positions - 1
         self.view = VocabularyView(engine.manifest.vocabulary, plan.prefix.forced)
         self.neighbors = self.view.neighbors(engine.neighbors)

@@ -21,7 +21,7 @@ only, and each image advances by its own accepted length.
 """
 import numpy as np
 
-from lantern.runtime.accept import filtered_probs, inverse_cdf_draw
+from lantern.runtime.filtering import filtered_probs, inverse_cdf_draw
 from lantern.runtime.errors import LanternError
 from lantern.runtime.sampling import Greedy
 from lantern.runtime.tree import build_tree, MAX_DEPTH
@@ -66,6 +66,10 @@ class JacobiWindow:
         self.kept = np.zeros(d.N, dtype=np.int64)  # re-drafts per image (slots 1..kept)
         h = d.plan.prefix.grid[0]
         self.stride = max(d.length // max(h, 1), 1)  # body tokens per grid row (Lumina counts its line ends)
+
+    def adopt(self, other, image, n):
+        """Image `image` of another window's state (re-drafts, their q, how many) as image n."""
+        self.drafts[n], self.q[n], self.kept[n] = other.drafts[image], other.q[image], other.kept[image]
 
     def propose(self, d, active, race):
         """Node tokens and q for the window: re-drafts first, fresh drafts after, forced

@@ -11,6 +11,9 @@ asks its proposer, once per step:
     commit(d, active, outcome, emitted, emit, rows, cols, out, logits)
                                           keep what the next step needs, after acceptance and
                                           the target cache's commit
+    adopt(other, image, n)                image `image` of another proposer's state (a joiner
+                                          prefilled on its own: lantern.runtime.continuous) as
+                                          this one's image n
 
 A proposer fixes the block's structure (`tree`: parents, depths, mask; a constant of the plan),
 whether the plan makes drafter calls (`drafter`), and how many uniforms per node it reads from
@@ -54,6 +57,10 @@ class DraftTree:
             C = d.plan.prefix.tokens
             self.set_pending(d, prefill_out["hidden"], np.full((d.B, 1), C - 1), d.tokens[:, :1],
                              np.ones(d.N, np.int64))
+
+    def adopt(self, other, image, n):
+        """draft0's pairs live in the plan's feeds (copied with its rows); here only their count."""
+        self.pending[n] = other.pending[image]
 
     def set_pending(self, d, hidden, cols, tokens, counts):
         """draft0's feeds for the next step: pairs (hidden[b, cols[b, j]], tokens[n, j]) for

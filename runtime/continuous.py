@@ -1,0 +1,218 @@
+"""Continuous (iteration-level) batching: a running batch of image slots that images join at a
+step boundary and leave the step they are done, so a server keeps its batch full instead of
+running each batch to its slowest image.
+
+    batch = ContinuousBatch(engine, settings, slots=8)
+    batch.admit({"classes": [3]}, seed=7, tag="a")      # True: it took a free slot
+    while batch.running:
+        for done in batch.step():                       # Finished images, the step they finish
+            ...
+
+How an image joins: it is prefilled on its own (a one-image plan: the prefill Engine.generate of
+that image alone runs), then its state moves into a free slot of the running plan: its rows of
+the KV caches, the rows of the feeds that carry state from one step to the next (draft0's pairs,
+the condition embeddings), its counters and position offsets, its proposer's state
+(`proposer.adopt`) and its random stream. The running plan keeps its shapes (static, bound
+once); the images already running wait one prefill call. An image's tokens depend on its seed
+and settings only, so each equals Engine.generate of that image alone (tests/test_continuous.py,
+greedy and sampling, both proposers, plain and in-place caches).
+
+A free slot keeps running in its rows (static shapes) on the state the last image left there,
+never read. All images of a batch share its settings, proposer (tree or window: pinned when the
+batch starts) and grid; a joiner whose prompt does not fit the running plan's prefix slots waits
+for a batch of its own (`admit` says False). The batch runs the host step: the torch device
+step keeps its state as its own tensors, and admitting images into it waits for the step written
+once.
+"""
+import copy
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from lantern.runtime.errors import LanternError
+from lantern.runtime.plan import StepPlan
+from lantern.runtime.settings import GenerationSettings
+
+
+@dataclass
+class Finished:
+    tag: object  # what admit() was given
+    tokens: np.ndarray  # [1, rows * columns] VQ codes
+    grid: tuple
+    stats: dict  # steps, mean_accepted_length, seconds (admitted -> done)
+
+
+class ContinuousBatch:
+    def __init__(self, engine, settings, slots, tree=None):
+        """A batch of `slots` images (an engine batch size) for these settings; tree: the draft
+        tree every image runs (as generate's), pinned for the batch's life."""
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise LanternError(f"slots must be an integer >= 1, got {slots!r}")
+        if not isinstance(settings, GenerationSettings):
+            raise LanternError("settings must be a GenerationSettings")
+        self.engine, self.settings, self.slots, self.tree = engine, settings, slots, tree
+        self.decoding = None  # the running batch's loop state, made by the first admit
+        self.owner = [None] * slots  # tag per slot; None: free
+        self.steps = np.zeros(slots, dtype=np.int64)
+        self.admitted = np.zeros(slots)
+        self.small = None  # the one-image plan joiners are prefilled on
+        self.lock = threading.Lock()  # one admit or step at a time
+
+    @property
+    def running(self):
+        """Images in the batch now."""
+        return sum(o is not None for o in self.owner)
+
+    @property
+    def free(self):
+        return self.slots - self.running
+
+    @property
+    def stats(self):
+        """The running plan's stats so far (tree, proposer, phase times), {} before it starts."""
+        return {} if self.decoding is None else dict(self.setup.describe(), tree=self.decoding.tree.name,
+                                                         step=self.decoding.step_path)
+
+    # -- joining -----------------------------------------------------------------------------------
+    def admit(self, condition, seed, tag):
+        """Image `tag` (condition: generate's condition arguments for one image; seed: its int
+        seed) into a free slot, prefilled; False where it cannot join now (no free slot, or its
+        prompt or grid does not fit the running plan: it waits for a batch of its own)."""
+        with self.lock, self.engine._lock:
+            if self.decoding is None:
+                self._start(condition, seed)
+            if self.free == 0:
+                return False
+            joining = self._joiner(condition, seed)
+            if joining is None:
+                return False
+            setup, plan = joining
+            n = self.owner.index(None)
+            joiner = setup.decoding(self.engine, plan)
+            joiner.prefill()
+            self._take(joiner, n)
+            self.owner[n], self.steps[n], self.admitted[n] = tag, 0, time.perf_counter()
+            return True
+
+    def _start(self, condition, seed):
+        """The running plan, from the first image: every slot prefilled with it, all free."""
+        e = self.engine
+        one = e.prepare(self.settings, condition, seed, self.tree)
+        if one.prefix.images != 1:
+            raise LanternError(f"admit takes one image's condition, got {one.prefix.images}")
+        condition = {k: (v if k == "grid" else _repeat(v, self.slots)) for k, v in condition.items()}
+        self.setup = setup = dataclasses.replace(
+            one, prefix=e.condition.prefix(one.settings.cfg, **condition), seeds=[int(seed)] * self.slots)
+        tree, drafter = setup.proposer.tree, setup.proposer.drafter
+        e.check_memory(tree, setup.prefix, drafter)
+        self.plan = StepPlan(e.manifest, e.backend, tree, setup.prefix, setup.feeds, drafter)
+        e.backend.bind(self.plan)
+        self.decoding = d = setup.decoding(e, self.plan)
+        d.prefill()
+        d.count[:] = d.length  # every slot free until an image joins
+
+    def _joiner(self, condition, seed):
+        """The joiner's Setup (the batch's proposer kind, its own prefix and seed) and the plan it
+        is prefilled on, or None where it does not fit the running plan."""
+        e, d = self.engine, self.decoding
+        prefix = e.condition.prefix(self.setup.settings.cfg, **condition)
+        if prefix.images != 1:
+            raise LanternError(f"admit takes one image's condition, got {prefix.images}")
+        e._check_positions(prefix)
+        if not np.array_equal(prefix.forced, self.plan.prefix.forced):  # another grid
+            return None
+        setup = dataclasses.replace(self.setup, prefix=prefix, seeds=[int(seed)], proposer=copy.copy(d.proposer))
+        plan = self._small_plan(setup)
+        if plan.target_cache.capacity > self.plan.target_cache.capacity:
+            return None  # a longer prompt than the running plan holds
+        return setup, plan
+
+    def _small_plan(self, setup):
+        e, tree, drafter = self.engine, setup.proposer.tree, setup.proposer.drafter
+        if self.small is not None and self.small.fits(setup.prefix):
+            self.small.reset(setup.prefix, setup.feeds)
+        else:
+            self.small = StepPlan(e.manifest, e.backend, tree, setup.prefix, setup.feeds, drafter)
+        return self.small
+
+    def _take(self, joiner, n):
+        """The prefilled joiner's state (its image 0) as slot n's."""
+        d, plan, small, backend = self.decoding, self.plan, joiner.plan, self.engine.backend
+        rows, src = np.flatnonzero(d.image_of_row == n), np.flatnonzero(joiner.image_of_row == 0)
+        for cache, from_cache in ((plan.target_cache, small.target_cache), (plan.drafter_cache, small.drafter_cache)):
+            if cache is None:
+                continue
+            width = from_cache.capacity
+            for r, s in zip(rows, src):
+                backend.copy(from_cache.keys[:, s: s + 1], cache.keys[:, r: r + 1, :, :width])
+                backend.copy(from_cache.values[:, s: s + 1], cache.values[:, r: r + 1, :, :width])
+                cache.visible[r] = False
+                cache.visible[r, :width] = from_cache.visible[s]
+                cache.length[r] = from_cache.length[s]
+        # feeds that carry state between steps: draft0's pairs and the condition embeddings
+        carried = [("draft0", name) for name in ("input_ids", "position_ids", "target_hidden")] + \
+            [("verify", "cond_embeds")]
+        for regime, name in carried:
+            if regime in plan.calls and name in plan.calls[regime].feeds:
+                for r, s in zip(rows, src):
+                    _copy_row(backend, small.calls[regime].feeds[name], s, plan.calls[regime].feeds[name], r)
+        if "draft0" in plan.calls:
+            plan.calls["draft0"].block[rows] = small.calls["draft0"].block[src]
+        d.offset[rows] = joiner.offset[src]
+        d.tokens[n], d.count[n] = joiner.tokens[0], joiner.count[0]
+        d.streams.generators[n] = joiner.streams.generators[0]
+        d.proposer.adopt(joiner.proposer, 0, n)
+
+    # -- running -----------------------------------------------------------------------------------
+    def step(self):
+        """One step of every running image; the images it finished, their slots freed."""
+        with self.lock, self.engine._lock:
+            d = self.decoding
+            if d is None or not self.running:
+                return []
+            active = d.count < d.length
+            d.host_step(active)
+            self.steps[active] += 1
+            done = [n for n in range(self.slots) if self.owner[n] is not None and d.count[n] >= d.length]
+            out = []
+            for n in done:
+                steps = int(self.steps[n])
+                out.append(Finished(self.owner[n], d.view.codes_of(d.tokens[n: n + 1]), self.plan.prefix.grid,
+                                    dict(steps_per_image=steps, mean_accepted_length=(d.length - 1) / max(steps, 1),
+                                         seconds=time.perf_counter() - self.admitted[n])))
+                self.owner[n] = None
+            return out
+
+    def cancel(self, tag):
+        """Free the slot of image `tag` now (its client went away); False if it is not running."""
+        with self.lock:
+            if tag not in self.owner:
+                return False
+            n = self.owner.index(tag)
+            self.owner[n] = None
+            self.decoding.count[n] = self.decoding.length
+            return True
+
+    def close(self):
+        """Let the running plan's bindings go (the batch is done)."""
+        with self.lock, self.engine._lock:
+            if self.decoding is not None:
+                self.engine.backend.release(self.plan)
+            self.decoding = None
+
+
+def _repeat(rows, times):
+    """One image's condition entry as `times` images' (arrays: along the first axis)."""
+    if isinstance(rows, np.ndarray):
+        return np.repeat(rows[:1], times, axis=0)
+    return [rows[0]] * times
+
+
+def _copy_row(backend, src, s, dst, r):
+    if isinstance(dst, np.ndarray):
+        dst[r] = src[s]
+    else:  # a buffer on the backend's device
+        backend.copy(src[s: s + 1], dst[r: r + 1])

@@ -1,0 +1,125 @@
+"""Continuous batching (runtime/continuous.py) on tiny real engines (ONNX Runtime): images join a
+running batch at step boundaries and leave when done, and every image equals Engine.generate of
+that image alone, token for token (greedy and sampling, both proposers, CFG with an interval,
+plain and in-place caches, class, caption and prompt conditions)."""
+import numpy as np
+import pytest
+
+from conftest import built_once
+from engines import captions, export_like
+from lantern.runtime.continuous import ContinuousBatch
+from lantern.runtime.errors import LanternError
+from lantern.runtime.generator import Engine
+from lantern.runtime.settings import GenerationSettings
+
+
+@pytest.fixture(scope="module")
+def c2i(c2i_engine):
+    return Engine(c2i_engine, threads=1)
+
+
+@pytest.fixture(scope="session")
+def inplace_c2i_engine(c2i_engine, tmp_path_factory):
+    return built_once(tmp_path_factory, "c2i-inplace-jacobi",
+                      lambda root: export_like(c2i_engine, root / "engine", "--attention", "inplace"))
+
+
+def run_staggered(batch, images, joins_per_step=2):
+    """Admit `images` [(condition, seed, tag)] a few per step, as a server would; {tag: tokens}."""
+    queue, got, admitted_while_running = list(images), {}, 0
+    while queue or batch.running:
+        for _ in range(joins_per_step):
+            if not queue or not batch.free:
+                break
+            condition, seed, tag = queue[0]
+            admitted_while_running += batch.running > 0
+            assert batch.admit(condition, seed, tag)
+            queue.pop(0)
+        for done in batch.step():
+            assert done.tag not in got
+            got[done.tag] = done.tokens
+            assert done.stats["steps_per_image"] >= 1
+    assert admitted_while_running, "every image joined an empty batch: nothing was tested"
+    return got
+
+
+SETTINGS = {
+    "greedy lantern++": GenerationSettings(mode="lantern++", greedy=True, cfg_scale=3.0),
+    "sampling lantern++": GenerationSettings(mode="lantern++", cfg_scale=3.0, cfg_interval=5),
+    "sampling exact jacobi": GenerationSettings(mode="exact", proposer="jacobi", window=4, cfg_scale=2.0),
+    "greedy jacobi spatial": GenerationSettings(mode="exact", proposer="jacobi", window=3, init="spatial",
+                                                greedy=True),
+    "sampling ar": GenerationSettings(mode="ar", cfg_scale=3.0, top_k=20),
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_every_image_equals_its_generation_alone(c2i, name):
+    settings = SETTINGS[name]
+    images = [({"classes": [c % 10]}, 40 + c, f"img{c}") for c in range(7)]
+    got = run_staggered(ContinuousBatch(c2i, settings, slots=3), images)
+    assert sorted(got) == sorted(tag for _, _, tag in images)
+    for condition, seed, tag in images:
+        alone = c2i.generate(settings, **condition, seed=seed).tokens
+        np.testing.assert_array_equal(got[tag], alone, err_msg=tag)
+
+
+def test_inplace_engine(inplace_c2i_engine):
+    engine = Engine(inplace_c2i_engine, threads=1)
+    settings = GenerationSettings(mode="lantern++", cfg_scale=3.0)
+    images = [({"classes": [c]}, 7 * c, c) for c in range(5)]
+    got = run_staggered(ContinuousBatch(engine, settings, slots=2), images, joins_per_step=1)
+    for condition, seed, tag in images:
+        np.testing.assert_array_equal(got[tag], engine.generate(settings, **condition, seed=seed).tokens)
+
+
+def test_caption_engine(t2i_engine):
+    engine = Engine(t2i_engine, threads=1)
+    settings = GenerationSettings(mode="exact", cfg_scale=2.0)
+    feats, masks = captions(4)  # left-padded by 0, 1, 2 tokens
+    images = [({"caption": feats[i: i + 1], "caption_mask": masks[i: i + 1]}, i, i) for i in range(4)]
+    got = run_staggered(ContinuousBatch(engine, settings, slots=2), images, joins_per_step=1)
+    for condition, seed, tag in images:
+        np.testing.assert_array_equal(got[tag], engine.generate(settings, **condition, seed=seed).tokens)
+
+
+def test_prompts_of_other_lengths_and_forced_line_ends(chameleon_engines):
+    """Lumina-mGPT: forced line ends drafted as themselves in every slot; a shorter prompt joins
+    a batch started by a longer one, a longer one waits for a batch of its own."""
+    engine = Engine(chameleon_engines["lumina_mgpt"], threads=1)
+    settings = GenerationSettings(mode="lantern++", greedy=True)
+    batch = ContinuousBatch(engine, settings, slots=2)
+    long, short = "a dog on a mat in the sun", "a cat"
+    images = [({"prompt": [long], "grid": (4, 4)}, 1, "long"), ({"prompt": [short], "grid": (4, 4)}, 2, "short")]
+    got = run_staggered(batch, images, joins_per_step=1)
+    for condition, seed, tag in images:
+        np.testing.assert_array_equal(got[tag], engine.generate(settings, **condition, seed=seed).tokens)
+    longer = {"prompt": [long + " and a red ball under a big green tree"], "grid": (4, 4)}
+    assert not batch.admit(longer, 3, "longer")
+    assert not batch.admit({"prompt": [short], "grid": (2, 4)}, 3, "other grid")
+
+
+def test_cancel_frees_the_slot_and_the_others_go_on(c2i):
+    settings = GenerationSettings(mode="lantern++", greedy=True, cfg_scale=3.0)
+    batch = ContinuousBatch(c2i, settings, slots=2)
+    assert batch.admit({"classes": [1]}, 1, "a") and batch.admit({"classes": [2]}, 2, "b")
+    assert not batch.admit({"classes": [3]}, 3, "c")  # full
+    batch.step()
+    assert batch.cancel("a") and not batch.cancel("a")
+    assert batch.free == 1 and batch.admit({"classes": [3]}, 3, "c")
+    got = {}
+    while batch.running:
+        got.update((f.tag, f.tokens) for f in batch.step())
+    assert sorted(got) == ["b", "c"]
+    np.testing.assert_array_equal(got["c"], c2i.generate(settings, classes=[3], seed=3).tokens)
+    batch.close()
+
+
+def test_bad_input_is_one_line(c2i):
+    with pytest.raises(LanternError, match="slots must be an integer"):
+        ContinuousBatch(c2i, GenerationSettings(), slots=0)
+    batch = ContinuousBatch(c2i, GenerationSettings(mode="exact"), slots=2)
+    with pytest.raises(LanternError, match="one image"):
+        batch.admit({"classes": [1, 2]}, 0, "two")
+    with pytest.raises(LanternError, match="class labels"):
+        batch.admit({"classes": [10**6]}, 0, "bad")
