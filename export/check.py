@@ -24,7 +24,7 @@ whatever --backend says, against their torch modules and lantern.runtime.accept 
 specification) on seeded cases with ties, -inf, CFG, forced tokens, every rule and filters:
 greedy must equal exactly; sampling's module in float64 must equal the specification exactly,
 and the float32 graph and module must take the specification's path in 80% of the images
-(lantern.export.accept_graphs.check_acceptance).
+(lantern.export.accept_engine.check_acceptance).
 
 --against polygraphy-trt (lantern.export.polygraphy_check, GPU only): the engine's TensorRT plans on
 lantern's tensorrt backend and on Polygraphy's TrtRunner (NVIDIA's own runner), the first also
@@ -476,7 +476,7 @@ def check_engine(directory, *, backend=DEFAULT, against=TORCH.name, verify=True,
                                                 else atol, rtol)
                     results.append({"graph": graph, "case": case, "output": name, **result})
     if manifest.acceptance:  # on ONNX Runtime against their torch modules and lantern.runtime.accept
-        from lantern.export.accept_graphs import check_acceptance
+        from lantern.export.accept_engine import check_acceptance
 
         results += check_acceptance(directory, manifest, rng)
     failures = [f"{r['graph']}/{r['case']}/{r['output']}: " +

@@ -13,12 +13,12 @@ def build_parser(more=()):
     parser = argparse.ArgumentParser(prog="lantern-export", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     # Each subcommand module adds its parser and sets `func`.
-    from lantern.export import accept_graphs, inspect_cmd, onnx_export  # torch at their tops
+    from lantern.export import accept_engine, inspect_cmd, onnx_export  # torch at their tops
 
     inspect_cmd.add_parser(sub)
     neighbors.add_parser(sub)
     onnx_export.add_parser(sub)
-    accept_graphs.add_parser(sub)
+    accept_engine.add_parser(sub)
     quantize.add_parser(sub)
     trt_export.add_parser(sub)
     check.add_parser(sub)

@@ -8,7 +8,6 @@ Public API
     accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, uniforms,
                           neighbors=None, *, temperature=1.0, top_k=0, top_p=1.0) -> Outcome
     accept_greedy / accept_sampling                    one image (tests, benchmarks) -> Acceptance
-    filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0) -> float64 probabilities
 
 Inputs (N images, M = tree.num_nodes, V vocabulary, K drafter candidates):
     tokens       [N, M] int: node i's token; tokens[:, 0] is the root, already emitted.
@@ -25,12 +24,9 @@ Outcome: path [N, depth + 1] (node indices from the root, -1 past the end), acce
 tokens accepted), next_token [N], decisions [N, M] int8 (1: on the accepted path, 0: evaluated
 and not on it, -1: never evaluated) — the record a profiler or tree tuner replays.
 
-Relaxation (REFERENCE.md section 1). At a node whose target distribution is p, for a draft x let
-S_j be the sum of p over x's j nearest neighbors (j <= k). Take the largest j with
-S_j <= bound — the rule's own bound: delta (LANTERN) or (lam - 1) * p(x) (LANTERN++), inclusive
-— and p~(x) = p(x) + S_j. S_j never decreases with j, so "largest j" is a count. lam = 1 or
-delta = 0 admit only neighbors of zero probability, so S_j = 0 and p~(x) = p(x) bit for bit;
-under LANTERN++ p(x) = 0 gives bound 0 and p~(x) stays 0.
+Relaxation: p~(x), a draft's probability raised by the mass S_j of its nearest neighbors within
+the rule's bound, and the residual a relaxed rejection leaves are defined (and compared with the
+public LANTERN code) in lantern.runtime.relaxation, which computes them.
 
 Greedy. As in the public LANTERN code, greedy runs without a logits processor: the target is
 softmax(logits) with no temperature, top-k or top-p. A node is accepted when its parent is and
@@ -42,10 +38,9 @@ the LANTERN++ bound do not change under normalisation, so a full-row sum (for de
 vocabulary-wide work besides one argmax per row. "Accepted" means x == argmax, or S_j > 0 and x
 beats the argmax with p~(x): with S_j = 0 the decision is the exact one, independent of rounding.
 
-Sampling. The target at a node is filtered_probs(logits, temperature, top_k, top_p): logits / T,
-keep the top-k (ties with the k-th value kept, as LlamaGen does), keep the nucleus (the smallest
-set, by decreasing probability, whose mass reaches top_p), renormalise. Multi-draft recursive
-rejection sampling; the drafts are assumed drawn from q without replacement, in rank order:
+Sampling. The target at a node is filtered_probs(logits, temperature, top_k, top_p) (temperature,
+top-k, nucleus; lantern.runtime.filtering). Multi-draft recursive rejection sampling; the drafts
+are assumed drawn from q without replacement, in rank order:
     at node n: p = target at n, q = node n's candidate probabilities (renormalised)
     for each child c of n in rank order, token x:
         q(x) == 0: skip c (it cannot have been drawn from q: padding past q's support, or a
@@ -55,18 +50,10 @@ rejection sampling; the drafts are assumed drawn from q without replacement, in 
         rejected:  p <- normalise(max(p~_x - q, 0)); q <- q without x, renormalised
     a child accepted: continue from it with its own p and q; none accepted, or a leaf: the
     next token is drawn from the current (residual) p with uniforms[0].
-p~_x is the relaxed distribution of the LANTERN paper: p with x raised to p~(x) and the j
-neighbors whose mass moved set to 0 (its total-variation distance to p is S_j). How the public
-code treats the residual after a relaxed rejection: its dynamic-tree path zeroes the target at
-x's first k + 1 neighbors (whatever j was), its static-tree path zeroes q there instead, and
-both do it whenever some j >= 1 qualified, even with S_j = 0, which breaks lam = 1 == exact
-when filtered probabilities are zero. We take the residual of p~_x, which zeroes exactly the
-neighbors that lent mass and is p itself when S_j = 0, so lam = 1 and delta = 0 make the same
-decisions as exact from the same random numbers. Like the public code we relax against the
-current residual p (later siblings see neighbor mass the earlier rejections left). A residual
-of zero mass (only through rounding, when p~_x == q) falls back to p~_x. The public code divides
-by the drafter's unconditional q(x); here q is renormalised over the untried siblings, which is
-what makes `exact` lossless for drafts drawn without replacement. Exactness needs each node's
+p~_x is the relaxed distribution of the LANTERN paper (p with x raised to p~(x), the lending
+neighbors zeroed), relaxed against the current residual p (lantern.runtime.relaxation). The
+public code divides by the drafter's unconditional q(x); here q is renormalised over the untried
+siblings, which is what makes `exact` lossless for drafts drawn without replacement. Exactness needs each node's
 children to have ranks 0..w-1 (Tree.contiguous); sampling refuses other trees.
 
 GSD (grouped speculative decoding, ICCV 2025; lossy). A draft x is judged with its group
@@ -84,6 +71,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lantern.runtime import relaxation
+from lantern.runtime.filtering import check_filters, filtered_probs, inverse_cdf_draw
 from lantern.runtime.errors import LanternError
 
 # ---------------------------------------------------------------------------------------------
@@ -103,6 +92,7 @@ class Exact:
     name = "exact"
     k = 0
     relaxes = False
+    bound_reads_total = False
 
     def bound(self, p_x, total):
         return np.zeros_like(p_x)
@@ -115,6 +105,7 @@ class Lantern:
     k: int
     delta: float
     name = "lantern"
+    bound_reads_total = True  # bound() scales with the row's total mass (delta is a probability)
 
     def __post_init__(self):
         _check_k(self.k)
@@ -137,6 +128,7 @@ class LanternPP:
     k: int
     lam: float
     name = "lantern++"
+    bound_reads_total = False
 
     def __post_init__(self):
         _check_k(self.k)
@@ -259,7 +251,7 @@ def accept_greedy_batch(tree, tokens, logits, rule, neighbors=None):
             rows, j = np.nonzero(live & ~ok)
             if rows.size:
                 parents = level.parents[j]
-                test = _group_has_argmax if isinstance(rule, Gsd) else _relaxed_argmax
+                test = relaxation.group_has_argmax if isinstance(rule, Gsd) else relaxation.relaxed_argmax
                 ok[rows, j] = test(logits, rowmax, rows, parents, x[rows, j], parent_top[rows, j], neighbors, rule)
         accepted[:, level.nodes] = ok
         decisions[:, level.nodes] = np.where(live, 0, -1)
@@ -268,45 +260,6 @@ def accept_greedy_batch(tree, tokens, logits, rule, neighbors=None):
     score = np.where(accepted, tree.depths[None, :] * (M + 1) + (M - np.arange(M))[None, :], -1)
     last = score.argmax(axis=1)
     return _outcome(tree, last, top[np.arange(N), last], decisions)
-
-
-def _relaxed_argmax(logits, rowmax, rows, parents, x, top, neighbors, rule):
-    """Per draft x at (image, parent row): with S_j > 0, does p~(x) make x the argmax?"""
-    m = rowmax[rows, parents]
-    wx = np.exp(logits[rows, parents, x] - m)  # weights relative to the row max: w(top) == 1
-    near = _neighbor_slice(neighbors, x, rule.k, logits.shape[2])
-    cum = np.cumsum(np.exp(logits[rows[:, None], parents[:, None], near] - m[:, None]), axis=1)
-    total = None
-    if isinstance(rule, Lantern):  # delta bounds probabilities: S_j / Z <= delta <=> S_j <= delta Z
-        total = _row_totals(logits, rowmax, rows, parents)
-    _, s = _moved_mass(cum, rule.bound(wx, total))
-    pt = wx + s
-    return (s > 0) & ((pt > 1.0) | ((pt == 1.0) & (x < top)))
-
-
-def _group_has_argmax(logits, rowmax, rows, parents, x, top, neighbors, rule):
-    """GSD per draft x != argmax at (image, parent row): p and q are one-hot (the argmax, x), so
-    the group's ratio is 1 iff the argmax is in G(x): one of x's k nearest neighbors with
-    p(argmax) - p(x) < tau (p the softmax of the row), and 0 otherwise."""
-    near = _neighbor_slice(neighbors, x, rule.k, logits.shape[2])
-    wx = np.exp(logits[rows, parents, x] - rowmax[rows, parents])  # w(top) == 1
-    gap = (1.0 - wx) / _row_totals(logits, rowmax, rows, parents)  # p(top) - p(x) >= 0
-    return (near == top[:, None]).any(axis=1) & (gap < rule.tau)
-
-
-def _row_totals(logits, rowmax, rows, parents):
-    """sum_v exp(l_v - max l) of each (image, parent) row, each distinct row summed once."""
-    pairs, inverse = np.unique(rows * logits.shape[1] + parents, return_inverse=True)
-    flat = logits.reshape(-1, logits.shape[2])
-    return np.exp(flat[pairs] - rowmax.reshape(-1)[pairs, None]).sum(axis=1)[inverse]
-
-
-def _moved_mass(cum, bound):
-    """(j, S_j) for the largest j with S_j <= bound, per row of cumulative sums [n, k]; S_0 = 0."""
-    j = (cum <= bound[:, None]).sum(axis=1)
-    if cum.shape[1] == 0:
-        return j, np.zeros(len(bound))
-    return j, np.where(j > 0, cum[np.arange(len(j)), np.maximum(j - 1, 0)], 0.0)
 
 
 def accept_greedy(tree, tokens, target_logits, rule, neighbors=None):
@@ -367,7 +320,7 @@ def accept_sampling_batch(tree, tokens, logits, draft_ids, draft_probs, rule, un
             chosen[t[ok]] = c[ok]
             bad = ~ok
             if bad.any():
-                p[n[bad]] = _residual(p[n[bad]], x[bad], num[bad], lent[bad], ids[t[bad]], q[t[bad]])
+                p[n[bad]] = relaxation.residual(p[n[bad]], x[bad], num[bad], lent[bad], ids[t[bad]], q[t[bad]])
                 q[t[bad], col[bad]] = 0.0
                 rest = q[t[bad]]
                 total = rest.sum(axis=1, keepdims=True)
@@ -386,61 +339,10 @@ def _trial(p, x, qx, ids, q, rule, neighbors, vocab):
     LANTERN rules: p~(x) / q(x), lent the neighbors whose mass moved into p~(x), so a rejection
     leaves the residual of p~_x. GSD: P_G / Q_G, nothing lent, so the residual is that of p."""
     if isinstance(rule, Gsd) and rule.relaxes:
-        p_g, q_g = _group_mass(p, x, ids, q, rule, neighbors, vocab)
+        p_g, q_g = relaxation.group_mass(p, x, ids, q, rule, neighbors, vocab)
         return p_g, q_g, np.zeros((len(x), 0), dtype=np.int64)
-    pt, lent = _relax(p, x, rule, neighbors, vocab)
+    pt, lent = relaxation.relax(p, x, rule, neighbors, vocab)
     return pt, qx, lent
-
-
-def _group_mass(p, x, ids, q, rule, neighbors, vocab):
-    """(P_G, Q_G): the mass of G(x) under the rows' current p and q. G(x) is x and those of its
-    k nearest neighbors with |p(j) - p(x)| < tau; q is sparse (probabilities q over candidate
-    ids), so a group member outside the candidates adds nothing to Q_G."""
-    n = np.arange(len(x))
-    near = _neighbor_slice(neighbors, x, rule.k, vocab)
-    close = np.abs(np.take_along_axis(p, near, axis=1) - p[n, x][:, None]) < rule.tau
-    group = np.zeros(p.shape, dtype=bool)  # a mask over the vocabulary: repeated ids count once
-    group[n, x] = True
-    rows, cols = np.nonzero(close)
-    group[rows, near[rows, cols]] = True
-    p_g = np.where(group, p, 0.0).sum(axis=1)
-    q_g = np.where(np.take_along_axis(group, ids, axis=1), q, 0.0).sum(axis=1)
-    return p_g, q_g
-
-
-def _relax(p, x, rule, neighbors, vocab):
-    """(p~(x) [n], lent [n, k]: the neighbors whose mass moved, -1 elsewhere) against the rows'
-    current p."""
-    px = p[np.arange(len(x)), x]
-    if not rule.relaxes:
-        return px, np.zeros((len(x), 0), dtype=np.int64)
-    near = _neighbor_slice(neighbors, x, rule.k, vocab)
-    cum = np.cumsum(np.take_along_axis(p, near, axis=1), axis=1)
-    j, s = _moved_mass(cum, rule.bound(px, 1.0))
-    lent = (np.arange(near.shape[1])[None, :] < j[:, None]) & (s[:, None] > 0)
-    return px + s, np.where(lent, near, -1)
-
-
-def _residual(p, x, pt, lent, ids, q):
-    """normalise(max(p~_x - q, 0)) after rejecting x, per row; p~_x == p when nothing was lent
-    (pt is read only in rows that lent). q is sparse: probabilities q over candidate ids."""
-    p = p.copy()
-    rows, cols = np.nonzero(lent >= 0)
-    p[rows, lent[rows, cols]] = 0.0
-    relaxed = (lent >= 0).any(axis=1)
-    p[np.flatnonzero(relaxed), x[relaxed]] = pt[relaxed]
-    r = p.copy()
-    np.put_along_axis(r, ids, np.maximum(np.take_along_axis(p, ids, axis=1) - q, 0.0), axis=1)
-    total = r.sum(axis=1, keepdims=True)
-    return np.where(total > 0, r / np.where(total > 0, total, 1.0), p)
-
-
-def inverse_cdf_draw(p, u):
-    """Inverse-CDF draw per row; zero-probability tokens are never returned."""
-    cdf = np.cumsum(p, axis=1)
-    i = (cdf <= (u * cdf[:, -1])[:, None]).sum(axis=1)
-    last = p.shape[1] - 1 - np.argmax(p[:, ::-1] > 0, axis=1)
-    return np.minimum(i, last)
 
 
 def _draft_rows(q, tree, nodes):
@@ -471,48 +373,6 @@ def accept_sampling(tree, tokens, target_logits, draft_probs, rule, rng, neighbo
     out = accept_sampling_batch(tree, tokens, logits, ids, draft_probs[None], rule, uniforms, neighbors,
                                 temperature=temperature, top_k=top_k, top_p=top_p)
     return _single(tree, tokens[0], out)
-
-
-# ---------------------------------------------------------------------------------------------
-# Filtering (the one definition, for the target here and the drafter's candidates in its graph)
-
-
-def filtered_probs(logits, temperature=1.0, top_k=0, top_p=1.0):
-    """Probabilities [..., V] (float64) from logits [..., V]: logits / temperature, keep the
-    top_k (0 = all; ties with the k-th value kept), keep the smallest set of highest
-    probabilities whose mass reaches top_p (1 = all), renormalise."""
-    check_filters(temperature, top_k, top_p)
-    logits = np.asarray(logits)
-    z = logits.astype(np.float64) / temperature
-    vocab = z.shape[-1]
-    if 0 < top_k < vocab:
-        kth = np.partition(z, vocab - top_k, axis=-1)[..., vocab - top_k, None]
-        z = np.where(z >= kth, z, -np.inf)
-    m = z.max(axis=-1, keepdims=True)
-    if not np.isfinite(m).all():
-        raise LanternError("logits contain NaN or +inf, or are all -inf")
-    p = np.exp(z - m)
-    p /= p.sum(axis=-1, keepdims=True)
-    if top_p < 1.0:
-        order = np.argsort(-p, axis=-1, kind="stable")  # stable: equal probabilities by id; zeros last
-        ranked = np.take_along_axis(p, order, axis=-1)
-        before = np.zeros_like(ranked)  # mass strictly above each entry
-        np.cumsum(ranked[..., :-1], axis=-1, out=before[..., 1:])
-        drop = np.zeros(p.shape, dtype=bool)
-        np.put_along_axis(drop, order, before >= top_p, axis=-1)
-        p[drop] = 0.0
-        p /= p.sum(axis=-1, keepdims=True)
-    return p
-
-
-def check_filters(temperature, top_k, top_p):
-    if not (isinstance(temperature, (int, float, np.floating)) and not isinstance(temperature, bool)
-            and 0 < temperature < math.inf):
-        raise LanternError(f"temperature must be > 0 and finite, got {temperature!r}")
-    if isinstance(top_k, (bool, np.bool_)) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise LanternError(f"top_k must be an integer >= 0 (0 = no top-k), got {top_k!r}")
-    if not (isinstance(top_p, (int, float, np.floating)) and not isinstance(top_p, bool) and 0 < top_p <= 1):
-        raise LanternError(f"top_p must be in (0, 1] (1 = no nucleus filter), got {top_p!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,9 +443,3 @@ def _check_rows(tree, logits, top):
                            f"{what}" + (f" (image {n})" if logits.shape[0] > 1 else ""))
     return best
 
-
-def _neighbor_slice(neighbors, x, k, vocab):
-    near = np.asarray(neighbors[x, :k], dtype=np.int64)
-    if near.size and (near.min() < 0 or near.max() >= vocab):
-        raise LanternError(f"neighbor table holds ids outside the vocabulary [0, {vocab})")
-    return near

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lantern.runtime import accept as acceptance
+from lantern.runtime import accept as acceptance, filtering
 
 
 @dataclass(frozen=True)
@@ -35,19 +35,19 @@ class Greedy:
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling from the filtered target distribution (lantern.runtime.accept.filtered_probs)."""
+    """Sampling from the filtered target distribution (lantern.runtime.filtering.filtered_probs)."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self):
-        acceptance.check_filters(self.temperature, self.top_k, self.top_p)
+        filtering.check_filters(self.temperature, self.top_k, self.top_p)
 
     def draw(self, logits, uniforms):
         """Next token per row of logits [N, V], by inverse CDF with one uniform per row."""
-        p = acceptance.filtered_probs(logits, self.temperature, self.top_k, self.top_p)
-        return acceptance.inverse_cdf_draw(p, uniforms)
+        p = filtering.filtered_probs(logits, self.temperature, self.top_k, self.top_p)
+        return filtering.inverse_cdf_draw(p, uniforms)
 
     def children(self, ids, probs, width, race):
         """`width` children drawn from the drafter's distribution without replacement, in draw

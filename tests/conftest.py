@@ -86,7 +86,7 @@ def c2i_accept_engine(c2i_engine, tmp_path_factory):
     (`lantern-export accept`): what ONNX Runtime's device step runs."""
     import shutil
 
-    from lantern.export.accept_graphs import add_acceptance_graphs
+    from lantern.export.accept_engine import add_acceptance_graphs
 
     def build(root):
         out = shutil.copytree(c2i_engine, root / "engine")

@@ -5,8 +5,9 @@ import pytest
 from scipy import stats
 
 from lantern.runtime.accept import (Acceptance, Exact, Lantern, LanternPP, accept_greedy, accept_greedy_batch,
-                                    accept_sampling, accept_sampling_batch, filtered_probs, rule_for)
+                                    accept_sampling, accept_sampling_batch, rule_for)
 from lantern.runtime.errors import LanternError
+from lantern.runtime.filtering import filtered_probs
 from lantern.runtime.tree import build_tree
 
 NEG = -np.inf

@@ -101,10 +101,10 @@ def test_accept_refuses_an_engine_without_a_drafter_in_one_line(tmp_path, capsys
 
 
 def test_check_covers_the_acceptance_graphs_and_catches_a_wrong_one(accept_engine, monkeypatch):
-    from lantern.export import accept_graphs
+    from lantern.export import accept_engine as engine_graphs, accept_graphs
 
     m = read_manifest(accept_engine)
-    rows = accept_graphs.check_acceptance(accept_engine, m, np.random.default_rng(0), cases=2)
+    rows = engine_graphs.check_acceptance(accept_engine, m, np.random.default_rng(0), cases=2)
     assert {r["graph"] for r in rows} == {f"accept_greedy@{m.tree['name']}", f"accept_sampling@{m.tree['name']}"}
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
 
@@ -114,7 +114,7 @@ def test_check_covers_the_acceptance_graphs_and_catches_a_wrong_one(accept_engin
             return accepted, next_token + 1, path, decisions, invalid
 
     monkeypatch.setitem(accept_graphs.KINDS, "greedy", Shifted)
-    rows = accept_graphs.check_acceptance(accept_engine, m, np.random.default_rng(0), cases=1)
+    rows = engine_graphs.check_acceptance(accept_engine, m, np.random.default_rng(0), cases=1)
     assert [r["ok"] for r in rows if r["graph"].startswith("accept_greedy")] == [True, False]
 
 
@@ -172,7 +172,7 @@ def test_the_manifest_takes_plans_of_acceptance_graphs(accept_engine, tmp_path):
 def test_one_kind_at_a_time_keeps_the_others(c2i_engine, tmp_path):
     """add_acceptance_graphs(kinds=...) exports the kinds asked for and keeps the tree's others; a
     tree with no graphs gets its greedy one as well (an entry always has it)."""
-    from lantern.export.accept_graphs import add_acceptance_graphs
+    from lantern.export.accept_engine import add_acceptance_graphs
 
     out = str(shutil.copytree(c2i_engine, tmp_path / "engine"))
     tree = build_tree(read_manifest(out).tree)

@@ -11,7 +11,7 @@ import torch
 
 from lantern.export.accept_graphs import (INPUTS, OUTPUTS, GreedyAcceptance, SamplingAcceptance, contract_inputs,
                                           export_acceptance)
-from lantern.runtime import accept as acceptance
+from lantern.runtime import accept as acceptance, filtering
 from lantern.runtime.sampling import Sampling
 from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.vocabulary import VocabularyView
@@ -344,7 +344,7 @@ def test_the_sampling_module_in_float64_equals_the_numpy_rules(tree_name, rule):
 @pytest.mark.parametrize("ties", [False, True])
 def test_the_modules_filters_equal_filtered_probs(ties):
     """Temperature, top-k (ties with the k-th kept) and top-p (the smallest kept probability by
-    bisection, ties at it in column order) against lantern.runtime.accept.filtered_probs, in
+    bisection, ties at it in column order) against lantern.runtime.filtering.filtered_probs, in
     float64, on rows of many distinct values or many ties."""
     rng = np.random.default_rng(int(ties))
     tree = build_tree("chain-1")
@@ -357,7 +357,7 @@ def test_the_modules_filters_equal_filtered_probs(ties):
                                       (1.0, 300, 0.999)]:
         got = module.filtered(torch.as_tensor(logits), torch.tensor([temperature], dtype=torch.float64),
                               torch.tensor([top_k]), torch.tensor([top_p], dtype=torch.float64)).numpy()
-        want = acceptance.filtered_probs(logits, temperature, top_k, top_p)
+        want = filtering.filtered_probs(logits, temperature, top_k, top_p)
         np.testing.assert_array_equal(got > 0, want > 0, err_msg=f"{temperature} {top_k} {top_p}")
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
 
@@ -460,7 +460,7 @@ def test_the_sampling_graph_emits_the_host_paths_distribution(sampling_graph, ru
     _, p_two, _, _ = stats.chi2_contingency(np.stack([got[seen], want[seen]]))
     assert p_two > 1e-3, (got[seen], want[seen])
     if rule.name == "exact" or getattr(rule, "lam", None) == 1.0:
-        target = acceptance.filtered_probs(logits[0, 0], *filters)
+        target = filtering.filtered_probs(logits[0, 0], *filters)
         assert (got[target == 0] == 0).all()
         keep = target > 0
         p_fit = stats.chisquare(got[keep], target[keep] * n).pvalue

@@ -415,7 +415,7 @@ def ort_lumina(chameleon_engines, tmp_path_factory):
     Runtime backend."""
     import shutil
 
-    from lantern.export.accept_graphs import add_acceptance_graphs
+    from lantern.export.accept_engine import add_acceptance_graphs
     from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
     from lantern.runtime.manifest import read_manifest
 

@@ -13,7 +13,7 @@ from scipy import stats
 from engines import build_engine, captions, strike_drafter
 from lantern.export import checkpoints
 from lantern.export.torch_backend import open_torch_backend
-from lantern.runtime import accept as acceptance
+from lantern.runtime import accept as acceptance, filtering
 from lantern.runtime.cli import main as run_main
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
@@ -137,7 +137,7 @@ def test_exact_sampling_matches_the_target_distribution(small_vocab, mode):
         contexts, first, which = np.unique(out.tokens[:, :t], axis=0, return_index=True, return_inverse=True)
         which = which.ravel()
         observed = np.stack([np.bincount(out.tokens[which == c, t], minlength=16) for c in range(len(contexts))])
-        p = acceptance.filtered_probs(logits[first, t], 1.0, 12, 1.0)
+        p = filtering.filtered_probs(logits[first, t], 1.0, 12, 1.0)
         assert observed[p == 0].sum() == 0  # never a token the target filtered out
         chi2, dof = pooled_chi2(observed, p)
         assert stats.chi2.sf(chi2, dof) > 1e-3, (t, chi2, dof)
@@ -227,7 +227,7 @@ def test_relaxed_sampling_matches_the_specification(small_vocab, mode, extra):
                            sampling, draws=20000)
     chi2, dof = pooled_chi2(observed, spec)
     assert stats.chi2.sf(chi2, dof) > 1e-3, (chi2, dof)
-    chi2, dof = pooled_chi2(observed, acceptance.filtered_probs(logits[first, 1], 1.0, 12, 1.0))
+    chi2, dof = pooled_chi2(observed, filtering.filtered_probs(logits[first, 1], 1.0, 12, 1.0))
     assert stats.chi2.sf(chi2, dof) < 1e-6, (chi2, dof)
 
 

@@ -4,9 +4,9 @@ cases for the group, tau and greedy."""
 import numpy as np
 import pytest
 
-from lantern.runtime.accept import (Exact, Gsd, accept_greedy_batch, accept_sampling_batch, filtered_probs,
-                                    rule_for)
+from lantern.runtime.accept import Exact, Gsd, accept_greedy_batch, accept_sampling_batch, rule_for
 from lantern.runtime.errors import LanternError
+from lantern.runtime.filtering import filtered_probs
 from lantern.runtime.tree import build_tree
 
 FIELDS = ("path", "accepted", "next_token", "decisions")

@@ -339,7 +339,7 @@ def _plan_copy(engine_dir, flavor, workdir, batches):
     cc = ["current"] if gpu is not None else ["89"]
     copy = os.path.join(workdir, f"{os.path.basename(os.path.normpath(engine_dir))}-{flavor}")
     if not os.path.isdir(copy):
-        from lantern.export.accept_graphs import add_acceptance_graphs  # torch: imported where it is needed
+        from lantern.export.accept_engine import add_acceptance_graphs  # torch: imported where it is needed
 
         shutil.copytree(engine_dir, copy)
         add_acceptance_graphs(copy, kinds=("greedy",))  # the device step's plan (kept if the engine has its own)

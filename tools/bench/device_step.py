@@ -433,7 +433,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = args.engine
         if engine_dir is None:
-            from lantern.export.accept_graphs import add_acceptance_graphs
+            from lantern.export.accept_engine import add_acceptance_graphs
 
             engine_dir = export_gpt(tmp, args.gpt, "fp32", with_vq="lantern++" in args.modes or "lantern" in args.modes)
             if not args.kernels:
