@@ -13,7 +13,7 @@ import torch
 
 from engines import captions, manifest
 from lantern.export import cli as export_cli
-from lantern.export.check import IMAGE_ATOL
+from lantern.export.check_compare import IMAGE_ATOL
 from lantern.runtime.generator import Engine
 from lantern.runtime.settings import GenerationSettings
 from lantern.tools import run_cli

@@ -12,7 +12,9 @@ import torch
 
 from engines import export_argv, export_like, host_reads, manifest
 from lantern.export import checkpoints, cli
-from lantern.export.check import TOLERANCES, _compare_ids, check_cases, check_engine
+from lantern.export.check import check_engine
+from lantern.export.check_cases import check_cases
+from lantern.export.check_compare import _compare_ids, TOLERANCES
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.runtime.contracts import graph_io

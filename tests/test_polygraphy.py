@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("polygraphy", reason="polygraphy is not installed (pip install 'lantern[polygraphy]')")
 
 from lantern.export import cli  # noqa: E402
-from lantern.export.check import TOLERANCES, check_cases  # noqa: E402
+from lantern.export.check_cases import check_cases  # noqa: E402
+from lantern.export.check_compare import TOLERANCES  # noqa: E402
 from lantern.export.check import ToleranceCompare  # noqa: E402
 from lantern.export.polygraphy_check import backend_runner, compare_runners  # noqa: E402
 from lantern.runtime.backends import open_backend  # noqa: E402

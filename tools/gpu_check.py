@@ -62,7 +62,8 @@ import tempfile
 import time
 
 import numpy as np
-from lantern.export.check import _compare_float, check_cases
+from lantern.export.check_cases import check_cases
+from lantern.export.check_compare import _compare_float
 from lantern.export.tensorrt_build import available_flavors, FLAVORS
 from lantern.export.trt_export import build_engine_plans
 from lantern.runtime.backends import ONNXRUNTIME, ONNXRUNTIME_TORCH, TENSORRT, TORCH
