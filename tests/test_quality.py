@@ -4,7 +4,8 @@ import pytest
 from scipy import linalg
 
 from lantern.runtime.settings import GenerationSettings
-from lantern.tools.quality import frechet_distance, methods
+from lantern.tools.quality import methods
+from lantern.tools.quality_judge import frechet_distance
 
 
 def scipy_frechet(a, b):
@@ -36,7 +37,7 @@ def test_sweep_covers_the_issue():
 
 
 def test_projection_keeps_the_main_directions():
-    from lantern.tools.quality import project
+    from lantern.tools.quality_judge import project
 
     rng = np.random.default_rng(1)
     ref = rng.normal(size=(500, 3)) @ np.diag([10.0, 1.0, 0.1])

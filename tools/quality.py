@@ -56,6 +56,8 @@ from lantern.runtime.outdir import only_files, OutputDirectory
 from lantern.runtime.plan import decode_bytes
 from lantern.runtime.png import image_grid, write_png
 from lantern.runtime.settings import GenerationSettings, PROPOSERS, RELAXED
+from lantern.tools import quality_report
+from lantern.tools.quality_judge import classify, frechet_distance, load_judge, project
 
 # What the report directory holds: --force replaces only a directory with nothing else in it.
 REPORT_FILES = ("report.json", "report.md", "*.png")
@@ -129,25 +131,6 @@ def add_parser(sub):
     p.set_defaults(func=run)
 
 
-def frechet_distance(a, b):
-    """Fréchet distance between Gaussians fitted to feature sets a [n, d] and b [m, d]:
-    |mu_a - mu_b|^2 + tr(Sa + Sb - 2 (Sa^1/2 Sb Sa^1/2)^1/2), numpy only (symmetric square roots)."""
-    mu_a, mu_b = a.mean(0), b.mean(0)
-    sa, sb = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
-    w, v = np.linalg.eigh(sa)
-    root_a = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
-    middle = np.linalg.eigvalsh(root_a @ sb @ root_a)
-    return float(((mu_a - mu_b) ** 2).sum() + np.trace(sa) + np.trace(sb) - 2 * np.sqrt(np.clip(middle, 0, None)).sum())
-
-
-def project(features, reference, dims):
-    """Features on the reference set's top principal directions: with a few hundred samples a
-    128-dim covariance is mostly estimation noise, and the Fréchet distance with it."""
-    mean = reference.mean(0)
-    _, _, vt = np.linalg.svd(reference - mean, full_matrices=False)
-    return (features - mean) @ vt[:dims].T
-
-
 def methods(lams, ks, deltas, base=GenerationSettings(), proposers=("tree",), taus=(), window=DEFAULT_WINDOW,
             init="random"):
     """(row name, GenerationSettings) of every decoding method of the sweep: `base` (the shared
@@ -205,25 +188,6 @@ def _check_args(args):
     if not args.ks:
         raise LanternError("--ks needs at least one k")
     sweep_methods(args)  # every row's settings, checked before any work
-
-
-def load_judge(path=None):
-    """(classifier, its path): --classifier, else the demo model's (tools/train/classifier.py)."""
-    from lantern.tools import demo
-    from lantern.tools.train.classifier import load_classifier
-
-    path = path or os.path.join(demo.DEMO_DIR, "classifier.safetensors")
-    return load_classifier(path), path
-
-
-def classify(classifier, images):
-    """uint8 images [N, H, W, 3] -> (predicted classes [N], penultimate features [N, d] float64)."""
-    import torch
-
-    x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
-    with torch.no_grad():
-        logits, feats = classifier(x), classifier.features(x)
-    return logits.argmax(-1).numpy(), feats.numpy().astype(np.float64)
 
 
 def batch_seed(seed, role, index):
@@ -432,8 +396,8 @@ def _sweep(args, out_dir, work):
                "expected_seconds": expected, "seconds": time.perf_counter() - start, "results": rows}
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    _plot(out_dir, rows)
-    _markdown(out_dir, summary)
+    quality_report.plot(out_dir, rows)
+    quality_report.markdown(out_dir, summary)
     return summary
 
 
@@ -474,53 +438,3 @@ def _progress(total, enabled):
 
 def _file(name):
     return name.replace("+", "p").replace(" ", "_").replace("=", "")
-
-
-def _plot(out_dir, rows):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
-    markers = {}
-    for ax, key, label in ((axes[0], "accuracy", "class accuracy"),
-                           (axes[1], "frechet_vs_ar", "Fréchet distance to the reference ar"),
-                           (axes[2], "greedy_agreement", "greedy token agreement with the reference ar")):
-        for r in rows:
-            family = r["method"].split(" ")[0]
-            color = {"ar": "black", "exact": "tab:green", "lantern++": "tab:orange", "lantern": "tab:blue",
-                     "jacobi": "tab:purple", "gsd": "tab:red"}[family]
-            marker = markers.setdefault(r["scheme"], "os^Dv"[len(markers) % 5])
-            ax.scatter(r["speedup"], r[key], color=color, marker=marker)
-            short = r["method"].replace("lantern++ ", "").replace("lantern ", "").replace("jacobi ", "J ")
-            ax.annotate(f"{r['scheme']} {short}", (r["speedup"], r[key]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
-        ax.set_xlabel("speedup over the reference ar (wall time, this machine)")
-        ax.set_ylabel(label)
-    axes[0].set_title("speed vs class consistency")
-    axes[1].set_title("speed vs distribution shift (lower is better)")
-    axes[2].set_title("speed vs greedy fidelity")
-    handles = [plt.Line2D([], [], color="gray", marker=m, linestyle="", label=s) for s, m in markers.items()]
-    axes[0].legend(handles=handles, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "speed_vs_quality.png"), dpi=100)
-    plt.close(fig)
-
-
-def _markdown(out_dir, summary):
-    lines = ["# lantern quality report", "",
-             f"Engine `{summary['engine']}`, schemes {', '.join(summary['schemes'])}; {summary['images_per_row']} "
-             f"sampled images per row. Reference: `{summary['reference']}`. Fréchet distance in the classifier's "
-             f"feature space against the reference's samples (the reference row: `ar` against `ar` with another "
-             f"seed, the noise floor). Greedy agreement: {summary['greedy_images_per_row']} greedy images per row, "
-             f"{summary['greedy_agreement']}.", "",
-             "| scheme | method | accuracy | Fréchet vs ref ar | greedy agreement | teacher-forced | mean accepted "
-             "length | steps/image | speedup |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in summary["results"]:
-        lines.append(f"| {r['scheme']} | {r['method']} | {r['accuracy']:.3f} | {r['frechet_vs_ar']:.3f} | "
-                     f"{r['greedy_agreement']:.3f} | {r['teacher_forced_agreement']:.3f} | "
-                     f"{r['mean_accepted_length']:.2f} | {r['steps_per_image']:.1f} | {r['speedup']:.2f}x |")
-    lines += ["", "![speed vs quality](speed_vs_quality.png)", ""]
-    with open(os.path.join(out_dir, "report.md"), "w") as f:
-        f.write("\n".join(lines))

@@ -5,7 +5,7 @@ tree, in one run, and print ONE JSON object (progress lines go to stderr):
                     same per-image seeds for every method): target calls per image after prefill
                     (steps_per_image), AR's over the method's (ratio_vs_ar), class accuracy and
                     Fréchet distance against AR's images, judged with the quality harness's own
-                    classifier, features and distance (lantern.tools.quality); the noise: AR
+                    classifier, features and distance (lantern.tools.quality_judge); the noise: AR
                     against AR with other seeds, as the harness computes its floor
   wall_clock        ONNX Runtime on the CPU with --threads, batch 1 and 8: ar, jacobi exact and
                     jacobi lantern++ (window 16, the step compression's, and 6, generate's default) per engine (--engine, and --gpt-b where present,
@@ -35,7 +35,8 @@ import numpy as np
 from lantern.runtime.generator import Engine
 from lantern.runtime.jacobi import DEFAULT_WINDOW
 from lantern.runtime.settings import GenerationSettings, RELAXED
-from lantern.tools.quality import classify, frechet_distance, load_judge, project, row_tree
+from lantern.tools.quality import row_tree
+from lantern.tools.quality_judge import classify, frechet_distance, load_judge, project
 
 K, LAM = 20, 5.0  # the demo's lantern++
 WINDOW = 16
