@@ -6,7 +6,7 @@ import json
 import pytest
 
 from lantern.runtime.manifest import read_manifest
-from lantern.tools import gpu_check
+from lantern.tools import gpu_check, gpu_sections
 
 
 def test_a_failing_section_is_one_line_and_the_rest_runs(tmp_path):
@@ -16,7 +16,7 @@ def test_a_failing_section_is_one_line_and_the_rest_runs(tmp_path):
         raise RuntimeError("first line\nsecond line")
 
     def skipped():
-        raise gpu_check.Skip("not here")
+        raise gpu_sections.Skip("not here")
 
     report.section("a", broken)
     report.section("b", skipped)
@@ -33,7 +33,7 @@ def test_sections_past_the_budget_are_skipped(tmp_path):
     assert report.data["late"] == {"skipped": "time budget spent (--budget-minutes)"}
 
 
-@pytest.mark.skipif(gpu_check.cuda_visible() is not None, reason="a GPU is present: the runbook measures it instead")
+@pytest.mark.skipif(gpu_sections.cuda_visible() is not None, reason="a GPU is present: the runbook measures it instead")
 def test_without_a_gpu_the_runbook_builds_rtx_plans_and_lists_what_it_skipped(c2i_engine, tmp_path, capsys):
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'lantern[tensorrt-rtx]')")
     out = tmp_path / "gpu_check.json"
@@ -56,7 +56,7 @@ def test_without_a_gpu_the_runbook_builds_rtx_plans_and_lists_what_it_skipped(c2
 
 def test_the_device_step_section_measures_both_paths_on_the_cpu(c2i_engine):
     """The section's logic where no GPU is: both step paths run, ratios come out per path."""
-    data = gpu_check.device_step_section(c2i_engine, (1,), False, device="cpu", modes=("ar", "lantern++"),
+    data = gpu_sections.device_step_section(c2i_engine, (1,), False, device="cpu", modes=("ar", "lantern++"),
                                          warmup=False, threads=2)
     assert data["cuda_graphs"] is False
     runs = {(r["step"], r["mode"]): r for r in data["runs"]}
@@ -119,7 +119,7 @@ def test_throughput_measures_both_proposers(c2i_engine):
     ar, each with its step cost in AR steps (the numbers a GPU window is for)."""
     from lantern.runtime.generator import Engine
 
-    rows = gpu_check.throughput(Engine(c2i_engine, threads=1), batches=(2,), repeats=1)["batch2"]
+    rows = gpu_sections.throughput(Engine(c2i_engine, threads=1), batches=(2,), repeats=1)["batch2"]
     assert set(rows) == {"ar", "exact", "lantern++", "jacobi exact", "jacobi lantern++"}
     assert rows["ar"]["step_cost_in_ar_steps"] == 1.0
     assert rows["jacobi exact"]["steps_per_image"] < rows["ar"]["steps_per_image"]
