@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engines import export_like, manifest
-from lantern.export import graph_cache, onnx_export
+from lantern.export import graph_cache, graph_export
 from lantern.export.families import FAMILIES, LoadedModel
 from lantern.runtime.contracts import resolved_io
 from tiny import tiny_target
@@ -35,15 +35,15 @@ def test_a_cached_graph_is_the_file_the_exporter_writes(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     for name in ("fresh", "stored", "copied"):
         (tmp_path / name).mkdir()
-    fresh = onnx_export.export_graph(module, io, str(tmp_path / "fresh" / "condition.onnx"))
-    stored = onnx_export.export_graph(module, io, str(tmp_path / "stored" / "condition.onnx"), cache=str(cache))
+    fresh = graph_export.export_graph(module, io, str(tmp_path / "fresh" / "condition.onnx"))
+    stored = graph_export.export_graph(module, io, str(tmp_path / "stored" / "condition.onnx"), cache=str(cache))
     assert fresh == stored == ["condition.onnx"] and len(os.listdir(cache)) == 1
 
     def no_tracing(*args, **kwargs):
         raise AssertionError("a cached graph was traced again")
 
     monkeypatch.setattr(torch.onnx, "export", no_tracing)
-    copied = onnx_export.export_graph(module, io, str(tmp_path / "copied" / "condition.onnx"), cache=str(cache))
+    copied = graph_export.export_graph(module, io, str(tmp_path / "copied" / "condition.onnx"), cache=str(cache))
     assert copied == ["condition.onnx"]
     assert digest(tmp_path / "fresh" / "condition.onnx") == digest(tmp_path / "stored" / "condition.onnx") == \
         digest(tmp_path / "copied" / "condition.onnx")

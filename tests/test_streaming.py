@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lantern.export import chameleon, chameleon_checkpoints as ck
-from lantern.export.onnx_export import DTYPE_NAMES, export_graph
+from lantern.export.graph_export import export_graph
+from lantern.export.onnx_export import DTYPE_NAMES
 from lantern.export.streaming import DEFER_ELEMENTS, DeferredWeights
 from lantern.runtime.contracts import resolved_io
 from lantern.runtime.errors import LanternError

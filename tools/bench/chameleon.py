@@ -73,7 +73,8 @@ def export_child(checkpoint, out, dtype):
     import torch
 
     from lantern.export import chameleon, chameleon_checkpoints
-    from lantern.export.onnx_export import DTYPE_NAMES, DTYPES, export_graph
+    from lantern.export.graph_export import export_graph
+    from lantern.export.onnx_export import DTYPE_NAMES, DTYPES
 
     peak_anon, stop = [0], threading.Event()
 
@@ -139,7 +140,7 @@ def run_latency(args):
     import torch
 
     from lantern.export import chameleon
-    from lantern.export.onnx_export import export_graph
+    from lantern.export.graph_export import export_graph
 
     torch.set_num_threads(args.threads)
     import onnxruntime as ort
