@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from lantern.export import chameleon as ch
 from lantern.export import chameleon_checkpoints as ck
+from lantern.export import chameleon_vocabulary
 from lantern.export import chameleon_vq as cvq
 from lantern.runtime import chameleon_prompts as prompts
 from lantern.runtime.errors import LanternError
@@ -567,7 +568,7 @@ def test_text_tokenizer(tmp_path):
 
     from lantern.runtime.text_tokenizer import TextTokenizer
 
-    assert ck.byte_level_alphabet() == set(pre_tokenizers.ByteLevel.alphabet())
+    assert chameleon_vocabulary.byte_level_alphabet() == set(pre_tokenizers.ByteLevel.alphabet())
     ck.save_text_tokenizer(tmp_path / "text_tokenizer.json")
     tok = TextTokenizer(tmp_path / "text_tokenizer.json")
     text = prompts.lumina_prompt_text("a red cat", (48, 48))
