@@ -42,7 +42,8 @@ class Finished:
     tag: object  # what admit() was given
     tokens: np.ndarray  # [1, rows * columns] VQ codes
     grid: tuple
-    stats: dict  # steps, mean_accepted_length, seconds (admitted -> done)
+    stats: dict  # steps_per_image, mean_accepted_length, seconds (admitted -> done), engine_seconds (its
+    # prefill and the steps it ran in), mean_running_images (per step it ran in, itself included)
 
 
 class ContinuousBatch:
@@ -57,7 +58,9 @@ class ContinuousBatch:
         self.decoding = None  # the running batch's loop state, made by the first admit
         self.owner = [None] * slots  # tag per slot; None: free
         self.steps = np.zeros(slots, dtype=np.int64)
-        self.admitted = np.zeros(slots)
+        self.admitted = np.zeros(slots)  # when each slot's image joined (perf_counter)
+        self.engine_seconds = np.zeros(slots)  # its prefill and the steps it ran in
+        self.shared = np.zeros(slots)  # the running images of the steps it ran in, summed
         self.small = None  # the one-image plan joiners are prefilled on
         self.lock = threading.Lock()  # one admit or step at a time
 
@@ -73,8 +76,11 @@ class ContinuousBatch:
     @property
     def stats(self):
         """The running plan's stats so far (tree, proposer, phase times), {} before it starts."""
-        return {} if self.decoding is None else dict(self.setup.describe(), tree=self.decoding.tree.name,
-                                                         step=self.decoding.step_path)
+        if self.decoding is None:
+            return {}
+        d = self.decoding
+        return dict(self.setup.describe(), mode=d.rule.name if d.tree.depth else "ar", tree=d.tree.name,
+                    step=d.step_path, backend=self.engine.backend.name)
 
     # -- joining -----------------------------------------------------------------------------------
     def admit(self, condition, seed, tag):
@@ -91,10 +97,12 @@ class ContinuousBatch:
                 return False
             setup, plan = joining
             n = self.owner.index(None)
+            start = time.perf_counter()
             joiner = setup.decoding(self.engine, plan)
             joiner.prefill()
             self._take(joiner, n)
-            self.owner[n], self.steps[n], self.admitted[n] = tag, 0, time.perf_counter()
+            self.owner[n], self.steps[n], self.admitted[n] = tag, 0, start
+            self.engine_seconds[n], self.shared[n] = time.perf_counter() - start, 0.0
             return True
 
     def _start(self, condition, seed):
@@ -174,15 +182,20 @@ class ContinuousBatch:
             if d is None or not self.running:
                 return []
             active = d.count < d.length
+            start = time.perf_counter()
             d.host_step(active)
             self.steps[active] += 1
+            self.engine_seconds[active] += time.perf_counter() - start
+            self.shared[active] += active.sum()
             done = [n for n in range(self.slots) if self.owner[n] is not None and d.count[n] >= d.length]
             out = []
             for n in done:
                 steps = int(self.steps[n])
                 out.append(Finished(self.owner[n], d.view.codes_of(d.tokens[n: n + 1]), self.plan.prefix.grid,
                                     dict(steps_per_image=steps, mean_accepted_length=(d.length - 1) / max(steps, 1),
-                                         seconds=time.perf_counter() - self.admitted[n])))
+                                         seconds=time.perf_counter() - self.admitted[n],
+                                         engine_seconds=float(self.engine_seconds[n]),
+                                         mean_running_images=float(self.shared[n] / max(steps, 1)))))
                 self.owner[n] = None
             return out
 

@@ -46,6 +46,7 @@ from lantern.tools.image_service import MAX_BODY_BYTES, read_api_key
 from lantern.tools.serve_http import Front, FrontServer
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+BATCHING = ("continuous", "calls")
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,10 @@ class ServeOptions:
     replicas: int = 1
     gpus_per_replica: float = 0.0
     cpus_per_replica: float = 1.0
-    max_batch: int = 8  # images per generate call
-    batch_wait_s: float = 0.01  # how long a batch waits to fill
+    max_batch: int = 8  # images a replica runs at once (its running batch's slots)
+    batching: str = "continuous"  # continuous: images join and leave a running batch each step;
+    # calls: requests grouped into one generate call each (the way before; for comparison)
+    batch_wait_s: float = 0.01  # calls: how long a batch waits to fill
     max_images_per_request: Optional[int] = None  # default: max_batch
     max_queued_requests: int = 64  # beyond these (waiting for a replica) a request is answered 503 at once
     max_body_bytes: int = MAX_BODY_BYTES
@@ -133,8 +136,11 @@ def add_parser(sub):
     p.add_argument("--backend", default=DEFAULT, choices=names(export=False),  # the runtime opens these alone
                    help=f"the runner (default {DEFAULT})")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per replica")
-    p.add_argument("--max-batch", type=int, default=8, help="images per generate call")
-    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="how long a batch waits to fill")
+    p.add_argument("--max-batch", type=int, default=8, help="images a replica runs at once")
+    p.add_argument("--batching", choices=BATCHING, default="continuous",
+                   help="continuous: images join a running batch at any step and leave when done (default); "
+                        "calls: one generate call per group of requests, run to its slowest image (for comparison)")
+    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="--batching calls: how long a batch waits to fill")
     p.add_argument("--max-images-per-request", type=int, default=None, help="default: --max-batch")
     p.add_argument("--max-queued-requests", type=int, default=64, help="beyond these a request is answered 503 at once")
     p.add_argument("--body-timeout-s", type=float, default=20.0, help="a request body must arrive within this (408)")
@@ -146,7 +152,7 @@ def add_parser(sub):
 def options_from(args):
     return ServeOptions(backend=args.backend, threads=args.threads, replicas=args.replicas,
                         gpus_per_replica=args.gpus_per_replica, cpus_per_replica=args.cpus_per_replica,
-                        max_batch=args.max_batch, batch_wait_s=args.batch_wait_ms / 1000,
+                        max_batch=args.max_batch, batching=args.batching, batch_wait_s=args.batch_wait_ms / 1000,
                         max_images_per_request=args.max_images_per_request,
                         max_queued_requests=args.max_queued_requests, body_timeout_s=args.body_timeout_s,
                         api_key=read_api_key(args.api_key_file) if args.api_key_file else None)

@@ -23,6 +23,7 @@ from lantern.runtime.backends import runner
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
 from lantern.tools.image_service import Cancelled, error_response, ImageService, public, RequestError
+from lantern.tools.scheduler import Scheduler
 from lantern.tools.serve_http import authorized, Gone, read_body, Refused, request_id, route
 
 logger = logging.getLogger("ray.serve")
@@ -31,13 +32,15 @@ _LATENCY_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60]
 
 
 class ImageDeployment:
-    """One replica: the engine opened once, batches run one at a time in a worker thread (so the
-    event loop keeps taking requests and noticing disconnects)."""
+    """One replica: the engine opened once and run by a worker thread (so the event loop keeps
+    taking requests and noticing disconnects): continuous batching (lantern.tools.scheduler: images
+    join and leave a running batch at every step), or with `batching="calls"` one generate call per
+    batch of requests (Ray's serve.batch)."""
 
     def __init__(self, engine_dir, options):
         _replica_grpc_on_loopback()
         self.engine_dir, self.options = engine_dir, options
-        self.service, self.problem, self.next_open = None, None, 0.0
+        self.service, self.scheduler, self.problem, self.next_open = None, None, None, 0.0
         self._opening = asyncio.Lock()
         self._open()
         self.api_key = options.api_key.encode() if options.api_key else None
@@ -48,7 +51,8 @@ class ImageDeployment:
             queue=Gauge("lantern_queued_requests", description="image requests waiting in this replica"),
             requests=Counter("lantern_requests", description="image requests answered", tag_keys=("status",)),
             images=Counter("lantern_images", description="images generated (rate() gives images/s)"),
-            batch=Histogram("lantern_batch_images", description="images per generate call (padding included)",
+            batch=Histogram("lantern_batch_images", description="images a request shared its steps with (per request; "
+                                                                "calls: its generate call's, padding excluded)",
                             boundaries=[1, 2, 4, 8, 16, 32, 64]),
             steps=Histogram("lantern_steps_per_image", description="decoding steps per image",
                             boundaries=[16, 32, 64, 128, 256, 512, 1024, 2048]),
@@ -68,9 +72,10 @@ class ImageDeployment:
             # container's cgroup limit), before any work: that request gets a 503 with the reason.
             engine = Engine(self.engine_dir, backend=o.backend, threads=o.threads,
                             device=runner(o.backend).device)
-            self.service = ImageService(engine, max_batch=o.max_batch, max_images_per_request=o.max_images_per_request,
-                                        max_body_bytes=o.max_body_bytes)
-            self.problem = None
+            service = ImageService(engine, max_batch=o.max_batch, max_images_per_request=o.max_images_per_request,
+                                   max_body_bytes=o.max_body_bytes)
+            self.scheduler = Scheduler(service) if o.batching == "continuous" else None
+            self.service, self.problem = service, None
         except Exception as e:  # noqa: BLE001 -- any failure to open is this replica's state, not a crash
             self.problem = public(f"{type(e).__name__}: {e}" if not isinstance(e, LanternError) else str(e),
                                   self.engine_dir)
@@ -93,6 +98,8 @@ class ImageDeployment:
         # replacing the replica would not repair the directory.
         if self.service is not None and self.service.engine.backend is None:
             raise RuntimeError("engine closed")
+        if self.scheduler is not None and not self.scheduler.thread.is_alive():
+            raise RuntimeError("the scheduler's worker thread stopped")  # Ray replaces the replica
 
     async def health(self):
         if await self._ready() is None:
@@ -140,7 +147,11 @@ class ImageDeployment:
         self.waiting += 1
         self.metrics["queue"].set(self.waiting)
         try:
-            result = await self.generate_batch(item)
+            if self.scheduler is not None:
+                result = await asyncio.wrap_future(self.scheduler.submit(item))
+            else:
+                result = await self.generate_batch(item)
+            self._observe(result)
         except asyncio.CancelledError:
             item.cancelled.set()  # the batch's observer stops the generate call between steps
             logger.info("request %s cancelled by its client", rid)
@@ -161,22 +172,21 @@ class ImageDeployment:
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.01, batch_size_fn=lambda items: sum(i.images for i in items))
     async def generate_batch(self, items):
-        results = await asyncio.to_thread(self.service.run, items)
-        seen = set()
-        for r in results:
-            stats = getattr(r, "stats", None)
-            if stats is None or id(stats) in seen:
-                continue
-            seen.add(id(stats))  # one observation per generate call
-            self.metrics["batch"].observe(stats["batch_images"])
-            self.metrics["images"].inc(stats["requested_images"])
-            self.metrics["steps"].observe(stats["steps_per_image"])
-            self.metrics["accepted"].observe(stats["mean_accepted_length"])
-            self.metrics["phase"].observe(stats["generate_seconds"], tags={"phase": "generate"})
-            self.metrics["phase"].observe(stats["decode_seconds"], tags={"phase": "decode"})
-            for phase, seconds in stats["phase_seconds"].items():
-                self.metrics["phase"].observe(seconds, tags={"phase": phase})
-        return results
+        return await asyncio.to_thread(self.service.run, items)
+
+    def _observe(self, result):
+        """A served request's metrics (one observation per request)."""
+        stats = getattr(result, "stats", None)
+        if stats is None:
+            return
+        self.metrics["batch"].observe(stats["requested_images"])
+        self.metrics["images"].inc(len(result.tokens))
+        self.metrics["steps"].observe(stats["steps_per_image"])
+        self.metrics["accepted"].observe(stats["mean_accepted_length"])
+        self.metrics["phase"].observe(stats["generate_seconds"], tags={"phase": "generate"})
+        self.metrics["phase"].observe(stats["decode_seconds"], tags={"phase": "decode"})
+        for phase, seconds in stats["phase_seconds"].items():
+            self.metrics["phase"].observe(seconds, tags={"phase": phase})
 
 
 def _replica_grpc_on_loopback():
@@ -206,13 +216,18 @@ def build_app(engine_dir, options):
     """The Ray Serve application for an engine directory (a path every node of the cluster can read)."""
     if options.max_batch < 1 or options.replicas < 1 or options.max_queued_requests < 1:
         raise LanternError("max batch, replicas and max queued requests must be >= 1")
+    if options.batching not in ("continuous", "calls"):
+        raise LanternError(f"unknown batching {options.batching!r}; valid: continuous, calls")
     deployment = serve.deployment(
         ImageDeployment,
         name="lantern-images",
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.gpus_per_replica},
-        # enough requests in a replica to fill a batch while the previous one runs
-        max_ongoing_requests=2 * options.max_batch,
+        # continuous: every request a replica may take waits in it (its scheduler's queue, in
+        # order) rather than bouncing between Ray's router and a full replica; calls: enough to
+        # fill a batch while the previous one runs
+        max_ongoing_requests=options.max_batch + options.max_queued_requests if options.batching == "continuous"
+        else 2 * options.max_batch,
         max_queued_requests=options.max_queued_requests,
         graceful_shutdown_timeout_s=options.shutdown_timeout_s,
         health_check_period_s=10,

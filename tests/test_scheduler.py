@@ -1,0 +1,107 @@
+"""The serving scheduler (tools/scheduler.py: requests onto continuous batches) without Ray, on
+tiny real engines: every request's images equal Engine.generate of that request alone, whatever
+ran beside it (several settings keys taking turns, more keys than batches held, requests of
+several images); cancelled requests leave; one request's failure is its own."""
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from lantern.runtime.generator import DECODE_CHUNK, Engine
+from lantern.runtime.plan import decode_bytes, estimate_bytes
+from lantern.runtime.tree import build_tree, root_only
+from lantern.tools.image_service import _concat, Cancelled, ImageService, RequestError
+from lantern.tools.scheduler import MAX_BATCHES, Scheduler
+
+
+@pytest.fixture(scope="module")
+def service(c2i_engine):
+    return ImageService(Engine(c2i_engine, threads=1), max_batch=4)
+
+
+def parse(service, **body):
+    return service.parse(json.dumps(body).encode())
+
+
+def alone(service, request):
+    return service.engine.generate(request.settings, **_concat([request.condition], 0), seed=request.seed,
+                                   tree=service.tree_for(request)).tokens
+
+
+def test_requests_of_several_keys_equal_their_generation_alone(service):
+    modes = [{"mode": "lantern++", "k": 8}, {"mode": "exact", "greedy": True}, {"mode": "ar", "top_k": 30},
+             {"mode": "exact", "proposer": "jacobi", "window": 3}]
+    assert len(modes) > MAX_BATCHES  # some key waits for a batch to drain
+    requests = [parse(service, classes=[i % 10], seed=i, n=1 + i % 2, settings=modes[i % len(modes)])
+                for i in range(14)]
+    scheduler = Scheduler(service)
+    try:
+        futures = [scheduler.submit(r) for r in requests]
+        results = [f.result(timeout=600) for f in futures]
+    finally:
+        scheduler.close()
+    shared = []
+    for request, result in zip(requests, results):
+        assert not isinstance(result, Exception), result
+        np.testing.assert_array_equal(result.tokens, alone(service, request))
+        assert result.images.shape[0] == request.images  # decoded
+        shared.append(result.stats["requested_images"])
+    assert max(shared) > 1.5, shared  # images really ran side by side
+
+
+def test_a_cancelled_request_leaves_and_the_others_finish(service):
+    settings = {"mode": "lantern++", "greedy": True}
+    requests = [parse(service, classes=[c], seed=c, settings=settings) for c in range(5)]
+    scheduler = Scheduler(service)
+    try:
+        futures = [scheduler.submit(r) for r in requests]
+        requests[1].cancelled.set()
+        results = [f.result(timeout=600) for f in futures]
+    finally:
+        scheduler.close()
+    for i, (request, result) in enumerate(zip(requests, results)):
+        if i == 1:
+            assert isinstance(result, Cancelled) or np.array_equal(result.tokens, alone(service, request))
+        else:
+            np.testing.assert_array_equal(result.tokens, alone(service, request))
+
+
+def test_a_request_that_fails_fails_alone(c2i_engine):
+    """A batch the replica's memory cannot hold (a wide jacobi window's dense q, under a memory
+    limit between its need and AR's) fails when it starts: that request gets a 503 with the
+    reason, the others are served."""
+    engine = Engine(c2i_engine, threads=1)
+    service = ImageService(engine, max_batch=2)
+    wide = parse(service, classes=[1], settings={"mode": "exact", "proposer": "jacobi", "window": 17,
+                                                           "cfg_scale": 3.0})
+    fine = [parse(service, classes=[c], seed=c, settings={"mode": "ar", "greedy": True, "cfg_scale": 3.0})
+            for c in (2, 3, 4)]
+    prefix = engine.condition.prefix(True, classes=[1, 1])
+    need = [estimate_bytes(engine.manifest, tree, prefix, 4, drafter=False) for tree in (root_only(), build_tree("chain-16"))]
+    decode = decode_bytes(engine.manifest, 1, DECODE_CHUNK)  # a request's image is decoded under the limit too
+    engine.memory_limit = max(need[0], decode) * 1.05 / 0.8  # check_memory keeps 20% for everything else
+    assert need[1] > 0.8 * engine.memory_limit, (need, decode)
+    scheduler = Scheduler(service)
+    try:
+        futures = [scheduler.submit(r) for r in [fine[0], wide] + fine[1:]]
+        results = [f.result(timeout=600) for f in futures]
+    finally:
+        scheduler.close()
+    assert isinstance(results[1], RequestError) and results[1].status == 503
+    assert "GiB" in str(results[1]) and c2i_engine not in str(results[1])
+    for request, result in zip(fine, results[:1] + results[2:]):
+        np.testing.assert_array_equal(result.tokens, alone(service, request))
+
+
+def test_an_idle_scheduler_waits_without_spinning(service):
+    scheduler = Scheduler(service)
+    try:
+        start = time.process_time()
+        time.sleep(0.5)
+        assert time.process_time() - start < 0.2  # the worker blocks on its inbox
+        assert scheduler.thread.is_alive() and threading.active_count() >= 2
+    finally:
+        scheduler.close()
+    assert not scheduler.thread.is_alive()

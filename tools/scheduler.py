@@ -1,0 +1,232 @@
+"""Requests of an ImageService onto continuous batches (lantern.runtime.continuous): what a
+serving replica runs instead of one generate call per batch of requests.
+
+    scheduler = Scheduler(service)                 # starts its worker thread
+    future = scheduler.submit(request)             # an ImageRequest from service.parse
+    result = future.result()                       # ImageResult, or the exception it gets
+
+One worker thread owns the engine. Each settings key (the request's key: settings, grid, prompt
+length) gets a running batch of `slots` images (the service's largest batch size); a request's
+images join free slots at a step boundary and leave the step they are done, so the batch stays
+full while requests keep coming and a request that arrives one step late waits one step, not a
+whole generation. Keys with work take turns one step at a time; at most MAX_BATCHES batches
+are held at once (each holds its caches), and while another key waits for one, the running
+batches stop admitting and drain. A request is answered when its last image is done (decoded
+then, when the engine has a VQ decoder); a cancelled request's images leave their slots at the
+next step boundary.
+
+Every image depends on its own seed and settings only, so a served image equals
+`Engine.generate` of its request alone (tests/test_scheduler.py)."""
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+
+import numpy as np
+
+from lantern.runtime.continuous import ContinuousBatch
+from lantern.runtime.errors import LanternError
+from lantern.runtime.streams import image_seeds
+from lantern.tools.image_service import Cancelled, ImageResult, RequestError, ROWS
+
+MAX_BATCHES = 2  # running batches (settings keys) held at once
+logger = logging.getLogger(__name__)
+
+
+class _Job:
+    """A request in flight: its future, and its images as they finish."""
+
+    def __init__(self, request):
+        self.request, self.future = request, concurrent.futures.Future()
+        self.tokens = [None] * request.images
+        self.stats = []
+        self.left = request.images
+
+
+class Scheduler:
+    def __init__(self, service, slots=None):
+        self.service, self.engine = service, service.engine
+        self.slots = slots or max(service.sizes)
+        self.inbox = queue.Queue()
+        self.pending = collections.OrderedDict()  # key -> deque of (job, image index) not yet admitted
+        self.batches = {}  # key -> ContinuousBatch
+        self.turn = collections.deque()  # keys in the order they take steps
+        self.steps = 0
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._work, name="lantern-scheduler", daemon=True)
+        self.thread.start()
+
+    def submit(self, request):
+        job = _Job(request)
+        self.inbox.put(job)
+        return job.future
+
+    def close(self):
+        self._stop.set()
+        self.inbox.put(None)
+        self.thread.join()
+
+    # -- the worker ------------------------------------------------------------------------------
+    def _work(self):
+        while not self._stop.is_set():
+            busy = any(b.running for b in self.batches.values()) or any(self.pending.values())
+            self._take(block=not busy)
+            self._drop_cancelled()
+            key = self._next_key()
+            if key is None:
+                continue
+            try:
+                self._admit(key)
+                self._step(key)
+            except Exception as e:  # noqa: BLE001 -- the failure belongs to this batch's requests
+                self._fail(key, e)
+
+    def _take(self, block):
+        """New requests from the inbox (waiting for one when there is nothing else to do)."""
+        try:
+            job = self.inbox.get(block=block)
+            while True:
+                if job is not None:
+                    images = self.pending.setdefault(job.request.key, collections.deque())
+                    images.extend((job, j) for j in range(job.request.images))
+                    if job.request.key not in self.turn:
+                        self.turn.append(job.request.key)
+                job = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _next_key(self):
+        """The next key with work, in turn."""
+        for _ in range(len(self.turn)):
+            key = self.turn[0]
+            self.turn.rotate(-1)
+            batch = self.batches.get(key)
+            if (batch is not None and batch.running) or self.pending.get(key):
+                if batch is None and len(self.batches) >= MAX_BATCHES and not self._free_a_batch():
+                    continue  # waits until a running batch drains
+                return key
+            if batch is not None:  # idle: let its caches go
+                batch.close()
+                del self.batches[key]
+            if not self.pending.get(key):
+                self.pending.pop(key, None)
+                self.turn.remove(key)
+        return None
+
+    def _free_a_batch(self):
+        for key, batch in list(self.batches.items()):
+            if not batch.running:
+                batch.close()
+                del self.batches[key]
+                return True
+        return False
+
+    def _admit(self, key):
+        waiting = self.pending.get(key)
+        if not waiting:
+            return
+        others_wait = any(k not in self.batches and q for k, q in self.pending.items() if k != key)
+        batch = self.batches.get(key)
+        if batch is None:
+            request = waiting[0][0].request
+            batch = self.batches[key] = ContinuousBatch(self.engine, request.settings, self.slots,
+                                                        self.service.tree_for(request))
+        elif others_wait and len(self.batches) >= MAX_BATCHES:
+            return  # drain, so the waiting key gets a batch
+        while waiting and batch.free:
+            job, j = waiting[0]
+            if job.future.done():  # answered already (another of its images failed)
+                waiting.popleft()
+                continue
+            try:
+                joined = batch.admit(_one_image(job.request.condition, j), image_seeds(job.request.seed,
+                                                                                        job.request.images)[j],
+                                     (job, j))
+            except LanternError as e:  # parse checked the condition: what is left is the server's (memory)
+                waiting.popleft()
+                self._finish_with(job, RequestError(503, self.service.public(str(e))))
+                continue
+            if not joined:
+                break  # does not fit this batch: waits until it drains
+            waiting.popleft()
+
+    def _step(self, key):
+        batch = self.batches[key]
+        if not batch.running:
+            return
+        for done in batch.step():
+            job, j = done.tag
+            if job.future.done():
+                continue
+            job.tokens[j] = done.tokens[0]
+            job.stats.append(done.stats)
+            job.left -= 1
+            if job.left == 0:
+                try:
+                    self._answer(job, batch)
+                except Exception as e:  # noqa: BLE001 -- e.g. decoding it needs more memory than there is
+                    logger.error("request %s failed: %s: %s", job.request.request_id, type(e).__name__, e)
+                    self._finish_with(job, e if isinstance(e, RequestError) else
+                                      RequestError(503, self.service.public(str(e))))
+        self.steps += 1
+
+    def _answer(self, job, batch):
+        tokens = np.stack(job.tokens)
+        decode_seconds, pictures = 0.0, None
+        if "vq_decoder" in self.engine.manifest.graphs:
+            start = time.perf_counter()
+            pictures = self.engine.decode(tokens, batch.plan.prefix.grid)
+            decode_seconds = time.perf_counter() - start
+        s = job.stats
+        steps = float(np.mean([x["steps_per_image"] for x in s]))
+        stats = dict(batch.stats, images=len(tokens), continuous=True, batch_images=self.slots,
+                     # the images it shared its steps with, on average, itself included
+                     requested_images=float(np.mean([x["mean_running_images"] for x in s])),
+                     steps_per_image=steps, mean_accepted_length=float(np.mean([x["mean_accepted_length"] for x in s])),
+                     generate_seconds=float(max(x["engine_seconds"] for x in s)), decode_seconds=decode_seconds,
+                     seconds=float(max(x["seconds"] for x in s)), phase_seconds={})
+        job.future.set_result(ImageResult(job.request, tokens, pictures, stats))
+
+    def _drop_cancelled(self):
+        for key, waiting in self.pending.items():
+            for item in [x for x in waiting if x[0].request.cancelled.is_set()]:
+                waiting.remove(item)
+                self._finish_with(item[0], Cancelled("the client went away"))
+        for batch in self.batches.values():
+            for tag in [t for t in batch.owner if t is not None and t[0].request.cancelled.is_set()]:
+                batch.cancel(tag)
+                self._finish_with(tag[0], Cancelled("the client went away"))
+
+    def _fail(self, key, error):
+        logger.error("batch of %s failed: %s: %s", key, type(error).__name__, error)
+        if not isinstance(error, RequestError):
+            error = RequestError(503, self.service.public(str(error)))
+        batch = self.batches.pop(key, None)
+        jobs = {t[0] for t in batch.owner if t is not None} if batch is not None else set()
+        jobs |= {job for job, _ in self.pending.pop(key, ())}
+        for job in jobs:
+            self._finish_with(job, error)
+        if key in self.turn:
+            self.turn.remove(key)
+        if batch is not None:
+            try:
+                batch.close()
+            except Exception:  # noqa: BLE001 -- already failing; the next batch makes a new plan
+                pass
+
+    @staticmethod
+    def _finish_with(job, error):
+        if not job.future.done():
+            job.future.set_result(error)
+
+
+def _one_image(condition, j):
+    """Image j's condition (generate's arguments for one image) from a request's per-image lists."""
+    out = {"grid": condition["grid"]} if "grid" in condition else {}
+    for name in ROWS:
+        if name in condition:
+            row = [condition[name][j]]
+            out[name] = np.asarray(row, dtype=np.float32) if name == "caption" else row
+    return out
