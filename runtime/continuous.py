@@ -8,8 +8,8 @@ running each batch to its slowest image.
         for done in batch.step():                       # Finished images, the step they finish
             ...
 
-How an image joins: it is prefilled on its own (a one-image plan: the prefill Engine.generate of
-that image alone runs), then its state moves into a free slot of the running plan: its rows of
+How an image joins: it is prefilled on a plan of its own (with the images joining at the same
+step: groups of 1, 2, 4, ...), then its state moves into a free slot of the running plan: its rows of
 the KV caches, the rows of the feeds that carry state from one step to the next (draft0's pairs,
 the condition embeddings), its counters and position offsets, its proposer's state
 (`proposer.adopt`) and its random stream. The running plan keeps its shapes (static, bound
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lantern.runtime.errors import LanternError
+from lantern.runtime.kvcache import cache_layout
 from lantern.runtime.plan import StepPlan
 from lantern.runtime.settings import GenerationSettings
 
@@ -61,7 +62,7 @@ class ContinuousBatch:
         self.admitted = np.zeros(slots)  # when each slot's image joined (perf_counter)
         self.engine_seconds = np.zeros(slots)  # its prefill and the steps it ran in
         self.shared = np.zeros(slots)  # the running images of the steps it ran in, summed
-        self.small = None  # the one-image plan joiners are prefilled on
+        self.small = {}  # joiners per prefill -> the plan they are prefilled on
         self.lock = threading.Lock()  # one admit or step at a time
 
     @property
@@ -87,23 +88,35 @@ class ContinuousBatch:
         """Image `tag` (condition: generate's condition arguments for one image; seed: its int
         seed) into a free slot, prefilled; False where it cannot join now (no free slot, or its
         prompt or grid does not fit the running plan: it waits for a batch of its own)."""
+        return self.admit_many([(condition, seed, tag)]) == 1
+
+    def admit_many(self, images):
+        """Images [(condition, seed, tag)] into free slots, in order, prefilled together in groups
+        of 1, 2, 4, ... (one prefill call per group); how many joined (it stops at the first that
+        cannot join now)."""
         with self.lock, self.engine._lock:
-            if self.decoding is None:
-                self._start(condition, seed)
-            if self.free == 0:
-                return False
-            joining = self._joiner(condition, seed)
-            if joining is None:
-                return False
-            setup, plan = joining
-            n = self.owner.index(None)
-            start = time.perf_counter()
-            joiner = setup.decoding(self.engine, plan)
-            joiner.prefill()
-            self._take(joiner, n)
-            self.owner[n], self.steps[n], self.admitted[n] = tag, 0, start
-            self.engine_seconds[n], self.shared[n] = time.perf_counter() - start, 0.0
-            return True
+            if images and self.decoding is None:
+                self._start(*images[0][:2])
+            joined = 0
+            while joined < len(images) and self.free:
+                k = 1 << (min(len(images) - joined, self.free).bit_length() - 1)  # a power of two
+                group = images[joined: joined + k]
+                setup = self._joiner(group)
+                if setup is None and k > 1:  # one of them does not fit: try them one at a time
+                    setup, group = self._joiner(group[:1]), group[:1]
+                if setup is None:
+                    break
+                start = time.perf_counter()
+                joiner = setup.decoding(self.engine, self._small_plan(setup))
+                joiner.prefill()
+                seconds = (time.perf_counter() - start) / len(group)
+                for i, (_, _, tag) in enumerate(group):
+                    n = self.owner.index(None)
+                    self._take(joiner, i, n)
+                    self.owner[n], self.steps[n], self.admitted[n] = tag, 0, start
+                    self.engine_seconds[n], self.shared[n] = seconds, 0.0
+                joined += len(group)
+            return joined
 
     def _start(self, condition, seed):
         """The running plan, from the first image: every slot prefilled with it, all free."""
@@ -122,43 +135,49 @@ class ContinuousBatch:
         d.prefill()
         d.count[:] = d.length  # every slot free until an image joins
 
-    def _joiner(self, condition, seed):
-        """The joiner's Setup (the batch's proposer kind, its own prefix and seed) and the plan it
-        is prefilled on, or None where it does not fit the running plan."""
+    def _joiner(self, group):
+        """The Setup of a group of joiners prefilled together (the batch's proposer kind, their
+        own prefix and seeds), or None where one does not fit the running plan."""
         e, d = self.engine, self.decoding
+        for condition, _, _ in group:
+            if e.condition.prefix(self.setup.settings.cfg, **condition).images != 1:
+                raise LanternError("admit takes one image's condition per image")
+        condition = _concat([c for c, _, _ in group])
         prefix = e.condition.prefix(self.setup.settings.cfg, **condition)
-        if prefix.images != 1:
-            raise LanternError(f"admit takes one image's condition, got {prefix.images}")
-        e._check_positions(prefix)
+        e.check_positions(prefix)
         if not np.array_equal(prefix.forced, self.plan.prefix.forced):  # another grid
             return None
-        setup = dataclasses.replace(self.setup, prefix=prefix, seeds=[int(seed)], proposer=copy.copy(d.proposer))
-        plan = self._small_plan(setup)
-        if plan.target_cache.capacity > self.plan.target_cache.capacity:
+        if cache_layout(e.manifest, prefix, d.tree, self.plan.drafts)[2] > self.plan.target_cache.capacity:
             return None  # a longer prompt than the running plan holds
-        return setup, plan
+        return dataclasses.replace(self.setup, prefix=prefix, seeds=[int(seed) for _, seed, _ in group],
+                                   proposer=copy.copy(d.proposer))
 
     def _small_plan(self, setup):
-        e, tree, drafter = self.engine, setup.proposer.tree, setup.proposer.drafter
-        if self.small is not None and self.small.fits(setup.prefix):
-            self.small.reset(setup.prefix, setup.feeds)
-        else:
-            self.small = StepPlan(e.manifest, e.backend, tree, setup.prefix, setup.feeds, drafter)
-        return self.small
+        """The plan a group of joiners is prefilled on: one per group size, kept (its memory
+        checked as generate's)."""
+        e, tree, drafter, k = self.engine, setup.proposer.tree, setup.proposer.drafter, setup.prefix.images
+        plan = self.small.get(k)
+        if plan is not None and plan.fits(setup.prefix):
+            plan.reset(setup.prefix, setup.feeds)
+            return plan
+        self.small.pop(k, None)
+        e.check_memory(tree, setup.prefix, drafter)
+        plan = self.small[k] = StepPlan(e.manifest, e.backend, tree, setup.prefix, setup.feeds, drafter)
+        return plan
 
-    def _take(self, joiner, n):
-        """The prefilled joiner's state (its image 0) as slot n's."""
+    def _take(self, joiner, i, n):
+        """Image i of the prefilled joiners as slot n's image."""
         d, plan, small, backend = self.decoding, self.plan, joiner.plan, self.engine.backend
-        rows, src = np.flatnonzero(d.image_of_row == n), np.flatnonzero(joiner.image_of_row == 0)
+        rows, src = np.flatnonzero(d.image_of_row == n), np.flatnonzero(joiner.image_of_row == i)
         for cache, from_cache in ((plan.target_cache, small.target_cache), (plan.drafter_cache, small.drafter_cache)):
             if cache is None:
                 continue
-            width = from_cache.capacity
             for r, s in zip(rows, src):
-                backend.copy(from_cache.keys[:, s: s + 1], cache.keys[:, r: r + 1, :, :width])
-                backend.copy(from_cache.values[:, s: s + 1], cache.values[:, r: r + 1, :, :width])
+                width = int(from_cache.length[s])  # what prefill filled (the drafter's: nothing yet)
+                backend.copy(from_cache.keys[:, s: s + 1, :, :width], cache.keys[:, r: r + 1, :, :width])
+                backend.copy(from_cache.values[:, s: s + 1, :, :width], cache.values[:, r: r + 1, :, :width])
                 cache.visible[r] = False
-                cache.visible[r, :width] = from_cache.visible[s]
+                cache.visible[r, :width] = from_cache.visible[s, :width]
                 cache.length[r] = from_cache.length[s]
         # feeds that carry state between steps: draft0's pairs and the condition embeddings
         carried = [("draft0", name) for name in ("input_ids", "position_ids", "target_hidden")] + \
@@ -170,9 +189,9 @@ class ContinuousBatch:
         if "draft0" in plan.calls:
             plan.calls["draft0"].block[rows] = small.calls["draft0"].block[src]
         d.offset[rows] = joiner.offset[src]
-        d.tokens[n], d.count[n] = joiner.tokens[0], joiner.count[0]
-        d.streams.generators[n] = joiner.streams.generators[0]
-        d.proposer.adopt(joiner.proposer, 0, n)
+        d.tokens[n], d.count[n] = joiner.tokens[i], joiner.count[i]
+        d.streams.generators[n] = joiner.streams.generators[i]
+        d.proposer.adopt(joiner.proposer, i, n)
 
     # -- running -----------------------------------------------------------------------------------
     def step(self):
@@ -215,6 +234,16 @@ class ContinuousBatch:
             if self.decoding is not None:
                 self.engine.backend.release(self.plan)
             self.decoding = None
+
+
+def _concat(conditions):
+    """Several images' conditions (generate's arguments, one image each) as one call's."""
+    out = {"grid": conditions[0]["grid"]} if "grid" in conditions[0] else {}
+    for name, first in conditions[0].items():
+        if name != "grid":
+            rows = [c[name] for c in conditions]
+            out[name] = np.concatenate(rows) if isinstance(first, np.ndarray) else [r for row in rows for r in row]
+    return out
 
 
 def _repeat(rows, times):

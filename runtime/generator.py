@@ -200,7 +200,7 @@ class Engine:
                                    f"be ranks 0..w-1 (drafts drawn without replacement in rank order)")
         prefix = self.condition.prefix(settings.cfg, **condition)
         seeds = image_seeds(seed, prefix.images)
-        self._check_positions(prefix)
+        self.check_positions(prefix)
         if jacobi:
             proposer, (source, why) = self._jacobi(settings, prefix.images)
         else:
@@ -241,7 +241,7 @@ class Engine:
             raise LanternError(f"the device step cannot run this generation: {why}; use step='host'")
         return "host"
 
-    def _check_positions(self, prefix):
+    def check_positions(self, prefix):
         """Every token fed to the model (the prefix and all generated tokens but the last) needs a
         position the model has (its RoPE table); positions past it would be clamped silently."""
         limit = self.manifest.max_positions

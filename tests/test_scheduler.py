@@ -105,3 +105,14 @@ def test_an_idle_scheduler_waits_without_spinning(service):
     finally:
         scheduler.close()
     assert not scheduler.thread.is_alive()
+
+
+def test_a_prompt_past_the_models_positions_is_refused_at_parse(chameleon_engines):
+    """A client's prompt and grid the model has no positions for is the client's error (400),
+    found before it is queued, not a server failure when its batch starts."""
+    service = ImageService(Engine(chameleon_engines["lumina_mgpt"], threads=1), max_batch=2)
+    limit = service.engine.manifest.max_positions
+    with pytest.raises(RequestError) as e:
+        parse(service, prompt_ids=[5] * (limit - 4), grid=[4, 4])
+    assert e.value.status == 400 and "positions" in str(e.value) and "\n" not in str(e.value)
+    parse(service, prompt_ids=[5, 6], grid=[4, 4])  # a short one is fine

@@ -219,8 +219,9 @@ class ImageService:
         if response not in RESPONSES:
             raise RequestError(400, f"response must be one of {', '.join(RESPONSES)}, got {response!r}")
         condition = {name: data[name] for name in CONDITION_FIELDS if data.get(name) is not None}
-        try:  # the engine's own checks of the condition (kinds, class range, caption shape)
+        try:  # the engine's own checks of the condition (kinds, class range, caption shape, positions)
             prefix = self.engine.condition.prefix(settings.cfg, **condition)
+            self.engine.check_positions(prefix)
         except LanternError as e:
             raise RequestError(400, str(e)) from None
         except (TypeError, ValueError, OverflowError) as e:

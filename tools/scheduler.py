@@ -135,27 +135,33 @@ class Scheduler:
                                                         self.service.tree_for(request))
         elif others_wait and len(self.batches) >= MAX_BATCHES:
             return  # drain, so the waiting key gets a batch
-        while waiting and batch.free:
-            job, j = waiting[0]
-            if job.future.done():  # answered already (another of its images failed)
-                waiting.popleft()
-                continue
-            try:
-                joined = batch.admit(_one_image(job.request.condition, j), image_seeds(job.request.seed,
-                                                                                        job.request.images)[j],
-                                     (job, j))
-            except LanternError as e:  # parse checked the condition: what is left is the server's (memory)
-                waiting.popleft()
-                self._finish_with(job, RequestError(503, self.service.public(str(e))))
-                continue
-            if not joined:
-                break  # does not fit this batch: waits until it drains
+        while waiting and waiting[0][0].future.done():  # answered already (another of its images failed)
             waiting.popleft()
+        group = [x for x in list(waiting)[: batch.free] if not x[0].future.done()]
+        try:
+            joined = batch.admit_many([self._image(job, j) for job, j in group])
+        except LanternError:  # one at a time, so the failure is only that image's request's
+            joined = 0
+            for job, j in group:
+                try:
+                    if not batch.admit_many([self._image(job, j)]):
+                        break
+                except LanternError as e:  # parse checked the condition: what is left is the server's (memory)
+                    self._finish_with(job, RequestError(503, self.service.public(str(e))))
+                joined += 1
+        for _ in range(joined):
+            waiting.popleft()
+
+    @staticmethod
+    def _image(job, j):
+        r = job.request
+        return _one_image(r.condition, j), image_seeds(r.seed, r.images)[j], (job, j)
 
     def _step(self, key):
         batch = self.batches[key]
         if not batch.running:
             return
+        answered = []
         for done in batch.step():
             job, j = done.tag
             if job.future.done():
@@ -164,30 +170,40 @@ class Scheduler:
             job.stats.append(done.stats)
             job.left -= 1
             if job.left == 0:
-                try:
-                    self._answer(job, batch)
-                except Exception as e:  # noqa: BLE001 -- e.g. decoding it needs more memory than there is
-                    logger.error("request %s failed: %s: %s", job.request.request_id, type(e).__name__, e)
-                    self._finish_with(job, e if isinstance(e, RequestError) else
-                                      RequestError(503, self.service.public(str(e))))
+                answered.append(job)
         self.steps += 1
+        if answered:
+            try:
+                self._answer(answered, batch)
+            except LanternError:  # e.g. decoding them at once needs more memory than there is: one by one
+                for job in answered:
+                    try:
+                        self._answer([job], batch)
+                    except Exception as e:  # noqa: BLE001 -- this request's failure
+                        logger.error("request %s failed: %s: %s", job.request.request_id, type(e).__name__, e)
+                        self._finish_with(job, RequestError(503, self.service.public(str(e))))
 
-    def _answer(self, job, batch):
-        tokens = np.stack(job.tokens)
-        decode_seconds, pictures = 0.0, None
+    def _answer(self, jobs, batch):
+        """The requests done this step, their images decoded in one call."""
+        codes = [np.stack(job.tokens) for job in jobs]
+        images = sum(len(c) for c in codes)
+        decode_seconds, pictures = 0.0, [None] * len(jobs)
         if "vq_decoder" in self.engine.manifest.graphs:
             start = time.perf_counter()
-            pictures = self.engine.decode(tokens, batch.plan.prefix.grid)
+            decoded = self.engine.decode(np.concatenate(codes), batch.plan.prefix.grid)
             decode_seconds = time.perf_counter() - start
-        s = job.stats
-        steps = float(np.mean([x["steps_per_image"] for x in s]))
-        stats = dict(batch.stats, images=len(tokens), continuous=True, batch_images=self.slots,
-                     # the images it shared its steps with, on average, itself included
-                     requested_images=float(np.mean([x["mean_running_images"] for x in s])),
-                     steps_per_image=steps, mean_accepted_length=float(np.mean([x["mean_accepted_length"] for x in s])),
-                     generate_seconds=float(max(x["engine_seconds"] for x in s)), decode_seconds=decode_seconds,
-                     seconds=float(max(x["seconds"] for x in s)), phase_seconds={})
-        job.future.set_result(ImageResult(job.request, tokens, pictures, stats))
+            pictures = np.split(decoded, np.cumsum([len(c) for c in codes])[:-1])
+        for job, tokens, picture in zip(jobs, codes, pictures):
+            s = job.stats
+            stats = dict(batch.stats, images=len(tokens), continuous=True, batch_images=self.slots,
+                         # the images it shared its steps with, on average, itself included
+                         requested_images=float(np.mean([x["mean_running_images"] for x in s])),
+                         steps_per_image=float(np.mean([x["steps_per_image"] for x in s])),
+                         mean_accepted_length=float(np.mean([x["mean_accepted_length"] for x in s])),
+                         generate_seconds=float(max(x["engine_seconds"] for x in s)),
+                         decode_seconds=decode_seconds * len(tokens) / images,  # its share of the call
+                         seconds=float(max(x["seconds"] for x in s)), phase_seconds={})
+            job.future.set_result(ImageResult(job.request, tokens, picture, stats))
 
     def _drop_cancelled(self):
         for key, waiting in self.pending.items():

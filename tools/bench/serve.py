@@ -1,11 +1,17 @@
 """Serving benchmark: `lantern-run serve` (its HTTP front and Ray application, as the command
 runs them) on this machine, loopback only, under 1, 8, 32, 64 and 128 concurrent clients, with 1
-and 2 replicas. Prints JSON: throughput (images/s), p50/p95/p99 latency, mean images per generate
-call and the engines' busy share (from the calls' own timings in the answers) per level, whether
-every answer is token-equal to direct generation of the same request, and the memory (RSS) of all
-Ray processes.
+and 2 replicas, continuous batching (the server's default) and per-call batching (`--batching
+calls`, the way before) side by side. Prints JSON: throughput (images/s), p50/p95/p99 latency,
+mean images per generate call and the engines' busy share (from the answers' own timings) per
+level, whether every answer is token-equal to direct generation of the same request, and the
+memory (RSS) of all Ray processes.
 
     python -m lantern.tools.bench.serve engines/demo --max-batch 8
+
+With continuous batching there are no generate calls: an answer's `requested_images` is the
+number of images its steps ran beside, itself included (the mean over its steps), and its
+`generate_seconds` the time of its prefill and those steps, so "images per call" is the running
+batch's mean occupancy and the busy share the engine's.
 
 Requests sample (default mode ar with CFG, the fastest on a CPU for the demo model), one image
 each: request i asks for class i % C with seed i % 3C, so the expected tokens of every request
@@ -104,11 +110,12 @@ def _level(url, clients, requests, settings, classes, expected, replicas):
     }
 
 
-def _replicas(args, replicas, levels, settings, classes, expected):
-    """One server with this many replicas, measured at every level."""
+def _replicas(args, batching, replicas, levels, settings, classes, expected):
+    """One server with this batching and this many replicas, measured at every level."""
     options = ServeOptions(threads=max(1, os.cpu_count() // replicas), replicas=replicas,
                            cpus_per_replica=min(1.0, os.cpu_count() / replicas), max_batch=args.max_batch,
-                           batch_wait_s=args.batch_wait_ms / 1000, max_queued_requests=max(args.clients) * 2)
+                           batching=batching, batch_wait_s=args.batch_wait_ms / 1000,
+                           max_queued_requests=max(args.clients) * 2)
     t = time.perf_counter()
     server = start(args.engine, options, port=0, num_cpus=os.cpu_count(), object_store_memory=100 * 2**20,
                    log_to_driver=False)  # stdout is the report
@@ -145,23 +152,37 @@ def run(args):
         expected.update({key: row.tolist() for key, row in zip(part, tokens)})
     del engine, service
     report = {"engine": os.path.abspath(args.engine), "settings": settings, "max_batch": args.max_batch,
-              "cpus": os.cpu_count(), "load_average": os.getloadavg(), "replicas": {}}
+              "cpus": os.cpu_count(), "load_average": os.getloadavg(), "batching": {}}
     levels = [(c, max(args.requests_per_client * c, 4 * c)) for c in args.clients]
     with contextlib.redirect_stdout(sys.stderr):  # Ray prints its shutdown notes to stdout; it holds the report
-        for replicas in args.replicas:
-            report["replicas"][str(replicas)] = _replicas(args, replicas, levels, settings, classes, expected)
-    one = report["replicas"].get(str(min(args.replicas)), {}).get("levels", [])
-    rate = {lv["clients"]: lv["images_per_s"] for lv in one}
-    if 1 in rate and 32 in rate:
-        report["speedup_32_vs_1"] = rate[32] / rate[1]
-    if rate:  # throughput past saturation: the most clients' rate against the best level's
-        report["last_vs_peak"] = rate[max(rate)] / max(rate.values())
-    if len(args.replicas) > 1:
-        a, b = (report["replicas"][str(r)]["levels"][-1]["images_per_s"]
-                for r in (min(args.replicas), max(args.replicas)))
-        report["speedup_replicas"] = b / a
+        for batching in args.batching:
+            runs = {str(r): _replicas(args, batching, r, levels, settings, classes, expected) for r in args.replicas}
+            report["batching"][batching] = dict(_summary(runs, args.replicas), replicas=runs)
+    report["load_average_after"] = os.getloadavg()
     print(json.dumps(report, indent=2))
     return 0
+
+
+def _summary(runs, replicas):
+    """Throughput past saturation (each level against the best), occupancy at 32+ clients, p95
+    at 64, and what a second replica adds, for one batching."""
+    one = runs[str(min(replicas))]["levels"]
+    rate = {lv["clients"]: lv["images_per_s"] for lv in one}
+    out = {"all_correct": all(lv["all_correct"] for r in runs.values() for lv in r["levels"])}
+    if rate:
+        peak = max(rate.values())
+        out["vs_peak"] = {str(c): r / peak for c, r in rate.items()}
+        out["last_vs_peak"] = rate[max(rate)] / peak
+        busy = [lv["mean_images_per_call"] for lv in one if lv["clients"] >= 32]
+        if busy:
+            out["min_images_per_call_32_plus"] = min(busy)
+        out["p95_s_64"] = next((lv["p95_s"] for lv in one if lv["clients"] == 64), None)
+    if 1 in rate and 32 in rate:
+        out["speedup_32_vs_1"] = rate[32] / rate[1]
+    if len(replicas) > 1:
+        a, b = (runs[str(r)]["levels"][-1]["images_per_s"] for r in (min(replicas), max(replicas)))
+        out["speedup_replicas"] = b / a
+    return out
 
 
 def main(argv=None):
@@ -171,9 +192,12 @@ def main(argv=None):
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--long-run", type=int, default=1000, help="requests at the most clients (0: skip)")
-    p.add_argument("--max-batch", type=int, default=16, help="images per generate call (128 clients = 8x)")
+    p.add_argument("--max-batch", type=int, default=16, help="images a replica runs at once (128 clients = 8x)")
+    p.add_argument("--batching", nargs="+", choices=("continuous", "calls"), default=["continuous", "calls"],
+                   help="the servers measured: continuous batching (the default) and per-call batching (before)")
     p.add_argument("--batch-wait-ms", type=float, default=100.0,
-                   help="how long a batch waits to fill (20 ms measured: half-full batches at 32-64 clients)")
+                   help="--batching calls: how long a batch waits to fill (20 ms measured: half-full batches at "
+                        "32-64 clients)")
     p.add_argument("--mode", default="ar")
     p.add_argument("--proposer", default="tree", choices=("tree", "jacobi"), help="where drafts come from")
     p.add_argument("--window", type=int, default=6, help="--proposer jacobi: the window")
