@@ -48,14 +48,17 @@ class Finished:
 
 
 class ContinuousBatch:
-    def __init__(self, engine, settings, slots, tree=None):
+    def __init__(self, engine, settings, slots, tree=None, prefill_sizes=None):
         """A batch of `slots` images (an engine batch size) for these settings; tree: the draft
-        tree every image runs (as generate's), pinned for the batch's life."""
+        tree every image runs (as generate's), pinned for the batch's life; prefill_sizes: the
+        batch sizes joiners may be prefilled at (default 1, 2, 4, ...; a TensorRT engine's plans'
+        batches: a group smaller than any is padded with copies of its last image)."""
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise LanternError(f"slots must be an integer >= 1, got {slots!r}")
         if not isinstance(settings, GenerationSettings):
             raise LanternError("settings must be a GenerationSettings")
         self.engine, self.settings, self.slots, self.tree = engine, settings, slots, tree
+        self.prefill_sizes = sorted(prefill_sizes or [1 << i for i in range(slots.bit_length())])
         self.decoding = None  # the running batch's loop state, made by the first admit
         self.owner = [None] * slots  # tag per slot; None: free
         self.steps = np.zeros(slots, dtype=np.int64)
@@ -92,18 +95,18 @@ class ContinuousBatch:
 
     def admit_many(self, images):
         """Images [(condition, seed, tag)] into free slots, in order, prefilled together in groups
-        of 1, 2, 4, ... (one prefill call per group); how many joined (it stops at the first that
-        cannot join now)."""
+        of the prefill sizes (one prefill call per group); how many joined (it stops at the first
+        that cannot join now)."""
         with self.lock, self.engine._lock:
             if images and self.decoding is None:
                 self._start(*images[0][:2])
             joined = 0
             while joined < len(images) and self.free:
-                k = 1 << (min(len(images) - joined, self.free).bit_length() - 1)  # a power of two
-                group = images[joined: joined + k]
+                group = images[joined: joined + self._group_size(min(len(images) - joined, self.free))]
                 setup = self._joiner(group)
-                if setup is None and k > 1:  # one of them does not fit: try them one at a time
-                    setup, group = self._joiner(group[:1]), group[:1]
+                if setup is None and len(group) > 1:  # one of them does not fit: try them one at a time
+                    group = group[:1]
+                    setup = self._joiner(group)
                 if setup is None:
                     break
                 start = time.perf_counter()
@@ -117,6 +120,11 @@ class ContinuousBatch:
                     self.engine_seconds[n], self.shared[n] = seconds, 0.0
                 joined += len(group)
             return joined
+
+    def _group_size(self, n):
+        """Joiners per prefill for n waiting: the largest prefill size up to n (else n, padded)."""
+        fits = [k for k in self.prefill_sizes if k <= n]
+        return fits[-1] if fits else n
 
     def _start(self, condition, seed):
         """The running plan, from the first image: every slot prefilled with it, all free."""
@@ -142,6 +150,8 @@ class ContinuousBatch:
         for condition, _, _ in group:
             if e.condition.prefix(self.setup.settings.cfg, **condition).images != 1:
                 raise LanternError("admit takes one image's condition per image")
+        pad = next((k for k in self.prefill_sizes if k >= len(group)), len(group)) - len(group)
+        group = list(group) + [group[-1]] * pad  # copies of the last: prefilled, never taken
         condition = _concat([c for c, _, _ in group])
         prefix = e.condition.prefix(self.setup.settings.cfg, **condition)
         e.check_positions(prefix)

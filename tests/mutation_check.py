@@ -32,7 +32,7 @@ CFG_TEST = "tests/test_generator.py::test_cfg_interval_switches_to_conditional_l
 # (name, file, text, replacement, tests): `text` must occur exactly once in `file`.
 MUTANTS = [
     # Positions: the slips a step rewrite is most likely to make.
-    ("gen-verify-positions", "runtime/generator.py",
+    ("gen-verify-positions", "runtime/decoding.py",
      "self.positions(cache.length[:, None] + tree.depths[None, :])",
      "self.positions(cache.length[:, None] + 1 + tree.depths[None, :])",
      ["tests/test_references.py"]),
@@ -98,7 +98,7 @@ MUTANTS = [
      'payload = {"n": args.n,', 'payload = {"n": 1,',
      ["tests/test_serve_cli.py"]),
     # CFG interval: the boundary token.
-    ("cfg-interval-host", "runtime/generator.py",
+    ("cfg-interval-host", "runtime/decoding.py",
      "late = token_index >= self.cfg_interval",
      "late = token_index > self.cfg_interval",
      [CFG_TEST]),

@@ -33,7 +33,7 @@ def view_for(forced):
 
 
 def spec_logits(view, raw, cond_rows, uncond_rows, scale, interval, body):
-    """The host loop's combination (generator._Decoding.combined_logits) in numpy."""
+    """The host loop's combination (decoding.Decoding.combined_logits) in numpy."""
     gathered = view.gather(raw).astype(np.float32)
     cond, uncond = gathered[cond_rows], gathered[uncond_rows]
     out = cond.copy() if (cond_rows == uncond_rows).all() else uncond + np.float32(scale) * (cond - uncond)
@@ -287,7 +287,7 @@ def sampling_case(rng, tree, rule, filters, *, images=3, cfg=False, forced=False
         drawn = Sampling().children(ids[:, level.parents], probs[:, level.parents], level.width,
                                     race[:, level.parents])
         tokens[:, level.nodes] = drawn[:, np.arange(len(level.nodes)), level.ranks]
-        column = view.forced_at(count - 1 + level.depth)  # generator._Decoding.force_drafts
+        column = view.forced_at(count - 1 + level.depth)  # decoding.Decoding.force_drafts
         for n in np.flatnonzero(column >= 0):
             tokens[n, level.nodes] = column[n]
             ids[n, level.parents] = column[n]

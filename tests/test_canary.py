@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engines import captions
-from lantern.runtime import generator
+from lantern.runtime import decoding
 from lantern.runtime.generator import Engine
 from references import chameleon_forward, llamagen_forward
 
@@ -56,8 +56,8 @@ def test_generating_with_positions_shifted_by_one_changes_the_tokens(c2i_engine,
     engine = Engine(c2i_engine, threads=2)
     kw = dict(greedy=True, cfg_scale=CFG, classes=[1, 2, 3])
     right = {mode: engine.generate(mode=mode, **kw).tokens for mode in ("ar", "exact")}
-    positions = generator._Decoding.positions
-    monkeypatch.setattr(generator._Decoding, "positions", lambda self, slots: positions(self, slots + 1))
+    positions = decoding.Decoding.positions
+    monkeypatch.setattr(decoding.Decoding, "positions", lambda self, slots: positions(self, slots + 1))
     for mode, tokens in right.items():
         late = engine.generate(mode=mode, **kw).tokens
         assert (late != tokens).mean() > 0.2, mode

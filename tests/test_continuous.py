@@ -99,6 +99,18 @@ def test_prompts_of_other_lengths_and_forced_line_ends(chameleon_engines):
     assert not batch.admit({"prompt": [short], "grid": (2, 4)}, 3, "other grid")
 
 
+def test_prefill_sizes_pad_a_lone_joiner(c2i):
+    """Joiners prefilled only at the sizes a compiled engine has plans for (here 2): a lone one
+    is padded with a copy of itself, the copy never taken."""
+    settings = GenerationSettings(mode="lantern++", cfg_scale=3.0)
+    batch = ContinuousBatch(c2i, settings, slots=3, prefill_sizes=[2])
+    images = [({"classes": [c]}, 3 * c, c) for c in range(5)]
+    got = run_staggered(batch, images, joins_per_step=1)
+    assert set(batch.small) == {2}
+    for condition, seed, tag in images:
+        np.testing.assert_array_equal(got[tag], c2i.generate(settings, **condition, seed=seed).tokens)
+
+
 def test_cancel_frees_the_slot_and_the_others_go_on(c2i):
     settings = GenerationSettings(mode="lantern++", greedy=True, cfg_scale=3.0)
     batch = ContinuousBatch(c2i, settings, slots=2)

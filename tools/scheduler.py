@@ -132,7 +132,7 @@ class Scheduler:
         if batch is None:
             request = waiting[0][0].request
             batch = self.batches[key] = ContinuousBatch(self.engine, request.settings, self.slots,
-                                                        self.service.tree_for(request))
+                                                        self.service.tree_for(request), self.service.sizes)
         elif others_wait and len(self.batches) >= MAX_BATCHES:
             return  # drain, so the waiting key gets a batch
         while waiting and waiting[0][0].future.done():  # answered already (another of its images failed)

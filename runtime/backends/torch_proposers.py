@@ -43,7 +43,7 @@ class DeviceDrafting:
         return ids.gather(2, first)
 
     def _force_drafts(self, level):
-        """As _Decoding.force_drafts: every draft at a forced body index is the forced token,
+        """As Decoding.force_drafts: every draft at a forced body index is the forced token,
         drawn by the drafter with probability 1 (its parents' candidates say so)."""
         torch, nodes = self.torch, level["nodes"]
         body = self.count - 1 + level["depth"]
@@ -100,7 +100,7 @@ class DeviceDrafting:
             hidden = out["hidden_out"]
 
     def _set_pending(self, hidden, cols, tokens, counts):
-        """draft0's feeds for the next step, as _Decoding.set_pending builds them on the host."""
+        """draft0's feeds for the next step, as Decoding.set_pending builds them on the host."""
         torch = self.torch
         iob = self.image_of_row
         feeds = self.feeds["draft0"]

@@ -3,7 +3,7 @@ loop's state as tensors on the backend's device, so a step's only traffic with t
 report, a few integers per image (what it emitted, how many drafts it accepted, whether its
 logits were void).
 
-What the host loop (generator._Decoding) builds on the host per step is built here by tensor ops
+What the host loop (decoding.Decoding) builds on the host per step is built here by tensor ops
 of fixed shapes: node tokens from the drafter's top-K, draft0's pairs from the outcome, position
 ids and attention masks from the caches' visible slots and lengths, and the commits into the
 caches. Acceptance is the exported module itself (lantern.export.accept_graphs.GreedyAcceptance,
@@ -83,7 +83,7 @@ def refusal(plan, sampler):
 class TorchDeviceStep(DeviceDrafting, DeviceJacobiWindow):
     """The device step of one plan: its tensors and, on CUDA, its captured graph, kept by the
     backend for the plan's next generations (load() refills the same tensors, so the graph
-    stays valid). decoding: the generator's _Decoding after prefill (its plan's feeds and caches
+    stays valid). decoding: the loop's Decoding (lantern.runtime.decoding) after prefill (its plan's feeds and caches
     hold the state the first step starts from); backend: the one it runs on (decoding.backend:
     every host crossing goes through its to_device / to_host)."""
 
@@ -202,7 +202,7 @@ class TorchDeviceStep(DeviceDrafting, DeviceJacobiWindow):
         """A generation's starting state (after its prefill) into the step's tensors."""
         torch, d, plan = self.torch, decoding, decoding.plan
         keep = self._keep
-        # the loop's state (mirrors of what _Decoding keeps on the host)
+        # the loop's state (mirrors of what Decoding keeps on the host)
         self.count = keep("count", d.count, np.int64)
         self.root = keep("root", d.tokens[np.arange(d.N), d.count - 1], np.int64)
         if self.drafts:

@@ -136,7 +136,7 @@ def _replicas(args, batching, replicas, levels, settings, classes, expected):
 
 
 def run(args):
-    settings = {"mode": args.mode, "cfg_scale": args.cfg_scale, "lam": args.lam, "k": args.k}
+    settings = {"mode": args.mode, "cfg_scale": args.cfg_scale, "lam": args.lam, "k": args.k, "greedy": args.greedy}
     if args.proposer != "tree":
         settings.update(proposer=args.proposer, window=args.window)
     engine = Engine(args.engine, threads=1)
@@ -201,6 +201,7 @@ def main(argv=None):
     p.add_argument("--mode", default="ar")
     p.add_argument("--proposer", default="tree", choices=("tree", "jacobi"), help="where drafts come from")
     p.add_argument("--window", type=int, default=6, help="--proposer jacobi: the window")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling)")
     p.add_argument("--cfg-scale", type=float, default=3.0)
     p.add_argument("--lam", type=float, default=5.0)
     p.add_argument("--k", type=int, default=20)
