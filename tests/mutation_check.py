@@ -140,6 +140,13 @@ MUTANTS = [
     ("cache-commit-slot", "runtime/kvcache.py",
      "dst = self.length[r] + np.nonzero(keep)[1]", "dst = self.length[r] + np.nonzero(keep)[1] + 1",
      ["tests/test_generator.py", "tests/test_references.py"]),
+    # Continuous batching: a joiner's state moved into its slot, all of it.
+    ("continuous-stream-left-behind", "runtime/continuous.py",
+     "d.streams.generators[n] = joiner.streams.generators[i]", "pass",
+     ["tests/test_continuous.py"]),
+    ("continuous-pending-left-behind", "runtime/continuous.py",
+     "d.proposer.adopt(joiner.proposer, i, n)", "pass",
+     ["tests/test_continuous.py"]),
     ("image-streams-shared", "runtime/streams.py",
      "return [int(seed) + i for i in range(images)]", "return [int(seed) for i in range(images)]",
      ["tests/test_streams.py"]),

@@ -116,3 +116,21 @@ def test_a_prompt_past_the_models_positions_is_refused_at_parse(chameleon_engine
         parse(service, prompt_ids=[5] * (limit - 4), grid=[4, 4])
     assert e.value.status == 400 and "positions" in str(e.value) and "\n" not in str(e.value)
     parse(service, prompt_ids=[5, 6], grid=[4, 4])  # a short one is fine
+
+
+def test_keys_take_turns(service):
+    """A request of another settings key that arrives behind many of one key runs beside them,
+    a step at a time, instead of waiting for them all."""
+    many = [parse(service, classes=[c % 10], seed=c, settings={"mode": "ar", "greedy": True}) for c in range(16)]
+    other = parse(service, classes=[3], seed=1, settings={"mode": "exact", "greedy": True})
+    done = {}
+    scheduler = Scheduler(service, slots=2)  # 16 requests of the first key: 8 rounds of its batch
+    try:
+        futures = [scheduler.submit(r) for r in many + [other]]
+        for i, f in enumerate(futures):
+            f.add_done_callback(lambda _, i=i: done.setdefault(i, len(done)))
+        [f.result(timeout=600) for f in futures]
+    finally:
+        scheduler.close()
+    assert done[len(many)] < len(many) // 2, done  # the other key's request finished among the first half
+    np.testing.assert_array_equal(futures[-1].result().tokens, alone(service, other))
