@@ -26,7 +26,7 @@ KNOWN = {("lantern.tools.train.demo", "torch"): "the model card reads the torch 
 
 # A runner name is also a package name (torch, onnxruntime, tensorrt) and "tensorrt" a TensorRT flavor:
 # those uses are not runner names.
-PACKAGE_CALLS = {"_quiet", "import_module", "find_spec", "version", "importorskip"}
+PACKAGE_CALLS = {"quiet", "import_module", "find_spec", "version", "importorskip"}
 FLAVOR_ONLY = set(FLAVORS) - set(RUNNERS)  # tensorrt-rtx: a constant beside it is a flavor too
 assert FLAVOR_ONLY
 
