@@ -156,3 +156,28 @@ def test_disconnected_clients_free_their_slots(server):
             break
         time.sleep(0.5)
     assert status == 200, answer
+
+
+def test_health_is_answered_while_the_replica_is_full(server):
+    """The replica refuses image requests past what it holds (503, at once) and keeps room for
+    the health and engine routes, which never queue behind image requests: with the replica full
+    (a refusal came back), /healthz answers before any image request of the flood is done."""
+    payload = {"classes": [1, 2, 3, 4], "seed": 0, "settings": {"mode": "lantern++", "k": 8}}
+    clients = 2 * (MAX_BATCH + MAX_QUEUED)
+    answers = []  # (status, when)
+
+    def one(_):
+        status, _ = post(server, payload, api_key=KEY, timeout=120)
+        answers.append((status, time.perf_counter()))
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        flood = [pool.submit(one, i) for i in range(clients)]
+        deadline = time.monotonic() + 60
+        while not any(status == 503 for status, _ in answers) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        health = [request(server + "/healthz")[0] for _ in range(3)] + [request(server + "/v1/engine", api_key=KEY)[0]]
+        answered = time.perf_counter()
+        [f.result() for f in flood]
+    assert health == [200] * 4
+    served = [when for status, when in answers if status == 200]
+    assert served and answered < min(served), "the health route waited for an image request to finish"

@@ -28,6 +28,7 @@ from lantern.tools.serve_http import authorized, Gone, read_body, Refused, reque
 
 logger = logging.getLogger("ray.serve")
 REOPEN_S = 5.0
+ROUTE_HEADROOM = 32  # concurrent health / engine-info calls a full replica still takes
 _LATENCY_BOUNDARIES = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60]
 
 
@@ -46,7 +47,11 @@ class ImageDeployment:
         self.api_key = options.api_key.encode() if options.api_key else None
         self.generate_batch.set_max_batch_size(options.max_batch)
         self.generate_batch.set_batch_wait_timeout_s(options.batch_wait_s)
-        self.waiting = 0
+        self.waiting = 0  # image requests in this replica (running or waiting)
+        # continuous: the replica holds this many image requests and answers 503 past them, so
+        # Ray's own limit (max_ongoing_requests, with headroom) is never reached and /healthz
+        # and /v1/engine never wait behind image requests
+        self.capacity = options.max_batch + options.max_queued_requests
         self.metrics = dict(
             queue=Gauge("lantern_queued_requests", description="image requests waiting in this replica"),
             requests=Counter("lantern_requests", description="image requests answered", tag_keys=("status",)),
@@ -122,6 +127,8 @@ class ImageDeployment:
             item = self.service.parse(body, rid)
         except RequestError as e:
             return self._answer(self.service.respond(e), rid, start)
+        if self.scheduler is not None and self.waiting >= self.capacity:
+            return self._answer(error_response(503, "the server is at capacity; retry later"), rid, start)
         return await self._generate(item, rid, start)
 
     async def __call__(self, request: Request) -> Response:
@@ -223,11 +230,13 @@ def build_app(engine_dir, options):
         name="lantern-images",
         num_replicas=options.replicas,
         ray_actor_options={"num_cpus": options.cpus_per_replica, "num_gpus": options.gpus_per_replica},
-        # continuous: every request a replica may take waits in it (its scheduler's queue, in
-        # order) rather than bouncing between Ray's router and a full replica; calls: enough to
-        # fill a batch while the previous one runs
-        max_ongoing_requests=options.max_batch + options.max_queued_requests if options.batching == "continuous"
-        else 2 * options.max_batch,
+        # continuous: the replica itself holds max_batch + max_queued_requests image requests
+        # (its scheduler's queue, in order) and refuses more at once, so they never bounce
+        # between Ray's router and a full replica; the headroom above it keeps the health and
+        # engine routes from waiting behind image requests. calls: enough to fill a batch while
+        # the previous one runs
+        max_ongoing_requests=options.max_batch + options.max_queued_requests + ROUTE_HEADROOM
+        if options.batching == "continuous" else 2 * options.max_batch,
         max_queued_requests=options.max_queued_requests,
         graceful_shutdown_timeout_s=options.shutdown_timeout_s,
         health_check_period_s=10,
