@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lantern.runtime.backends import RUNNERS
 from lantern.runtime.errors import LanternError
 from lantern.runtime.kvcache import cache_layout
 from lantern.runtime.plan import StepPlan
@@ -57,6 +58,11 @@ class ContinuousBatch:
             raise LanternError(f"slots must be an integer >= 1, got {slots!r}")
         if not isinstance(settings, GenerationSettings):
             raise LanternError("settings must be a GenerationSettings")
+        name = engine.backend.name
+        if name in RUNNERS and not RUNNERS[name].row_views:
+            able = ", ".join(n for n, r in RUNNERS.items() if r.row_views)
+            raise LanternError(f"continuous batching does not run on the {name} runner yet (its device buffers do "
+                               f"not slice into rows); it runs on {able}")
         self.engine, self.settings, self.slots, self.tree = engine, settings, slots, tree
         self.prefill_sizes = sorted(prefill_sizes or [1 << i for i in range(slots.bit_length())])
         self.decoding = None  # the running batch's loop state, made by the first admit
@@ -65,7 +71,6 @@ class ContinuousBatch:
         self.admitted = np.zeros(slots)  # when each slot's image joined (perf_counter)
         self.engine_seconds = np.zeros(slots)  # its prefill and the steps it ran in
         self.shared = np.zeros(slots)  # the running images of the steps it ran in, summed
-        self.small = {}  # joiners per prefill -> the plan they are prefilled on
         self.lock = threading.Lock()  # one admit or step at a time
 
     @property
@@ -103,15 +108,20 @@ class ContinuousBatch:
             joined = 0
             while joined < len(images) and self.free:
                 group = images[joined: joined + self._group_size(min(len(images) - joined, self.free))]
-                setup = self._joiner(group)
-                if setup is None and len(group) > 1:  # one of them does not fit: try them one at a time
-                    group = group[:1]
+                try:
                     setup = self._joiner(group)
-                if setup is None:
-                    break
-                start = time.perf_counter()
-                joiner = setup.decoding(self.engine, self._small_plan(setup))
-                joiner.prefill()
+                    if setup is None and len(group) > 1:  # one of them does not fit: try them one at a time
+                        group = group[:1]
+                        setup = self._joiner(group)
+                    if setup is None:
+                        break
+                    start = time.perf_counter()
+                    joiner = setup.decoding(self.engine, self._prefill_plan(setup))
+                    joiner.prefill()
+                except LanternError:
+                    if joined:  # those joined stay; the caller hears of the rest on its next admit
+                        break
+                    raise
                 seconds = (time.perf_counter() - start) / len(group)
                 for i, (_, _, tag) in enumerate(group):
                     n = self.owner.index(None)
@@ -162,18 +172,13 @@ class ContinuousBatch:
         return dataclasses.replace(self.setup, prefix=prefix, seeds=[int(seed) for _, seed, _ in group],
                                    proposer=copy.copy(d.proposer))
 
-    def _small_plan(self, setup):
-        """The plan a group of joiners is prefilled on: one per group size, kept (its memory
-        checked as generate's)."""
-        e, tree, drafter, k = self.engine, setup.proposer.tree, setup.proposer.drafter, setup.prefix.images
-        plan = self.small.get(k)
-        if plan is not None and plan.fits(setup.prefix):
-            plan.reset(setup.prefix, setup.feeds)
-            return plan
-        self.small.pop(k, None)
+    def _prefill_plan(self, setup):
+        """The plan a group of joiners is prefilled on, made for this prefill and let go after it
+        (its memory checked as generate's; a fresh buffer costs little, a kept one per group size
+        would hold about the running plan's memory again)."""
+        e, tree, drafter = self.engine, setup.proposer.tree, setup.proposer.drafter
         e.check_memory(tree, setup.prefix, drafter)
-        plan = self.small[k] = StepPlan(e.manifest, e.backend, tree, setup.prefix, setup.feeds, drafter)
-        return plan
+        return StepPlan(e.manifest, e.backend, tree, setup.prefix, setup.feeds, drafter)
 
     def _take(self, joiner, i, n):
         """Image i of the prefilled joiners as slot n's image."""

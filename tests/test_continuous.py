@@ -99,14 +99,17 @@ def test_prompts_of_other_lengths_and_forced_line_ends(chameleon_engines):
     assert not batch.admit({"prompt": [short], "grid": (2, 4)}, 3, "other grid")
 
 
-def test_prefill_sizes_pad_a_lone_joiner(c2i):
+def test_prefill_sizes_pad_a_lone_joiner(c2i, monkeypatch):
     """Joiners prefilled only at the sizes a compiled engine has plans for (here 2): a lone one
     is padded with a copy of itself, the copy never taken."""
     settings = GenerationSettings(mode="lantern++", cfg_scale=3.0)
     batch = ContinuousBatch(c2i, settings, slots=3, prefill_sizes=[2])
     images = [({"classes": [c]}, 3 * c, c) for c in range(5)]
+    prefilled = []
+    monkeypatch.setattr(batch, "_prefill_plan", lambda setup, make=batch._prefill_plan: prefilled.append(
+        setup.prefix.images) or make(setup))
     got = run_staggered(batch, images, joins_per_step=1)
-    assert set(batch.small) == {2}
+    assert set(prefilled) == {2}
     for condition, seed, tag in images:
         np.testing.assert_array_equal(got[tag], c2i.generate(settings, **condition, seed=seed).tokens)
 
@@ -135,3 +138,30 @@ def test_bad_input_is_one_line(c2i):
         batch.admit({"classes": [1, 2]}, 0, "two")
     with pytest.raises(LanternError, match="class labels"):
         batch.admit({"classes": [10**6]}, 0, "bad")
+
+
+def test_a_failing_group_keeps_the_groups_that_joined(c2i, monkeypatch):
+    """Three joiners go in as a group of 2 and one of 1; when the second prefill fails (memory),
+    the two stay joined and admit_many says 2, so a caller retrying the rest never admits an
+    image twice."""
+    settings = GenerationSettings(mode="exact", greedy=True)
+    batch = ContinuousBatch(c2i, settings, slots=4)
+    calls = []
+
+    def check(*args, **kw):
+        calls.append(args)
+        if len(calls) >= 3:  # the running plan's and the first group's pass; then none
+            raise LanternError("needs about 9 GiB")
+
+    monkeypatch.setattr(c2i, "check_memory", check)
+    images = [({"classes": [c]}, c, c) for c in range(3)]
+    assert batch.admit_many(images) == 2 and batch.running == 2
+    with pytest.raises(LanternError, match="GiB"):
+        batch.admit_many(images[2:])
+    monkeypatch.undo()
+    assert batch.admit_many(images[2:]) == 1
+    got = {}
+    while batch.running:
+        got.update((f.tag, f.tokens) for f in batch.step())
+    for condition, seed, tag in images:
+        np.testing.assert_array_equal(got[tag], c2i.generate(settings, **condition, seed=seed).tokens)

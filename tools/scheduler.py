@@ -10,8 +10,8 @@ length) gets a running batch of `slots` images (the service's largest batch size
 images join free slots at a step boundary and leave the step they are done, so the batch stays
 full while requests keep coming and a request that arrives one step late waits one step, not a
 whole generation. Keys with work take turns one step at a time; at most MAX_BATCHES batches
-are held at once (each holds its caches), and while another key waits for one, the running
-batches stop admitting and drain. A request is answered when its last image is done (decoded
+are held at once (each holds its caches, memory-checked when it starts), and while another key
+waits for one, the running batches stop admitting and drain. A request is answered when its last image is done (decoded
 then, when the engine has a VQ decoder); a cancelled request's images leave their slots at the
 next step boundary.
 
@@ -31,7 +31,7 @@ from lantern.runtime.errors import LanternError
 from lantern.runtime.streams import image_seeds
 from lantern.tools.image_service import Cancelled, ImageResult, RequestError, ROWS
 
-MAX_BATCHES = 2  # running batches (settings keys) held at once
+MAX_BATCHES = 4  # running batches (settings keys) held at once, each with its plan's caches
 logger = logging.getLogger(__name__)
 
 
@@ -59,29 +59,38 @@ class Scheduler:
         self.thread.start()
 
     def submit(self, request):
+        """The request's future (ImageResult, or the exception it gets). Running from here on: a
+        client that goes away sets request.cancelled (its images leave at the next step); the
+        future itself cannot be cancelled, so answering it never races a cancellation."""
         job = _Job(request)
+        job.future.set_running_or_notify_cancel()
         self.inbox.put(job)
         return job.future
 
     def close(self):
+        """Stop the worker and let the batches' plans go (requests still in flight are not answered)."""
         self._stop.set()
         self.inbox.put(None)
         self.thread.join()
+        for batch in self.batches.values():
+            batch.close()
 
     # -- the worker ------------------------------------------------------------------------------
     def _work(self):
         while not self._stop.is_set():
-            busy = any(b.running for b in self.batches.values()) or any(self.pending.values())
-            self._take(block=not busy)
-            self._drop_cancelled()
-            key = self._next_key()
-            if key is None:
-                continue
+            key = None
             try:
+                busy = any(b.running for b in self.batches.values()) or any(self.pending.values())
+                self._take(block=not busy)
+                self._drop_cancelled()
+                key = self._next_key()
+                if key is None:
+                    continue
                 self._admit(key)
                 self._step(key)
-            except Exception as e:  # noqa: BLE001 -- the failure belongs to this batch's requests
-                self._fail(key, e)
+            except Exception as e:  # noqa: BLE001 -- the failure belongs to this batch's requests (all, outside one)
+                for failed in [key] if key is not None else list(self.batches) + list(self.pending):
+                    self._fail(failed, e)
 
     def _take(self, block):
         """New requests from the inbox (waiting for one when there is nothing else to do)."""
@@ -135,9 +144,9 @@ class Scheduler:
                                                         self.service.tree_for(request), self.service.sizes)
         elif others_wait and len(self.batches) >= MAX_BATCHES:
             return  # drain, so the waiting key gets a batch
-        while waiting and waiting[0][0].future.done():  # answered already (another of its images failed)
-            waiting.popleft()
-        group = [x for x in list(waiting)[: batch.free] if not x[0].future.done()]
+        if any(job.future.done() for job, _ in waiting):  # answered already (another of its images failed)
+            self.pending[key] = waiting = collections.deque(x for x in waiting if not x[0].future.done())
+        group = list(waiting)[: batch.free]
         try:
             joined = batch.admit_many([self._image(job, j) for job, j in group])
         except LanternError:  # one at a time, so the failure is only that image's request's
@@ -151,6 +160,9 @@ class Scheduler:
                 joined += 1
         for _ in range(joined):
             waiting.popleft()
+        if not joined and not batch.running:  # its plan does not hold the next image: a new one will
+            batch.close()
+            del self.batches[key]
 
     @staticmethod
     def _image(job, j):
@@ -175,8 +187,8 @@ class Scheduler:
         if answered:
             try:
                 self._answer(answered, batch)
-            except LanternError:  # e.g. decoding them at once needs more memory than there is: one by one
-                for job in answered:
+            except Exception:  # noqa: BLE001 -- e.g. decoding them at once needs more memory than there is
+                for job in [j for j in answered if not j.future.done()]:  # one by one
                     try:
                         self._answer([job], batch)
                     except Exception as e:  # noqa: BLE001 -- this request's failure
@@ -232,10 +244,14 @@ class Scheduler:
             except Exception:  # noqa: BLE001 -- already failing; the next batch makes a new plan
                 pass
 
-    @staticmethod
-    def _finish_with(job, error):
-        if not job.future.done():
-            job.future.set_result(error)
+    def _finish_with(self, job, error):
+        """Answer a request with its error; its images still in slots leave them."""
+        if job.future.done():
+            return
+        job.future.set_result(error)
+        for batch in self.batches.values():
+            for tag in [t for t in batch.owner if t is not None and t[0] is job]:
+                batch.cancel(tag)
 
 
 def _one_image(condition, j):

@@ -79,7 +79,9 @@ class ImageDeployment:
                             device=runner(o.backend).device)
             service = ImageService(engine, max_batch=o.max_batch, max_images_per_request=o.max_images_per_request,
                                    max_body_bytes=o.max_body_bytes)
-            self.scheduler = Scheduler(service) if o.batching == "continuous" else None
+            if o.batching == "continuous" and not continuous(o):
+                logger.warning("continuous batching does not run on the %s runner yet: batching by calls", o.backend)
+            self.scheduler = Scheduler(service) if continuous(o) else None
             self.service, self.problem = service, None
         except Exception as e:  # noqa: BLE001 -- any failure to open is this replica's state, not a crash
             self.problem = public(f"{type(e).__name__}: {e}" if not isinstance(e, LanternError) else str(e),
@@ -219,6 +221,12 @@ def _response(status, content_type, body, request_id):
     return Response(content=body, status_code=status, media_type=content_type, headers=headers)
 
 
+def continuous(options):
+    """Whether replicas run continuous batching: asked for, on a runner it runs on (not yet the
+    tensorrt runner's own CUDA arrays: those batch by calls)."""
+    return options.batching == "continuous" and runner(options.backend).row_views
+
+
 def build_app(engine_dir, options):
     """The Ray Serve application for an engine directory (a path every node of the cluster can read)."""
     if options.max_batch < 1 or options.replicas < 1 or options.max_queued_requests < 1:
@@ -236,7 +244,7 @@ def build_app(engine_dir, options):
         # engine routes from waiting behind image requests. calls: enough to fill a batch while
         # the previous one runs
         max_ongoing_requests=options.max_batch + options.max_queued_requests + ROUTE_HEADROOM
-        if options.batching == "continuous" else 2 * options.max_batch,
+        if continuous(options) else 2 * options.max_batch,
         max_queued_requests=options.max_queued_requests,
         graceful_shutdown_timeout_s=options.shutdown_timeout_s,
         health_check_period_s=10,

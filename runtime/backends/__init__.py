@@ -115,6 +115,13 @@ class Runner:
         return self.export and not self.plans and not self.onnx
 
     @property
+    def row_views(self):
+        """Its buffers' rows slice into views it copies into (numpy, torch): what moving one image's
+        state between plans needs (lantern.runtime.continuous). The tensorrt runner's own CUDA
+        arrays do not slice so."""
+        return not (self.plans and not self.export)
+
+    @property
     def hybrid(self):
         """Another runner's graphs or plans as the torch backend's modules (the whole step in torch)."""
         return self.export and not self.reference
