@@ -140,7 +140,6 @@ def main(argv=None):
               "note": "shared 2-core machine: other processes run concurrently; medians over shuffled repeats"}
     engine = Engine(args.engine, threads=args.threads)
     settings = tune.tuning_settings(engine, GenerationSettings(**SETTINGS))
-    key = settings.key
     conds, note = tune.conditions(engine, 16)
     t0 = time.perf_counter()
     report, chosen = tune.tune(engine, settings, conds, budget=args.budget, depth=args.depth, batches=(1, args.batch),
