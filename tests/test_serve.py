@@ -90,6 +90,7 @@ def test_served_images_equal_direct_generation_alone_and_batched(server, engine,
         answers = list(pool.map(lambda p: images(server, p), payloads))
     np.testing.assert_array_equal(answers[1][0], alone)
     assert max(a[1]["stats"]["requested_images"] for a in answers) > 1.5  # they shared steps
+    assert all(a[1]["stats"]["continuous"] for a in answers)
     for payload, (tokens, _) in zip(payloads, answers):
         np.testing.assert_array_equal(tokens, expected(engine, payload["classes"], settings, payload["seed"]))
 

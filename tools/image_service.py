@@ -420,7 +420,7 @@ def _concat(conditions, pad):
 
 def _json_stats(stats):
     keep = ("mode", "tree", "images", "batch_images", "requested_images", "steps_per_image", "mean_accepted_length",
-            "seconds", "generate_seconds", "decode_seconds", "phase_seconds", "backend")
+            "seconds", "generate_seconds", "decode_seconds", "phase_seconds", "backend", "continuous")
     return {k: stats[k] for k in keep if k in stats}
 
 

@@ -87,6 +87,9 @@ def run_client(args):
     np.save(os.path.join(args.out, "tokens.npy"), np.array([im["tokens"] for im in body["images"]], dtype=np.int64))
     with open(os.path.join(args.out, "response.json"), "w") as f:
         json.dump({"request_id": body["request_id"], "key": body["key"], "stats": body["stats"]}, f, indent=2)
-    print(f"{len(body['images'])} image(s), request {body['request_id']}, "
-          f"{body['stats'].get('seconds', 0):.2f} s in a batch of {body['stats'].get('batch_images')} -> {args.out}")
+    stats = body["stats"]
+    where = (f"beside {stats.get('requested_images', 0):.1f} images on average in a running batch of "
+             f"{stats.get('batch_images')}" if stats.get("continuous") else f"in a batch of {stats.get('batch_images')}")
+    print(f"{len(body['images'])} image(s), request {body['request_id']}, {stats.get('seconds', 0):.2f} s {where} "
+          f"-> {args.out}")
     return 0
