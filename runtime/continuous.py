@@ -157,13 +157,11 @@ class ContinuousBatch:
         """The Setup of a group of joiners prefilled together (the batch's proposer kind, their
         own prefix and seeds), or None where one does not fit the running plan."""
         e, d = self.engine, self.decoding
-        for condition, _, _ in group:
-            if e.condition.prefix(self.setup.settings.cfg, **condition).images != 1:
-                raise LanternError("admit takes one image's condition per image")
         pad = next((k for k in self.prefill_sizes if k >= len(group)), len(group)) - len(group)
         group = list(group) + [group[-1]] * pad  # copies of the last: prefilled, never taken
-        condition = _concat([c for c, _, _ in group])
-        prefix = e.condition.prefix(self.setup.settings.cfg, **condition)
+        prefix = e.condition.prefix(self.setup.settings.cfg, **_concat([c for c, _, _ in group]))
+        if prefix.images != len(group):
+            raise LanternError("admit takes one image's condition per image")
         e.check_positions(prefix)
         if not np.array_equal(prefix.forced, self.plan.prefix.forced):  # another grid
             return None

@@ -29,7 +29,7 @@ import numpy as np
 from lantern.runtime.continuous import ContinuousBatch
 from lantern.runtime.errors import LanternError
 from lantern.runtime.streams import image_seeds
-from lantern.tools.image_service import Cancelled, ImageResult, RequestError, ROWS
+from lantern.tools.image_service import _concat, Cancelled, ImageResult, RequestError
 
 MAX_BATCHES = 4  # running batches (settings keys) held at once, each with its plan's caches
 logger = logging.getLogger(__name__)
@@ -256,9 +256,4 @@ class Scheduler:
 
 def _one_image(condition, j):
     """Image j's condition (generate's arguments for one image) from a request's per-image lists."""
-    out = {"grid": condition["grid"]} if "grid" in condition else {}
-    for name in ROWS:
-        if name in condition:
-            row = [condition[name][j]]
-            out[name] = np.asarray(row, dtype=np.float32) if name == "caption" else row
-    return out
+    return _concat([{name: value if name == "grid" else [value[j]] for name, value in condition.items()}], pad=0)
