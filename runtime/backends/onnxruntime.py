@@ -28,7 +28,7 @@ from lantern.runtime.errors import LanternError
 
 _NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-              "tensor(bool)": np.bool_}
+              "tensor(bool)": np.bool_, "tensor(double)": np.float64}
 
 
 class OnnxRuntimeBackend:
@@ -90,16 +90,20 @@ class OnnxRuntimeBackend:
         return np.zeros(shape, dtype=self.float_dtype)
 
     def bind(self, plan):
-        if not self.io_binding:
-            return
-        for call in plan.calls.values():
+        if self.io_binding:
+            self.bind_calls(plan.calls.values())
+
+    def bind_calls(self, calls):
+        """Bind each call's feeds, and its outputs: to call.outputs' buffers where it names them
+        (a step graph writing into the next call's feeds), else to buffers made here."""
+        for call in calls:
             session = self.sessions[call.graph]
             binding = session.io_binding()
             values = {}
             for name, buffer in call.feeds.items():
                 values[name] = self.ort.OrtValue.ortvalue_from_numpy(buffer)  # shares the buffer
                 binding.bind_ortvalue_input(name, values[name])
-            call.outputs = {}
+            given, call.outputs = call.outputs or {}, {}
             self._values[id(call)] = values  # the bound OrtValues: a later graph may read them in place
             aliases = self.aliases[call.graph]
             for out in session.get_outputs():
@@ -107,7 +111,9 @@ class OnnxRuntimeBackend:
                     binding.bind_ortvalue_output(out.name, values[aliases[out.name]])
                     call.outputs[out.name] = call.feeds[aliases[out.name]]
                     continue
-                buffer = np.zeros(call.output_shapes[out.name], dtype=_ORT_TYPES[out.type])
+                buffer = given.get(out.name)
+                if buffer is None:
+                    buffer = np.zeros(call.output_shapes[out.name], dtype=_ORT_TYPES[out.type])
                 values[out.name] = self.ort.OrtValue.ortvalue_from_numpy(buffer)
                 binding.bind_ortvalue_output(out.name, values[out.name])
                 call.outputs[out.name] = buffer
@@ -148,6 +154,43 @@ class OnnxRuntimeBackend:
         verification logits as the target left them (its bound OrtValue); the rest of the step
         stays the host's."""
         return OrtGraphAcceptance(self, decoding)
+
+    def open_graphs(self, files):
+        """{name: label} of more graphs (a tree's step graphs) at files {name: path in the engine
+        directory}, each loaded once; run as calls of graph=label."""
+        labels = {}
+        for name, rel in files.items():
+            label = f"file:{rel}"
+            if label not in self.sessions:
+                path = os.path.join(self.directory, rel)
+                self._name_profile(self.options, os.path.splitext(os.path.basename(rel))[0])
+                try:
+                    session = self.ort.InferenceSession(path, self.options, providers=self.providers)
+                except Exception as e:
+                    raise LanternError(f"{path}: ONNX Runtime cannot load it ({str(e).splitlines()[0]}); run "
+                                       f"`lantern-export accept {self.directory} --force`") from None
+                self.sessions[label] = session
+                self.outputs[label] = [o.name for o in session.get_outputs()]
+                self.aliases[label] = {}
+            labels[name] = label
+        return labels
+
+    def graph_inputs(self, label):
+        return [(i.name, _ORT_TYPES[i.type]) for i in self.sessions[label].get_inputs()]
+
+    def graph_outputs(self, label):
+        return [(o.name, _ORT_TYPES[o.type]) for o in self.sessions[label].get_outputs()]
+
+    def array(self, host):
+        """A buffer of the backend's holding a copy of a host array (the CPU provider's are host arrays)."""
+        return np.array(host)
+
+    def fill(self, array, values):
+        np.copyto(array, values)
+
+    def read(self, array, width):
+        """The first `width` columns of a buffer, on the host."""
+        return array[:, :width].copy()
 
     def acceptance_session(self, graph):
         session = self._acceptance.get(graph.file)
