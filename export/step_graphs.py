@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from lantern.export.accept_graphs import GreedyAcceptance, SamplingAcceptance
+from lantern.runtime.contracts import STEP_VERSION  # noqa: F401  (the version these graphs are)
 
-STEP_VERSION = 1  # bumped when the graphs' names or meaning change: older engines are refused
 CFG_CONSTANTS = ("cond_rows", "uncond_rows", "cfg_scale", "cfg_interval")
 RULE_CONSTANTS = ("neighbors", "k", "lam", "delta")  # read only where there are drafts
 SAMPLING_CONSTANTS = ("temperature", "top_k", "top_p")

@@ -155,6 +155,9 @@ GRAPHS["accept_sampling"] = {
                **_ACCEPT_RULE,
                "temperature": ("float32", [1]),
                "top_k": ("int64", [1]),  # 0 = off; values in (ACCEPT_TOP_K_LIMIT, W) are not served
+# the step graphs' names and meaning (lantern.export.step_graphs): an engine whose step graphs carry another
+# version is refused by the runners that run them, with the command that re-exports them
+STEP_VERSION = 1
                "top_p": ("float32", [1])},  # 1 = off
     "outputs": dict(_ACCEPT_OUTCOME),
 }
