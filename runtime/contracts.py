@@ -155,9 +155,6 @@ GRAPHS["accept_sampling"] = {
                **_ACCEPT_RULE,
                "temperature": ("float32", [1]),
                "top_k": ("int64", [1]),  # 0 = off; values in (ACCEPT_TOP_K_LIMIT, W) are not served
-# the step graphs' names and meaning (lantern.export.step_graphs): an engine whose step graphs carry another
-# version is refused by the runners that run them, with the command that re-exports them
-STEP_VERSION = 1
                "top_p": ("float32", [1])},  # 1 = off
     "outputs": dict(_ACCEPT_OUTCOME),
 }
@@ -165,6 +162,9 @@ ACCEPT_CONTRACTS = ("accept_greedy", "accept_sampling")
 # TensorRT's TopK takes K <= 3840: the sampling graph finds the top-k threshold with one TopK of
 # min(ACCEPT_TOP_K_LIMIT, W) values, so it serves top_k = 0, 1 .. that, or >= W (no filter).
 ACCEPT_TOP_K_LIMIT = 3840
+# the step graphs' names and meaning (lantern.export.step_graphs): an engine whose step graphs carry another
+# version is refused by the runners that run them, with the command that re-exports them
+STEP_VERSION = 1
 
 IN_PLACE_CONTRACTS = {"target": "target_inplace", "target_ids": "target_ids_inplace", "drafter": "drafter_inplace"}
 
