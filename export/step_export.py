@@ -16,7 +16,7 @@ KINDS = ("greedy", "sampling")
 _FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # tracing sizes of the dynamic dims, distinct from each other and from every constant dim
 _N, _ROWS, _BODY, _STEPS, _KN = 3, 6, 13, 5, 7
-_TARGET_EXTRA, _DRAFTER_EXTRA = 21, 17  # target capacity - M, drafter capacity - (M - 1)
+_TARGET_EXTRA, _DRAFTER_EXTRA = 21, 17  # target capacity - M, drafter capacity - (M - 1): > _BODY
 
 
 class Facts:
@@ -29,10 +29,11 @@ class Facts:
         self.K = manifest.candidates if tree.depth else 1
         self.float = _FLOATS[manifest.dtype]
         self.target, self.drafter = manifest.target, manifest.drafter
+        self.inplace = manifest.inplace_cache is not None
 
     def modules(self, kind):
         return phases(self.tree, self.columns, self.codes, self.vocab, self.max_position, kind == "sampling",
-                      self.accept_dtype)
+                      self.inplace, self.accept_dtype)
 
 
 def _example(name, facts, kind):
@@ -64,6 +65,8 @@ def _example(name, facts, kind):
     if name in per_image:
         return torch.full((_N,), per_image[name], dtype=i64), {0: "N"}
     if name in ("image_of_row", "offset", "cfg_partners", "target_length", "drafter_length"):
+        return torch.zeros(_ROWS, dtype=i64), {0: "B"}
+    if name.endswith(".write_index"):
         return torch.zeros(_ROWS, dtype=i64), {0: "B"}
     scalars = {"cfg_interval": (-1, i64), "k": (1, i64), "top_k": (0, i64), "draws_taken": (0, i64),
                "cfg_scale": (1.0, f32), "lam": (1.0, real), "delta": (0.0, real), "temperature": (1.0, real),

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from lantern.export.accept_graphs import GreedyAcceptance, SamplingAcceptance
-from lantern.runtime.contracts import STEP_VERSION  # noqa: F401  (the version these graphs are)
+from lantern.export.step_caches import append, cache_names, call_feeds, write_scratch
 
 CFG_CONSTANTS = ("cond_rows", "uncond_rows", "cfg_scale", "cfg_interval")
 RULE_CONSTANTS = ("neighbors", "k", "lam", "delta")  # read only where there are drafts
@@ -47,43 +47,6 @@ def _const(module, name, value, dtype=np.int64):
     module.register_buffer(name, torch.as_tensor(np.array(value, dtype=dtype)))
 
 
-def mask_of(visible, block, extra=None):
-    """A plain call's attention mask [B, 1, T, S + T]: the cache slots each row sees (| extra
-    [T, S]), then the call's block [B, T, T] among its new tokens."""
-    B, S = visible.shape
-    T = block.shape[1]
-    cache = visible[:, None, :].expand(B, T, S)
-    if extra is not None:
-        cache = cache | extra[None]
-    return torch.cat([cache, block], dim=2)[:, None]
-
-
-def scatter_slots(cache, slots, values):
-    """cache [L, B, H, S, Dh] with values [L, B, H, W, Dh] written at slots [B, W] of each row:
-    one ScatterND over (layer, row, head, slot)."""
-    L, B, H, _, _ = cache.shape
-    W = slots.shape[1]
-    layer = torch.arange(L, device=slots.device)[:, None, None, None].expand(L, B, H, W)
-    row = torch.arange(B, device=slots.device)[None, :, None, None].expand(L, B, H, W)
-    head = torch.arange(H, device=slots.device)[None, None, :, None].expand(L, B, H, W)
-    return cache.index_put((layer, row, head, slots[None, :, None, :].expand(L, B, H, W)), values)
-
-
-def append(keys, values, visible, length, new_keys, new_values, src, counts):
-    """Row b keeps the call's entries src[b, :counts[b]] after its committed ones. The block's
-    other columns repeat the last kept entry (with none kept: slot `length`, left invisible), so
-    no scatter has two different values for one place."""
-    W = src.shape[1]
-    j = torch.minimum(torch.arange(W, device=src.device)[None, :], (counts - 1).clamp(min=0)[:, None])
-    dst = (length[:, None] + j).clamp(max=keys.shape[3] - 1)
-    L, B, H, _, Dh = new_keys.shape
-    take = src.gather(1, j)[None, :, None, :, None].expand(L, B, H, W, Dh)
-    keys = scatter_slots(keys, dst, new_keys.gather(3, take))
-    values = scatter_slots(values, dst, new_values.gather(3, take))
-    visible = visible.scatter(1, dst, visible.gather(1, dst) | (counts > 0)[:, None])
-    return keys, values, visible, length + counts
-
-
 class Phase(nn.Module):
     """One phase: `inputs` and `outputs` are its names (the module's forward takes and returns
     them in that order); what every phase knows is the tree, the token space (columns: the
@@ -91,10 +54,10 @@ class Phase(nn.Module):
 
     inputs = outputs = ()
 
-    def __init__(self, tree, columns, codes, vocab, max_position, sampling):
+    def __init__(self, tree, columns, codes, vocab, max_position, sampling, inplace):
         super().__init__()
         self.depth, self.M, self.codes = tree.depth, tree.num_nodes, int(codes)
-        self.max_position, self.sampling = int(max_position), sampling
+        self.max_position, self.sampling, self.inplace = int(max_position), sampling, inplace
         _const(self, "depths", tree.depths)
         _const(self, "tree_mask", tree.mask, bool)
         _const(self, "view_ids", columns)
@@ -137,38 +100,42 @@ class Begin(Phase):
         super().__init__(*args)
         if self.depth == 0:
             self.inputs = ("root", "image_of_row", "offset", "target_visible", "target_length")
-            self.outputs = ("verify.input_ids", "verify.position_ids", "verify.attention_mask")
+            self.outputs = ("verify.input_ids", "verify.position_ids", "verify.attention_mask") + \
+                (("verify.write_index",) if self.inplace else ())
         else:
-            self.inputs = ("count", "pending", "image_of_row", "cfg_partners", "cfg_interval", "drafter_visible")
-            self.outputs = ("draft0.attention_mask", "cfg_pair")
+            self.inputs = ("count", "pending", "image_of_row", "cfg_partners", "cfg_interval", "drafter_visible") + \
+                (("drafter_length",) if self.inplace else ())
+            self.outputs = ("draft0.attention_mask", "cfg_pair") + (("draft0.write_index",) if self.inplace else ())
 
     def run(self, x):
         iob = x["image_of_row"]
         B = iob.shape[0]
         if self.depth == 0:
             block = torch.ones((B, 1, 1), dtype=torch.bool, device=iob.device)
+            length = x["target_length"]
             return {"verify.input_ids": x["root"][iob][:, None],
-                    "verify.position_ids": self.positions(x["target_length"][:, None], x["offset"]),
-                    "verify.attention_mask": mask_of(x["target_visible"], block)}
+                    "verify.position_ids": self.positions(length[:, None], x["offset"]),
+                    **call_feeds("verify", x["target_visible"], block, length, self.inplace)}
         index = torch.arange(self.depth + 1, device=iob.device)
         real = (index[None, :] < x["pending"][:, None])[iob]  # [B, W]
         causal = index[:, None] >= index[None, :]
         block = (causal[None] & real[:, None, :]) | (index[:, None] == index[None, :])[None]
         interval = x["cfg_interval"]
         late = (interval >= 0) & (x["count"][iob] >= interval)
-        return {"draft0.attention_mask": mask_of(x["drafter_visible"], block),
-                "cfg_pair": torch.where(late, torch.arange(B, device=iob.device), x["cfg_partners"])}
+        return {"cfg_pair": torch.where(late, torch.arange(B, device=iob.device), x["cfg_partners"]),
+                **call_feeds("draft0", x["drafter_visible"], block, x.get("drafter_length"), self.inplace)}
 
 
 class Level(Phase):
     """After drafter call draft{d-1}: the children of depth d-1's nodes are depth d's node
     tokens (greedy: the drafter's top candidates in rank order; sampling: drawn by the race, their
     candidates and q kept for acceptance); forced tokens where the grammar puts them. d = 1 first
-    appends draft0's pairs to the drafter cache; d > 1 writes draft{d-1}'s entries into their
-    scratch slots. Then the next call's feeds: draft{d} (d < D) or verify (d = D)."""
+    keeps draft0's pairs in the drafter cache; d > 1 writes draft{d-1}'s entries into their
+    scratch slots (plain graphs). Then the next call's feeds: draft{d} (d < D) or verify (d = D).
+    The drafter cache's scratch slots start after the body (slot L: one per image token)."""
 
-    def __init__(self, tree, columns, codes, vocab, max_position, sampling, d):
-        super().__init__(tree, columns, codes, vocab, max_position, sampling)
+    def __init__(self, tree, columns, codes, vocab, max_position, sampling, inplace, d):
+        super().__init__(tree, columns, codes, vocab, max_position, sampling, inplace)
         self.d = d
         parents = np.flatnonzero(tree.depths == d - 1)  # depth d-1's nodes, consecutive
         level = tree.levels[d - 1]
@@ -177,22 +144,23 @@ class Level(Phase):
         _const(self, "ranks", level.ranks)
         _const(self, "forcing_parents", np.isin(parents, level.parents), bool)  # parents with a child here
         _const(self, "parent_scratch", parents - 1)  # depth d-1's scratch slots, after the first scratch slot
+        self.first_scratch = int(level.nodes[0]) - 1  # where draft{d} writes (in place), after the first one
         if d < tree.depth:  # draft{d} runs over this depth's nodes, which see their ancestors in the scratch slots
             _const(self, "ancestors", tree.mask[level.nodes][:, 1:] & (tree.depths[1:] < d)[None, :], bool)
             _const(self, "own_block", np.eye(len(level.nodes)), bool)  # each node sees itself among the call's
         call, last = f"draft{d - 1}", d == tree.depth
-        self.inputs = (f"{call}.topk_ids", f"{call}.new_keys", f"{call}.new_values", "count", "image_of_row",
-                       "offset", "forced_columns", "target_length", "drafter_keys", "drafter_values") + \
-            (("pending", "drafter_length") if d == 1 else ()) + \
+        cache_in, cache_out = cache_names("drafter", inplace)
+        new = () if inplace else (f"{call}.new_keys", f"{call}.new_values")
+        self.inputs = (f"{call}.topk_ids", "count", "image_of_row", "offset", "forced_columns", "target_length") + \
+            new + cache_in + (("pending", "drafter_length") if d == 1 else ()) + \
             ((f"{call}.hidden_out", "drafter_visible") if not last else ("drafter_visible",) if d == 1 else ()) + \
             ((f"{call}.topk_probs", "table", "draws_taken") if sampling else ()) + \
             (("root", "target_visible") + tuple(f"tokens{e}" for e in range(1, d)) if last else ())
         outputs = (f"tokens{d}",) + ((f"cand_ids{d - 1}", f"cand_probs{d - 1}") if sampling else ())
-        if not last:
-            outputs += tuple(f"draft{d}.{n}" for n in ("input_ids", "target_hidden", "position_ids", "attention_mask"))
-        else:
-            outputs += ("verify.input_ids", "verify.position_ids", "verify.attention_mask")
-        outputs += ("drafter_keys_out", "drafter_values_out")
+        feeds = ("input_ids", "target_hidden", "position_ids", "attention_mask") if not last else \
+            ("input_ids", "position_ids", "attention_mask")
+        outputs += tuple(f"{'verify' if last else f'draft{d}'}.{n}" for n in feeds + (("write_index",) if inplace else ()))
+        outputs += cache_out
         self.outputs = outputs + (("next_drafter_visible", "next_drafter_length") if d == 1 else ())
 
     def run(self, x):
@@ -200,8 +168,8 @@ class Level(Phase):
         count, pending, iob = x["count"], x.get("pending"), x["image_of_row"]
         N, B = count.shape[0], iob.shape[0]
         dev = count.device
-        keys, values, visible = x["drafter_keys"], x["drafter_values"], x.get("drafter_visible")
-        scratch0 = keys.shape[3] - (self.M - 1)  # the drafter cache's first scratch slot
+        visible = x.get("drafter_visible")
+        scratch0 = x["forced_columns"].shape[0]  # the drafter cache's first scratch slot: one slot per image token
         out = {}
         ids = x[f"{call}.topk_ids"][:N]
         probs = x[f"{call}.topk_probs"][:N] if self.sampling else None
@@ -209,19 +177,17 @@ class Level(Phase):
             active = count < x["forced_columns"].shape[0]
             W = self.depth + 1
             src = torch.arange(W, device=dev)[None, :].expand(B, W)
-            keys, values, visible, length = append(keys, values, visible, x["drafter_length"],
-                                                   x[f"{call}.new_keys"], x[f"{call}.new_values"], src,
-                                                   torch.where(active, pending, torch.zeros_like(pending))[iob])
-            out.update(next_drafter_visible=visible, next_drafter_length=length)
+            kept, visible, length = append(x, "drafter", "draft0", self.inplace, src,
+                                           torch.where(active, pending, torch.zeros_like(pending))[iob], visible,
+                                           x["drafter_length"])
+            out.update(kept, next_drafter_visible=visible, next_drafter_length=length)
             last = (pending - 1)[:, None, None]  # the root's pair is the last pending one
             ids = ids.gather(1, last.expand(N, 1, ids.shape[2]))
             if self.sampling:
                 probs = probs.gather(1, last.expand(N, 1, probs.shape[2]))
         else:  # draft{d-1} ran over depth d-1's nodes: their entries go to their scratch slots
             slots = (scratch0 + self.parent_scratch)[None, :].expand(B, self.parents_count)
-            keys = scatter_slots(keys, slots, x[f"{call}.new_keys"])
-            values = scatter_slots(values, slots, x[f"{call}.new_values"])
-        out.update(drafter_keys_out=keys, drafter_values_out=values)
+            out.update(write_scratch(x, "drafter", call, self.inplace, slots))
         column = self.forced_at(count - 1 + self.d, x["forced_columns"])  # [N]: depth d's body index
         is_forced = column >= 0
         if self.sampling:
@@ -242,7 +208,6 @@ class Level(Phase):
         tokens = children[:, self.slots, self.ranks]  # [N, T]
         tokens = torch.where(is_forced[:, None], self.ids(column)[:, None], tokens)
         out[f"tokens{self.d}"] = tokens
-        root_position = x["target_length"] - x["offset"]  # [B]: depth d's nodes sit at root + d
         if self.d < self.depth:
             regime = f"draft{self.d}"
             hidden = x[f"{call}.hidden_out"]
@@ -252,18 +217,23 @@ class Level(Phase):
                 parent_hidden = hidden.gather(1, last[:, None, None].expand(B, T, hidden.shape[2]))
             else:
                 parent_hidden = hidden.index_select(1, self.slots)
-            extra = torch.cat([torch.zeros((T, scratch0), dtype=torch.bool, device=dev), self.ancestors], dim=1)
+            capacity = visible.shape[1]
+            extra = torch.cat([torch.zeros((T, scratch0), dtype=torch.bool, device=dev), self.ancestors,
+                               torch.zeros((T, capacity - scratch0 - (self.M - 1)), dtype=torch.bool, device=dev)],
+                              dim=1)
             block = self.own_block[None].expand(B, T, T)
+            start = torch.full((B,), self.first_scratch, dtype=torch.int64, device=dev) + scratch0
+            root_position = x["target_length"] - x["offset"]  # [B]: depth d's nodes sit at root + d
             out.update({f"{regime}.input_ids": tokens[iob], f"{regime}.target_hidden": parent_hidden,
                         f"{regime}.position_ids": (root_position + self.d).clamp(0, self.max_position)[:, None]
-                        .expand(B, T), f"{regime}.attention_mask": mask_of(visible, block, extra)})
+                        .expand(B, T), **call_feeds(regime, visible, block, start, self.inplace, extra)})
         else:  # the verify call: the root, then every depth's nodes
             nodes = torch.cat([x["root"][:, None]] + [x[f"tokens{e}"] for e in range(1, self.d)] + [tokens], dim=1)
             block = self.tree_mask[None].expand(B, self.M, self.M)
+            length = x["target_length"]
             out.update({"verify.input_ids": nodes[iob],
-                        "verify.position_ids": self.positions(x["target_length"][:, None] + self.depths[None, :],
-                                                              x["offset"]),
-                        "verify.attention_mask": mask_of(x["target_visible"], block)})
+                        "verify.position_ids": self.positions(length[:, None] + self.depths[None, :], x["offset"]),
+                        **call_feeds("verify", x["target_visible"], block, length, self.inplace)})
         return out
 
 
@@ -272,20 +242,21 @@ class Accept(Phase):
     cache, the next draft0's pairs (the target's hidden states and tokens of the path), the next
     root, counts and draws, and the report."""
 
-    def __init__(self, tree, columns, codes, vocab, max_position, sampling, accept_dtype=torch.float64):
-        super().__init__(tree, columns, codes, vocab, max_position, sampling)
+    def __init__(self, tree, columns, codes, vocab, max_position, sampling, inplace, accept_dtype=torch.float64):
+        super().__init__(tree, columns, codes, vocab, max_position, sampling, inplace)
         self.accept_dtype = accept_dtype
         self.rule = (SamplingAcceptance if sampling else GreedyAcceptance)(tree, columns, codes)
         D = tree.depth
         self.leaves = int((tree.depths == tree.depth).sum())  # nodes with no candidates (no drafter call over them)
-        self.inputs = ("verify.logits", "verify.new_keys", "verify.new_values", "count", "root", "image_of_row",
-                       "forced_columns", "target_keys", "target_values", "target_visible", "target_length") + \
+        cache_in, cache_out = cache_names("target", inplace)
+        self.inputs = ("verify.logits", "count", "root", "image_of_row", "forced_columns", "target_visible",
+                       "target_length") + (() if inplace else ("verify.new_keys", "verify.new_values")) + cache_in + \
             CFG_CONSTANTS + (RULE_CONSTANTS + tuple(f"tokens{d}" for d in range(1, D + 1)) +
                              ("verify.hidden", "offset") if D else ()) + \
             (("table", "draws_taken") + SAMPLING_CONSTANTS + tuple(f"cand_ids{d}" for d in range(D)) +
              tuple(f"cand_probs{d}" for d in range(D)) if sampling else ())
-        self.outputs = ("report", "target_keys_out", "target_values_out", "next_target_visible",
-                        "next_target_length", "next_count", "next_root") + \
+        self.outputs = ("report", "next_target_visible", "next_target_length", "next_count", "next_root") + \
+            cache_out + (("commit.write_index", "commit.src_slots") if inplace and D else ()) + \
             (("next_pending", "draft0.input_ids", "draft0.target_hidden", "draft0.position_ids") if D else ()) + \
             (("next_draws_taken",) if sampling else ())
 
@@ -331,12 +302,10 @@ class Accept(Phase):
         emitted = emitted.scatter(1, accepted[:, None], self.ids(next_column)[:, None])
         emit = torch.where(active, torch.minimum(accepted + 1, length - count), torch.zeros_like(count))
         cols = path.clamp(min=0)[iob]  # [B, D + 1]: the path's nodes, the verification's columns
-        keys, values, visible, target_length = append(x["target_keys"], x["target_values"], x["target_visible"],
-                                                      x["target_length"], x["verify.new_keys"],
-                                                      x["verify.new_values"], cols, emit[iob])
-        out = {"target_keys_out": keys, "target_values_out": values, "next_target_visible": visible,
-               "next_target_length": target_length, "next_count": count + emit,
-               "next_root": torch.where(active, emitted.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0], root)}
+        out, visible, target_length = append(x, "target", "verify", self.inplace, cols, emit[iob], x["target_visible"],
+                                             x["target_length"])
+        out.update({"next_target_visible": visible, "next_target_length": target_length, "next_count": count + emit,
+               "next_root": torch.where(active, emitted.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0], root)})
         if D:  # the next draft0's pairs: the path's (hidden state, next token), as many as were emitted
             counts = torch.where(active, emit.clamp(min=1), torch.ones_like(emit))
             pairs = torch.where(active[:, None], emitted, torch.zeros_like(emitted))
@@ -368,10 +337,10 @@ class Accept(Phase):
         return torch.where(plain[..., None], cond, (cond - uncond) * a["cfg_scale"] + uncond)
 
 
-def phases(tree, columns, codes, vocab, max_position, sampling, accept_dtype=torch.float64):
+def phases(tree, columns, codes, vocab, max_position, sampling, inplace=False, accept_dtype=torch.float64):
     """{name: module} of a step over `tree`, in the order a step runs them (the engine calls
-    between: draft{d-1} before level{d}, verify before accept)."""
-    common = (tree, columns, codes, vocab, max_position, sampling)
+    between: draft{d-1} before level{d}, verify before accept; in place, commit after accept)."""
+    common = (tree, columns, codes, vocab, max_position, sampling, inplace)
     out = {"begin": Begin(*common)}
     for d in range(1, tree.depth + 1):
         out[f"level{d}"] = Level(*common, d)

@@ -54,7 +54,7 @@ class GraphStep:
         self.values = {}  # tokens{d}, cand_ids{d}, cand_probs{d}, report: one buffer each
         current = {name: 0 for name in state}
         order = ["begin"] + [x for d_ in range(1, self.depth + 1) for x in (f"draft{d_ - 1}", f"level{d_}")] + \
-            ["verify", "accept"]
+            ["verify", "accept"] + ["commit"] * ("commit" in plan.calls)  # in place: the accepted path moved
         self.order = [(None, plan.calls[x]) if x in plan.calls else (x, None) for x in order]
         self.calls = []  # per parity: [Call] in order (engine calls are the plan's own)
         for parity in (0, 1):
