@@ -11,6 +11,8 @@ engines/NAME/
   *.onnx.data       external weights of a graph
   accept/*.onnx     acceptance graphs per draft tree (`Manifest.acceptance`; optional: a tree
                     without them runs acceptance on the host)
+  step/TREE-HASH/*.onnx  the step graphs per draft tree and AR (`Manifest.step_graphs`, a
+                    STEP_VERSION each; optional: a tree without them runs the host step)
   plans/KEY/*.plan  TensorRT plans built from the graphs by `lantern-export trt` (optional;
                     KEY = flavor and compute capabilities, e.g. tensorrt-rtx-SM89)
 
@@ -38,10 +40,10 @@ records), checks.py (what they must agree on), io.py (reading the file, the file
 from lantern.runtime.manifest.io import check_files, describe_files, read_manifest
 from lantern.runtime.manifest.records import (GRAPH_FILES, QUANTIZABLE, SCHEMA_VERSION, AcceptanceGraphs,
                                               CacheBudget, Condition, FileRecord, Graph, Image, Manifest, Neighbors,
-                                              PlanFile, PlanProfile, Quantization, Shape, TensorRTPlans, TensorSpec,
-                                              TunedSettings, TunedTree, Vocabulary, quantization_scheme)
+                                              PlanFile, PlanProfile, Quantization, Shape, StepGraphs, TensorRTPlans,
+                                              TensorSpec, TunedSettings, TunedTree, Vocabulary, quantization_scheme)
 
 __all__ = ["AcceptanceGraphs", "CacheBudget", "Condition", "FileRecord", "GRAPH_FILES", "Graph", "Image",
            "Manifest", "Neighbors", "PlanFile", "PlanProfile", "QUANTIZABLE", "Quantization", "SCHEMA_VERSION", "Shape",
-           "TensorRTPlans", "TensorSpec", "TunedSettings", "TunedTree", "Vocabulary", "check_files",
+           "StepGraphs", "TensorRTPlans", "TensorSpec", "TunedSettings", "TunedTree", "Vocabulary", "check_files",
            "describe_files", "quantization_scheme", "read_manifest"]

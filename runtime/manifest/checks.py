@@ -6,9 +6,9 @@ import dataclasses
 
 from lantern.runtime.contracts import ACCEPT_CONTRACTS, GRAPHS, IN_PLACE_CONTRACTS, graph_io
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest.records import (QUANT_SCHEMES, QUANTIZABLE, READD_ACCEPTANCE, REBUILD_PLANS, RETUNE,
-                                              AcceptanceGraphs, CacheBudget, Condition, Graph, Quantization, Shape,
-                                              TunedSettings, TunedTree, Vocabulary)
+from lantern.runtime.manifest.records import (QUANT_SCHEMES, QUANTIZABLE, READD_ACCEPTANCE, READD_STEP, REBUILD_PLANS,
+                                              RETUNE, AcceptanceGraphs, CacheBudget, Condition, Graph, Quantization,
+                                              Shape, StepGraphs, TunedSettings, TunedTree, Vocabulary)
 from lantern.runtime.manifest.schema import Reader, file_references, record_check
 from lantern.runtime.tree import build_tree
 
@@ -112,6 +112,24 @@ def _check_acceptance(a, r):
             r.fail(f"{kind}.contract", f"is {g.contract!r} ({g.dtype}); expected 'accept_{kind}', fp32, no weights file")
 
 
+@record_check(StepGraphs)
+def _check_step_graphs(s, r):
+    """A tree keyed by its name (AR: the root-only tree 'ar'), with a file for each phase its step
+    runs, greedy and sampling."""
+    try:
+        tree = build_tree(s.tree) if s.tree.get("paths") != [] else None
+    except (LanternError, AttributeError) as err:
+        r.fail("tree", f"is not a draft tree ({err})")
+    name, depth = (tree.name, tree.depth) if tree is not None else (s.tree.get("name"), 0)
+    if name != r.key or (depth == 0 and name != "ar"):
+        r.fail("tree", f"is named {name!r} with depth {depth}; the entry is keyed {r.key!r} (AR's is 'ar')")
+    phases = {"begin", "accept"} | {f"level{d}" for d in range(1, depth + 1)}
+    for kind in ("greedy", "sampling"):
+        if set(getattr(s, kind)) != phases:
+            r.fail(kind, f"has phases {', '.join(sorted(getattr(s, kind)))}; tree {name!r} runs "
+                         f"{', '.join(sorted(phases))}")
+
+
 # ---------------------------------------------------------------------------------------------
 # What the records must agree on across the manifest
 
@@ -139,6 +157,7 @@ def check_consistency(m, r):
         if g.contract in ACCEPT_CONTRACTS:
             r.fail(f"graphs.{name}.contract", f"is {g.contract!r}; acceptance graphs are recorded per tree in `acceptance`")
     _check_acceptance_dims(m, Reader({}, r.where, "acceptance.", READD_ACCEPTANCE))
+    _check_step_entries(m, Reader({}, r.where, "step_graphs.", READD_STEP))
     if "ar" not in m.modes:
         r.fail("modes", "lacks 'ar' (every engine serves it)")
     speculative = [mode for mode in m.modes if mode != "ar"]
@@ -212,6 +231,22 @@ def _check_inplace_cache(m, r):
         r.fail("graphs.commit", f"moves {m.graphs['commit'].layers} layers' caches; the target has {m.target.layers}")
     if m.tree is not None and build_tree(m.tree).num_nodes > s.tree_nodes:
         r.fail("inplace_cache.tree_nodes", f"({s.tree_nodes}) is less than the default tree's nodes")
+
+
+def _check_step_entries(m, r):
+    """The step graphs' files are listed in `files` (so they are confined and hashed), their
+    forced ids no image tokens, and their trees fit the drafter."""
+    v = m.vocabulary
+    for name, s in m.step_graphs.items():
+        if any(v.image_start <= i < v.image_end or i >= v.size for i in s.forced_ids):
+            r.fail(f"{name}.forced_ids", "holds an image token id or one past the vocabulary")
+        for kind in ("greedy", "sampling"):
+            for phase, file in getattr(s, kind).items():
+                if file not in m.files:
+                    r.fail(f"{name}.{kind}.{phase}", f"names {file}, which `files` does not list")
+        if s.tree["paths"] and (m.candidates is None or build_tree(s.tree).max_width > m.candidates):
+            r.fail(f"{name}.tree", f"needs {build_tree(s.tree).max_width} children per node; the drafter returns "
+                                   f"{m.candidates}")
 
 
 def _check_acceptance_dims(m, r):

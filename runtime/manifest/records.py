@@ -27,6 +27,7 @@ GRAPH_FILES = {"condition": "condition.onnx", "target": "target.onnx", "drafter"
 RETUNE = "run `lantern-run tune` again (or delete the entry)"
 REBUILD_PLANS = "rebuild the plans with `lantern-export trt ENGINE --force`"
 READD_ACCEPTANCE = "add them again with `lantern-export accept ENGINE --force`"
+READD_STEP = "export them again with `lantern-export accept ENGINE --force`"
 
 
 @dataclass(frozen=True)
@@ -294,6 +295,41 @@ class AcceptanceGraphs:
     sampling: Optional[Graph] = None
 
 
+def _phase_files(value, r):
+    """A step graph entry's {phase: file}: phase names of the step (begin, level1.., accept), each
+    a plain relative path (no '..', not absolute: the engine directory is untrusted; `files` must
+    list it, checks.py)."""
+    if not value:
+        r.fail("", "is empty; expected {phase: file}")
+    for phase, name in value.items():
+        if not (phase in ("begin", "accept") or (phase.startswith("level") and phase[5:].isdigit())):
+            r.fail("", f"names phase {phase!r}; the step's phases are begin, level1.., accept")
+        parts = name.replace("\\", "/").split("/") if isinstance(name, str) else None
+        if not parts or name.startswith(("/", "\\")) or any(p in ("", ".", "..") for p in parts):
+            r.fail(phase, f"is {name!r}, not a relative path inside the engine directory")
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class StepGraphs:
+    """The step graphs of one draft tree (lantern.export.step_graphs, written by `lantern-export
+    accept`): the phases a step runs between the engine calls (begin, level1..level{depth},
+    accept), one file each, for greedy and for sampling generations. AR is the root-only tree
+    (name 'ar', no paths). Like the acceptance graphs they work in the token space of the image
+    codes followed by `forced_ids`. `version` is the STEP_VERSION (lantern.runtime.contracts)
+    of the lantern that wrote them; a runner refuses other versions."""
+
+    tree: dict  # {"name", "paths"}, as Manifest.tree
+    forced_ids: tuple = rule(lambda v: all(is_int(i) and i >= 0 for i in v) and list(v) == sorted(set(v)),
+                             "ascending distinct vocabulary ids")
+    version: int = rule(POSITIVE)
+    greedy: dict = rule(read=lambda r, name: _phase_files(r.get(name, dict), r.obj(name)))  # phase -> file
+    sampling: dict = rule(read=lambda r, name: _phase_files(r.get(name, dict), r.obj(name)))
+
+    def files(self):
+        return set(self.greedy.values()) | set(self.sampling.values())
+
+
 @dataclass(frozen=True)
 class Manifest:
     family: str
@@ -324,11 +360,20 @@ class Manifest:
     inplace_cache: Optional[CacheBudget] = rule(was="static_cache", default=None)  # in-place engines only
     acceptance: dict = rule(of=AcceptanceGraphs, fix=READD_ACCEPTANCE, optional=True,
                             default_factory=dict)  # tree name -> AcceptanceGraphs (`lantern-export accept`)
+    step_graphs: dict = rule(of=StepGraphs, fix=READD_STEP, optional=True,
+                             default_factory=dict)  # tree name -> StepGraphs (`lantern-export accept`)
     schema: int = SCHEMA_VERSION
 
     def acceptance_for(self, tree):
         """The AcceptanceGraphs of a runtime Tree (matched by its paths, whatever its name), or None."""
         for entry in self.acceptance.values():
+            if [list(p) for p in tree.paths[1:]] == entry.tree["paths"]:
+                return entry
+        return None
+
+    def step_graphs_for(self, tree):
+        """The StepGraphs of a runtime Tree (matched by its paths; AR: the root-only tree), or None."""
+        for entry in self.step_graphs.values():
             if [list(p) for p in tree.paths[1:]] == entry.tree["paths"]:
                 return entry
         return None
