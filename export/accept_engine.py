@@ -2,7 +2,9 @@
 written into the engine directory per draft tree, accept/<tree>-<hash>.<kind>.onnx recorded in
 Manifest.acceptance (`lantern-export accept`, add_acceptance_graphs), and checked on ONNX Runtime
 against their torch modules and the numpy specification (`lantern-export check`,
-check_acceptance)."""
+check_acceptance). The same command writes the step graphs (lantern.export.step_export) of those
+trees and of AR, step/<tree>-<hash>/<kind>.<phase>.onnx recorded in Manifest.step_graphs: what
+ONNX Runtime's device step runs."""
 import contextlib
 import os
 
@@ -10,14 +12,17 @@ import numpy as np
 import torch
 
 from lantern.export.accept_graphs import KINDS, OUTPUTS, contract_inputs, export_acceptance
+from lantern.export.step_export import write_step_graphs
 from lantern.runtime.errors import LanternError
 from lantern.runtime import accept as acceptance, enginedir
 from lantern.runtime.backends import ONNXRUNTIME, TORCH
 from lantern.runtime.chameleon_prompts import forced_tokens
 from lantern.runtime.enginedir import inside
-from lantern.runtime.manifest import AcceptanceGraphs, Graph, TensorSpec, describe_files, read_manifest
+from lantern.runtime.contracts import STEP_VERSION
+from lantern.runtime.manifest import (AcceptanceGraphs, Graph, StepGraphs, TensorSpec, describe_files,
+                                      read_manifest)
 from lantern.runtime.sampling import Sampling
-from lantern.runtime.tree import build_tree
+from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.vocabulary import VocabularyView
 
 # ---------------------------------------------------------------------------------------------
@@ -33,14 +38,19 @@ def engine_forced_ids(manifest_condition, image):
     return tuple(int(i) for i in np.unique(forced[forced >= 0]))
 
 
-def acceptance_file(tree, kind):
-    """The file of a tree's graph: its name made safe, plus a hash of its paths (names may repeat)."""
+def _stem(tree):
+    """A tree's name made safe for a file name, plus a hash of its paths (names may repeat)."""
     import hashlib
     import json
     import re
 
     digest = hashlib.sha256(json.dumps(tree.choices).encode()).hexdigest()[:8]
-    return f"accept/{re.sub(r'[^A-Za-z0-9_.-]', '_', tree.name)[:64]}-{digest}.{kind}.onnx"
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', tree.name)[:64]}-{digest}"
+
+
+def acceptance_file(tree, kind):
+    """The file of a tree's acceptance graph of `kind`."""
+    return f"accept/{_stem(tree)}.{kind}.onnx"
 
 
 def write_acceptance_graphs(directory, tree, vocabulary, condition, image, candidates, kinds=tuple(KINDS),
@@ -92,46 +102,97 @@ def engine_trees(manifest, directory, specs=()):
     return out
 
 
-def add_acceptance_graphs(directory, specs=(), kinds=tuple(KINDS), force=False, opset=18):
-    """`lantern-export accept`: export the acceptance graphs of the engine's trees into it and
-    record them; returns the merged manifest. Staged beside the engine's files, moved into
-    accept/ and recorded under the engine's lock; trees that have graphs are skipped unless
-    force. Nothing changes when any step fails."""
+def step_folder(tree):
+    """The folder of a tree's step graphs (AR's too), named as its acceptance graphs are."""
+    return f"step/{_stem(tree)}"
+
+
+def engine_columns(manifest):
+    """(forced ids, the token space's vocabulary ids: the image codes, then the forced ids)."""
+    v = manifest.vocabulary
+    forced = engine_forced_ids(manifest.condition, manifest.image)
+    return forced, np.concatenate([np.arange(v.image_start, v.image_end), np.array(forced, dtype=np.int64)])
+
+
+def write_engine_step_graphs(directory, manifest, tree, opset=18, progress=None):
+    """Export the step graphs of `tree` (greedy and sampling) into `directory` (a staging copy of
+    the engine): (StepGraphs, [files written])."""
+    forced, columns = engine_columns(manifest)
+    folder = step_folder(tree)
+    enginedir.make_dirs(directory, folder)
+    files = write_step_graphs(directory, folder, manifest, tree, columns, opset=opset, progress=progress)
+    entry = StepGraphs(tree=tree.to_json(), forced_ids=forced, version=STEP_VERSION, greedy=files["greedy"],
+                       sampling=files["sampling"])
+    return entry, sorted(entry.files())
+
+
+def _step_trees(manifest, trees, force):
+    """The trees whose step graphs to write: those `accept` covers and AR, less the ones whose
+    graphs are there at this STEP_VERSION (unless force: an old version is always re-exported)."""
+    out = []
+    for tree in list(trees) + [root_only()]:
+        entry = manifest.step_graphs_for(tree)
+        if force or entry is None or entry.version != STEP_VERSION:
+            out.append(tree)
+    return out
+
+
+def add_acceptance_graphs(directory, specs=(), kinds=tuple(KINDS), force=False, opset=18, acceptance=True,
+                          step=True, progress=False):
+    """`lantern-export accept`: export the acceptance graphs of the engine's trees and the step
+    graphs of those trees and AR into it and record them; returns the merged manifest. Staged
+    beside the engine's files, moved into accept/ and step/ and recorded under the engine's lock;
+    trees that have graphs (step graphs: of this STEP_VERSION) are skipped unless force. Nothing
+    changes when any step fails. acceptance / step: which of the two to write (the demo and the
+    test engines write step graphs only). An engine without a drafter gets AR's step graphs."""
     directory = os.path.abspath(os.fspath(directory))
     manifest = read_manifest(directory, verify=True)
-    trees = [t for t in engine_trees(manifest, directory, specs)
-             if force or manifest.acceptance_for(t) is None or
-             any(getattr(manifest.acceptance_for(t), k) is None for k in kinds)]
-    if not trees:
+    covered = engine_trees(manifest, directory, specs) if manifest.tree is not None or specs else []
+    trees = [t for t in covered if acceptance and (force or manifest.acceptance_for(t) is None or
+             any(getattr(manifest.acceptance_for(t), k) is None for k in kinds))]
+    step_trees = _step_trees(manifest, covered, force) if step else []
+    if not trees and not step_trees:
         return manifest
     enginedir.check_writable(directory, "lantern-export accept")
     enginedir.inside(directory, "accept")  # a planted link is refused before any work
+    enginedir.inside(directory, "step")
+    total = len(trees) * len(KINDS) + sum(2 * (t.depth + 2) for t in step_trees)
+    bar = _progress(total, progress)
     with enginedir.staging(directory, "accept") as stage:
-        built = []
+        built, steps = [], []
         for t in trees:
             # the tree's other kinds stay as they are; a tree without a greedy graph gets one (an
             # entry always has it)
             old = manifest.acceptance_for(t)
             keep = {k: getattr(old, k) for k in KINDS if old is not None and k not in kinds and getattr(old, k)}
             todo = tuple(k for k in KINDS if k in kinds or (k == "greedy" and "greedy" not in keep))
+            bar.set_description(f"accept {t.name}")
             built.append(write_acceptance_graphs(stage, t, manifest.vocabulary, manifest.condition, manifest.image,
                                                  manifest.candidates, todo, opset, keep))
+            bar.update(len(KINDS))
+        for t in step_trees:
+            bar.set_description(f"step {t.name}")
+            steps.append(write_engine_step_graphs(stage, manifest, t, opset, lambda: bar.update(1)))
+        bar.close()
         with enginedir.locked(directory, "lantern-export accept"):
             current = read_manifest(directory, verify=True)
-            enginedir.make_dirs(directory, "accept")
             moved = []
             try:
                 paths = {t.paths for t in trees}
                 entries = {n: e for n, e in current.acceptance.items() if _paths(e) not in paths}
-                for entry, files in built:
+                paths = {t.paths for t in step_trees}
+                step_entries = {n: e for n, e in current.step_graphs.items() if _step_paths(e) not in paths}
+                for entry, files in built + steps:
                     for name in files:
+                        enginedir.make_dirs(directory, os.path.dirname(name))
                         os.replace(os.path.join(stage, name), os.path.join(directory, name))
                         moved.append(name)
-                    entries[entry.tree["name"]] = entry
-                stale = _files(current.acceptance) - _files(entries)
+                    (entries if isinstance(entry, AcceptanceGraphs) else step_entries)[entry.tree["name"]] = entry
+                stale = (_files(current.acceptance) - _files(entries)) | (_step_files(current) - _step_files(
+                    current.replace(step_graphs=step_entries)))
                 records = {k: v for k, v in current.files.items() if k not in stale}
                 records.update(describe_files(directory, moved))
-                merged = current.replace(acceptance=entries, files=dict(sorted(records.items())))
+                merged = current.replace(acceptance=entries, step_graphs=step_entries, files=dict(sorted(records.items())))
                 merged.write(directory)
             except BaseException:
                 for name in moved:
@@ -149,19 +210,53 @@ def _paths(entry):
     return build_tree(entry.tree).paths
 
 
+def _step_paths(entry):
+    return build_tree(entry.tree).paths if entry.tree["paths"] else root_only().paths
+
+
 def _files(acceptance):
     return {g.file for e in acceptance.values() for g in (e.greedy, e.sampling) if g is not None}
 
 
+def _step_files(manifest):
+    return {f for e in manifest.step_graphs.values() for f in e.files()}
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_description(self, text):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total, enabled):
+    if not enabled or not total:
+        return _NoBar()
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="graph", file=sys.stderr, bar_format="{desc:<26} {bar:20} {n}/{total} [{elapsed}]")
+
+
 def add_parser(sub):
-    p = sub.add_parser("accept", help="add acceptance graphs (the device step's acceptance) to an engine",
-                       description="Export the acceptance graphs (greedy and sampling; exact, LANTERN and "
-                                   "LANTERN++ in one graph per tree) for the engine's default tree and its tuned "
-                                   "trees, or the trees given, into ENGINE/accept/ and record them in the "
-                                   "manifest. A tree without them runs acceptance on the host.")
+    p = sub.add_parser("accept", help="add the step graphs and acceptance graphs (the device step) to an engine",
+                       description="Export, for the engine's default tree and its tuned trees (or the trees "
+                                   "given), the acceptance graphs (greedy and sampling; exact, LANTERN and "
+                                   "LANTERN++ in one graph per tree) into ENGINE/accept/, and the step graphs "
+                                   "(the whole step between engine calls, greedy and sampling) of those trees and "
+                                   "of AR into ENGINE/step/, and record them in the manifest. ONNX Runtime runs "
+                                   "the step graphs (its device step, the default where the engine has them); a "
+                                   "tree without them runs the host step. Trees that have graphs are skipped; step "
+                                   "graphs of another lantern's step version are exported again.")
     p.add_argument("engine", help="engine directory")
     p.add_argument("--tree", action="append", default=[], help="a tree (preset name or JSON file); repeatable")
     p.add_argument("--force", action="store_true", help="export again trees that have graphs")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
@@ -169,10 +264,11 @@ def run(args):
     import time
 
     start = time.perf_counter()
-    manifest = add_acceptance_graphs(args.engine, args.tree, force=args.force)
+    manifest = add_acceptance_graphs(args.engine, args.tree, force=args.force, progress=not args.no_progress)
     names = ", ".join(f"{n} ({'+'.join(k for k in ('greedy', 'sampling') if getattr(e, k) is not None)})"
                       for n, e in manifest.acceptance.items())
-    print(f"acceptance graphs in {args.engine}: {names or 'none'} ({time.perf_counter() - start:.1f}s)")
+    print(f"acceptance graphs in {args.engine}: {names or 'none'}; step graphs: "
+          f"{', '.join(manifest.step_graphs) or 'none'} ({time.perf_counter() - start:.1f}s)")
     return 0
 
 
