@@ -34,8 +34,13 @@ def refusal(manifest, directory, plan, sampler):
     if entry.sampling is None:
         return (f"the engine has no sampling acceptance graph for tree {plan.tree.name!r}; add it with "
                 f"`lantern-export accept {directory}`")
-    columns = manifest.vocabulary.codes + len(entry.forced_ids)  # the graph's token space
-    if ACCEPT_TOP_K_LIMIT < sampler.top_k < columns:
+    return top_k_refusal(sampler, manifest.vocabulary.codes + len(entry.forced_ids))
+
+
+def top_k_refusal(sampler, columns):
+    """Why a sampling acceptance (as a graph, over `columns` token-space columns) cannot filter
+    this sampler's top_k, or None: it serves top_k up to ACCEPT_TOP_K_LIMIT, or none."""
+    if not isinstance(sampler, Greedy) and ACCEPT_TOP_K_LIMIT < sampler.top_k < columns:
         return (f"its sampling acceptance graph serves top_k up to {ACCEPT_TOP_K_LIMIT} (or none), not "
                 f"{sampler.top_k}")
     return None

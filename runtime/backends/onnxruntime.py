@@ -23,8 +23,13 @@ import os
 import numpy as np
 
 from lantern.runtime.backends import ONNXRUNTIME, graph_acceptance
-from lantern.runtime.contracts import graph_io
+from lantern.runtime.contracts import STEP_VERSION, graph_io
 from lantern.runtime.errors import LanternError
+from lantern.runtime.graph_step import GraphStep
+from lantern.runtime.kvcache import InPlaceKVCache
+from lantern.runtime.sampling import Greedy
+from lantern.runtime.tree import build_tree
+from lantern.runtime.vocabulary import VocabularyView
 
 _NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -34,7 +39,9 @@ _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tenso
 class OnnxRuntimeBackend:
     name = ONNXRUNTIME.name
     key = None  # runs the ONNX graphs (or their modules), no compiled plans
-    default_step = "host"  # its device step (acceptance as a graph) is slower on a CPU: bench.device_step
+    # the step graphs where the engine has them for a generation's tree (lantern-export accept), else
+    # the host step (Engine's _step_path gives way to it when the default device step refuses)
+    default_step = "device"
 
     def __init__(self, directory, manifest, threads=None, device="cpu", io_binding=True, profile_prefix=None):
         try:
@@ -84,7 +91,6 @@ class OnnxRuntimeBackend:
         self._values = {}  # id(call) -> {input or output name: its bound OrtValue}
         self.directory, self.manifest, self.options, self.providers = directory, manifest, options, providers
         self.device = device
-        self._acceptance = {}  # graph file -> InferenceSession of an acceptance graph
 
     def zeros(self, shape):
         return np.zeros(shape, dtype=self.float_dtype)
@@ -141,19 +147,37 @@ class OnnxRuntimeBackend:
             self._bound.pop(id(call), None)
             self._values.pop(id(call), None)
 
-    # -- the device step: acceptance where the verification logits are ----------------------
+    # -- the device step: the engine's step graphs --------------------------------------------
     def device_step_refusal(self, plan, sampler):
-        """Why this backend's device step (the engine's acceptance graph fed the verification
-        logits in place, IOBinding) cannot run a generation of this plan and sampler, or None."""
-        if plan.tree.depth and not self.io_binding:
+        """Why this backend's device step (the whole step on the engine's step graphs for the
+        plan's tree, IOBinding) cannot run a generation of this plan and sampler, or None."""
+        if not self.io_binding:
             return "it needs IOBinding (io_binding=False)"
-        return graph_acceptance.refusal(self.manifest, self.directory, plan, sampler)
+        if isinstance(plan.target_cache, InPlaceKVCache):
+            return "in-place engines have no step graphs yet; use step='host'"
+        tree, m = plan.tree, self.manifest
+        name = tree.name if tree.depth else "ar"
+        entry = m.step_graphs_for(tree)
+        if entry is None:
+            default = not tree.depth or (m.tree is not None and build_tree(m.tree).paths == tree.paths)
+            return (f"the engine has no step graphs for tree {name}; add them with `lantern-export accept "
+                    f"{self.directory}{'' if default else ' --tree ...'}`")
+        if entry.version != STEP_VERSION:
+            return (f"the engine's step graphs are version {entry.version}, this lantern runs {STEP_VERSION}: "
+                    f"re-export them with `lantern-export accept {self.directory} --force`")
+        forced = [int(i) for i in VocabularyView(m.vocabulary, plan.prefix.forced).extra]
+        if list(entry.forced_ids) != forced:
+            return (f"the step graphs of tree {name} serve forced ids {list(entry.forced_ids)}, this generation "
+                    f"forces {forced}")
+        return graph_acceptance.top_k_refusal(sampler, m.vocabulary.codes + len(entry.forced_ids))
 
     def device_step(self, decoding):
-        """The acceptance of each step run by the engine's graph (greedy or sampling) on the
-        verification logits as the target left them (its bound OrtValue); the rest of the step
-        stays the host's."""
-        return OrtGraphAcceptance(self, decoding)
+        """The generation's whole step on the engine's step graphs of its tree (greedy or
+        sampling; lantern.runtime.graph_step): engine calls and phases bound once, the host reads
+        back a few integers per image."""
+        entry = self.manifest.step_graphs_for(decoding.plan.tree)
+        return GraphStep(self, decoding, self.open_graphs(entry.greedy if isinstance(decoding.sampler, Greedy)
+                                                          else entry.sampling))
 
     def open_graphs(self, files):
         """{name: label} of more graphs (a tree's step graphs) at files {name: path in the engine
@@ -192,28 +216,13 @@ class OnnxRuntimeBackend:
         """The first `width` columns of a buffer, on the host."""
         return array[:, :width].copy()
 
-    def acceptance_session(self, graph):
-        session = self._acceptance.get(graph.file)
-        if session is None:
-            path = os.path.join(self.directory, graph.file)
-            self._name_profile(self.options, os.path.splitext(os.path.basename(graph.file))[0])
-            try:
-                session = self.ort.InferenceSession(path, self.options, providers=self.providers)
-            except Exception as e:
-                raise LanternError(f"{path}: ONNX Runtime cannot load it ({str(e).splitlines()[0]}); run "
-                                   f"`lantern-export accept {self.directory} --force`") from None
-            self._acceptance[graph.file] = session
-        return session
-
     def _name_profile(self, options, name):
         if self.profile_prefix is not None:  # one file per session (sessions made in one millisecond share a time)
             options.profile_file_prefix = f"{self.profile_prefix}_{name}"
 
     def end_profiling(self):
         """{session name: (its profiler's start, ns since the epoch; its JSON file)}; profiling ends."""
-        sessions = dict(self.sessions, **{os.path.splitext(os.path.basename(f))[0]: s
-                                          for f, s in self._acceptance.items()})
-        return {name: (s.get_profiling_start_time_ns(), s.end_profiling()) for name, s in sessions.items()}
+        return {name: (s.get_profiling_start_time_ns(), s.end_profiling()) for name, s in self.sessions.items()}
 
     def call_shapes(self, graph):
         return None  # any shape runs
@@ -234,51 +243,3 @@ class OnnxRuntimeBackend:
 
     def synchronize(self):
         """run() returns host arrays, so nothing is ever left in flight."""
-
-
-class OrtGraphAcceptance:
-    """One generation's acceptance on the engine's acceptance graph (graph_acceptance), bound
-    once: its logits input is the verify call's bound logits output (no copy), its other inputs
-    the host buffers AcceptanceIO refills each step, its outputs AcceptanceIO's buffers. ONNX
-    Runtime has no device ops for the step's bookkeeping without more graphs, so drafting, masks
-    and commits stay on the host (whole_step False)."""
-
-    whole_step = False
-
-    def __init__(self, backend, decoding):
-        self.io = io = graph_acceptance.AcceptanceIO(backend.manifest, decoding)
-        self.session = session = backend.acceptance_session(io.graph)
-        logits = backend._values[id(decoding.plan.calls["verify"])]["logits"]  # bound in place
-        self.binding = binding = session.io_binding()
-        binding.bind_ortvalue_input("logits", logits)
-        self._values = [logits]
-        # on CUDA, ORT copies a host input to the device when it is bound: the inputs that change
-        # per step are bound again before each run (the verify call's logits are host buffers there)
-        self.rebind = {"logits": logits} if backend.device == "cuda" else {}
-        OrtValue = backend.ort.OrtValue
-        # the generation's constants (the neighbor table above all) where the session runs, once;
-        # on the CPU every value shares its host buffer
-        on_gpu = backend.device == "cuda"
-        constants = io.constants()
-        for name, value in io.feeds.items():
-            ort_value = OrtValue.ortvalue_from_numpy(value, "cuda", 0) if on_gpu and name in constants \
-                else OrtValue.ortvalue_from_numpy(value)
-            self._values.append(ort_value)
-            binding.bind_ortvalue_input(name, ort_value)
-            if on_gpu and name not in constants:
-                self.rebind[name] = ort_value
-        for name, value in io.outputs.items():
-            ort_value = OrtValue.ortvalue_from_numpy(value)
-            self._values.append(ort_value)
-            binding.bind_ortvalue_output(name, ort_value)
-
-    def accept(self, decoding, active, uniforms):
-        """The Outcome of the active images (as lantern.runtime.accept's); uniforms [N, M]: the
-        step's acceptance draws of every image (lantern.runtime.streams; greedy reads none)."""
-        self.io.refill(decoding, uniforms)
-        for name, value in self.rebind.items():
-            self.binding.bind_ortvalue_input(name, value)
-        if self.rebind:
-            self.binding.synchronize_inputs()
-        self.session.run_with_iobinding(self.binding)
-        return self.io.outcome(active, "acceptance graph")
