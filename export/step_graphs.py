@@ -82,13 +82,17 @@ class Phase(nn.Module):
         inside = (body >= 0) & (body < L)
         return torch.where(inside, forced_columns[body.clamp(0, L - 1)], torch.full_like(body, -1))
 
+    @staticmethod
+    def block_of_draws(x):
+        """This step's block of every image's stream [N, block] (M acceptance uniforms, then the race's)."""
+        table = x["table"]
+        return table.index_select(1, x["draws_taken"] % table.shape[1])[:, 0]
+
     def race(self, x, first, count):
         """The race uniforms [N, count, K] of nodes first .. first + count - 1 this step."""
-        table = x["table"]
-        N = table.shape[0]
-        block = table.index_select(1, x["draws_taken"] % table.shape[1])[:, 0]  # [N, block]
+        block = self.block_of_draws(x)
         K = (block.shape[1] - self.M) // self.M
-        return block[:, self.M:].reshape(N, self.M, K)[:, first: first + count]
+        return block[:, self.M:].reshape(block.shape[0], self.M, K)[:, first: first + count]
 
 
 class Begin(Phase):
@@ -239,33 +243,71 @@ class Level(Phase):
 
 class Accept(Phase):
     """The rule over the verification, then the commit: the accepted path's K/V into the target
-    cache, the next draft0's pairs (the target's hidden states and tokens of the path), the next
-    root, counts and draws, and the report."""
+    cache, the next root, counts and draws, the report, and what the proposer keeps (the drafter
+    tree: the next draft0's pairs, the target's hidden states and tokens of the path). A
+    proposer's accept overrides `block` (the node tokens and q it proposed) and `keep`."""
 
     def __init__(self, tree, columns, codes, vocab, max_position, sampling, inplace, accept_dtype=torch.float64):
         super().__init__(tree, columns, codes, vocab, max_position, sampling, inplace)
         self.accept_dtype = accept_dtype
         self.rule = (SamplingAcceptance if sampling else GreedyAcceptance)(tree, columns, codes)
+        self.leaves = int((tree.depths == tree.depth).sum())  # the deepest nodes: no candidates
         D = tree.depth
-        self.leaves = int((tree.depths == tree.depth).sum())  # nodes with no candidates (no drafter call over them)
         cache_in, cache_out = cache_names("target", inplace)
         self.inputs = ("verify.logits", "count", "root", "image_of_row", "forced_columns", "target_visible",
                        "target_length") + (() if inplace else ("verify.new_keys", "verify.new_values")) + cache_in + \
-            CFG_CONSTANTS + (RULE_CONSTANTS + tuple(f"tokens{d}" for d in range(1, D + 1)) +
-                             ("verify.hidden", "offset") if D else ()) + \
-            (("table", "draws_taken") + SAMPLING_CONSTANTS + tuple(f"cand_ids{d}" for d in range(D)) +
-             tuple(f"cand_probs{d}" for d in range(D)) if sampling else ())
+            CFG_CONSTANTS + (RULE_CONSTANTS if D else ()) + \
+            (("table", "draws_taken") + SAMPLING_CONSTANTS if sampling else ()) + self.proposer_inputs()
         self.outputs = ("report", "next_target_visible", "next_target_length", "next_count", "next_root") + \
             cache_out + (("commit.write_index", "commit.src_slots") if inplace and D else ()) + \
-            (("next_pending", "draft0.input_ids", "draft0.target_hidden", "draft0.position_ids") if D else ()) + \
-            (("next_draws_taken",) if sampling else ())
+            (("next_draws_taken",) if sampling else ()) + self.proposer_outputs()
 
+    # -- the drafter tree's (AR: no drafts) -----------------------------------------------------
+    def proposer_inputs(self):
+        D = self.depth
+        return tuple(f"tokens{d}" for d in range(1, D + 1)) + (("verify.hidden", "offset") if D else ()) + \
+            (tuple(f"cand_ids{d}" for d in range(D)) + tuple(f"cand_probs{d}" for d in range(D))
+             if self.sampling else ())
+
+    def proposer_outputs(self):
+        return ("next_pending", "draft0.input_ids", "draft0.target_hidden", "draft0.position_ids") if self.depth else ()
+
+    def block(self, x):
+        """(node tokens [N, M] ids, q as candidate columns and probabilities [N, M, K] or None)."""
+        D, N, dev = self.depth, x["count"].shape[0], x["count"].device
+        node_tokens = torch.cat([x["root"][:, None]] + [x[f"tokens{d}"] for d in range(1, D + 1)], dim=1)
+        if not self.sampling:
+            return node_tokens, None, None
+        if not D:  # AR: no drafts, one empty candidate
+            return node_tokens, torch.zeros((N, 1, 1), dtype=torch.int64, device=dev), torch.zeros((N, 1, 1), device=dev)
+        leaves = torch.zeros((N, self.leaves, x["cand_ids0"].shape[2]), device=dev)  # no drafter call over them
+        return (node_tokens, torch.cat([x[f"cand_ids{d}"] for d in range(D)] + [leaves.long()], dim=1),
+                torch.cat([x[f"cand_probs{d}"] for d in range(D)] + [leaves], dim=1))
+
+    def keep(self, x, o):
+        """The next draft0's pairs: the path's (hidden state, token), as many as each image emitted."""
+        if not self.depth:
+            return {}
+        active, emit, emitted, cols = o["active"], o["emit"], o["emitted"], o["cols"]
+        iob = x["image_of_row"]
+        counts = torch.where(active, emit.clamp(min=1), torch.ones_like(emit))
+        pairs = torch.where(active[:, None], emitted, torch.zeros_like(emitted))
+        index = torch.arange(self.depth + 1, device=emit.device)
+        real = index[None, :] < counts[:, None]
+        hidden = x["verify.hidden"]
+        kept = torch.where(active[iob][:, None], cols, torch.zeros_like(cols))
+        first = o["target_length"] - x["offset"] - counts[iob] + 1  # the first pair's position
+        return {"next_pending": counts, "draft0.input_ids": torch.where(real, pairs, torch.zeros_like(pairs))[iob],
+                "draft0.target_hidden": hidden.gather(1, kept[..., None].expand(-1, -1, hidden.shape[2])),
+                "draft0.position_ids": (first[:, None] + index[None, :]).clamp(0, self.max_position)}
+
+    # -- the step's end, whatever proposed ------------------------------------------------------
     def run(self, x):
         count, root, iob = x["count"], x["root"], x["image_of_row"]
         N, D, M = count.shape[0], self.depth, self.M
         length = x["forced_columns"].shape[0]
         active = count < length
-        node_tokens = torch.cat([root[:, None]] + [x[f"tokens{d}"] for d in range(1, D + 1)], dim=1)  # [N, M]
+        node_tokens, cand_ids, cand_probs = self.block(x)
         tokens = self.column_of_id[node_tokens]
         logits = x["verify.logits"]
         a = {name: x[name] for name in CFG_CONSTANTS}
@@ -275,17 +317,9 @@ class Accept(Phase):
             one = torch.ones(1, device=count.device)
             a.update(neighbors=torch.zeros((1, 1), dtype=torch.int64, device=count.device),
                      k=torch.zeros(1, dtype=torch.int64, device=count.device), lam=one, delta=one * 0)
+        combined = None
         if self.sampling:
-            block = x["table"].index_select(1, x["draws_taken"] % x["table"].shape[1])[:, 0]
-            uniforms = block[:, :M]
-            if D:
-                K = x["cand_ids0"].shape[2]
-                leaves = torch.zeros((N, self.leaves, K), device=count.device)
-                cand_ids = torch.cat([x[f"cand_ids{d}"] for d in range(D)] + [leaves.long()], dim=1)
-                cand_probs = torch.cat([x[f"cand_probs{d}"] for d in range(D)] + [leaves], dim=1)
-            else:  # AR: no drafts, one empty candidate
-                cand_ids = torch.zeros((N, 1, 1), dtype=torch.int64, device=count.device)
-                cand_probs = torch.zeros((N, 1, 1), device=count.device)
+            uniforms = self.block_of_draws(x)[:, :M]
             combined = self.combined(logits, count, a)
             plain = torch.arange(N, device=count.device)
             accepted, next_column, path, decisions, invalid = self.rule(
@@ -305,19 +339,11 @@ class Accept(Phase):
         out, visible, target_length = append(x, "target", "verify", self.inplace, cols, emit[iob], x["target_visible"],
                                              x["target_length"])
         out.update({"next_target_visible": visible, "next_target_length": target_length, "next_count": count + emit,
-               "next_root": torch.where(active, emitted.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0], root)})
-        if D:  # the next draft0's pairs: the path's (hidden state, next token), as many as were emitted
-            counts = torch.where(active, emit.clamp(min=1), torch.ones_like(emit))
-            pairs = torch.where(active[:, None], emitted, torch.zeros_like(emitted))
-            index = torch.arange(D + 1, device=count.device)
-            real = index[None, :] < counts[:, None]
-            hidden = x["verify.hidden"]
-            kept = torch.where(active[iob][:, None], cols, torch.zeros_like(cols))
-            first = target_length - x["offset"] - counts[iob] + 1  # the first pair's position
-            out.update({"next_pending": counts,
-                        "draft0.input_ids": torch.where(real, pairs, torch.zeros_like(pairs))[iob],
-                        "draft0.target_hidden": hidden.gather(1, kept[..., None].expand(-1, -1, hidden.shape[2])),
-                        "draft0.position_ids": (first[:, None] + index[None, :]).clamp(0, self.max_position)})
+                    "next_root": torch.where(active, emitted.gather(1, (emit - 1).clamp(min=0)[:, None])[:, 0], root)})
+        if self.inplace and not D:  # AR: the root is where it belongs; the plan has no commit call
+            out = {k: v for k, v in out.items() if not k.startswith("commit.")}
+        out.update(self.keep(x, dict(active=active, emit=emit, emitted=emitted, cols=cols, accepted=accepted,
+                                     target_length=target_length, combined=combined, logits=logits, a=a)))
         if self.sampling:
             out["next_draws_taken"] = x["draws_taken"] + 1
         zero = torch.zeros_like(accepted)

@@ -18,11 +18,12 @@ def tiny_vq(vocab, seed=0):
 
 
 def build_engine(root, model_type="c2i", tree="mc_sim_7b_63", drafter=True, with_vq=True, block_size=36,
-                 vocab=64, extra=(), peaked=True):
+                 vocab=64, extra=(), peaked=True, step_graphs=True):
     """Write a tiny target (+ drafter, VQ) to disk and export it. Returns the engine directory.
     c2i targets are written as LlamaGen .pt files with a config JSON, t2i targets in LANTERN's
     Hugging Face layout, so the session's engines go through both loaders. peaked=False: the
-    near-uniform models before issue 30 (tests/tiny.py), which tests/data/regression_v1 was made on."""
+    near-uniform models before issue 30 (tests/tiny.py), which tests/data/regression_v1 was made on.
+    step_graphs: add the step graphs of its default tree and AR (add_step_graphs)."""
     root = str(root)
     target = tiny_target(model_type, std=PEAKED_STD if peaked else OLD_STD, n_kv_head=2, block_size=block_size,
                          vocab_size=vocab)
@@ -47,7 +48,17 @@ def build_engine(root, model_type="c2i", tree="mc_sim_7b_63", drafter=True, with
         vq.save_vq(tiny_vq(vocab), os.path.join(src, "vq.pt"))
         argv += ["--vq", os.path.join(src, "vq.pt")]
     assert cli.main(argv + ["--no-progress"] + list(extra)) == 0
+    if step_graphs:
+        add_step_graphs(out)
     return out
+
+
+def add_step_graphs(directory):
+    """The step graphs of the engine's default tree and AR (`lantern-export accept`'s, without
+    its acceptance graphs), as the demo has them: ONNX Runtime's default step runs them."""
+    from lantern.export.accept_engine import add_acceptance_graphs
+
+    add_acceptance_graphs(directory, acceptance=False)
 
 
 def export_like(engine, out, *extra):

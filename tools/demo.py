@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from lantern.export.accept_engine import add_acceptance_graphs
 from lantern.export.check import check_engine
 from lantern.export.checkpoints import load_target
 from lantern.export.embed import DEMO_DIR, demo_sources, embedded_config, write_embedded  # noqa: F401 (gpu_check)
@@ -140,6 +141,11 @@ def run(args):
     export_engine(out, src["target"], target_options={"config_file": src["target_config"]}, drafter=src["drafter"],
                   vq=src["vq"], tree=args.tree, force=True, progress=True,
                   graph_cache=os.environ.get("LANTERN_GRAPH_CACHE") or None)  # as `lantern-export onnx` does
+    # the step graphs of the demo's tree and of AR (`lantern-export accept`, step graphs only): ONNX
+    # Runtime's default device step runs them from the first generation on
+    t = time.perf_counter()
+    add_acceptance_graphs(out, acceptance=False, progress=True)
+    print(f"      step graphs of {args.tree} and ar added in {time.perf_counter() - t:.1f} s")
     print(f"[{first + 1}/{steps}] checking every graph on ONNX Runtime against PyTorch")
     report = check_engine(out)
     worst = max((r.get("max_abs", 0.0) for r in report["results"]), default=0.0)
@@ -171,8 +177,8 @@ def run(args):
     results = {}
     for mode, extra in runs:
         results[mode] = generate_batches(engine, args.batch, mode=mode.split()[0], **common, **extra)
-    # which step path ran (Engine(step=...)): on ONNX Runtime on the CPU the host step, the
-    # measured faster one there (tools/bench/device_step.py); on torch CUDA the device step
+    # which step path ran (Engine(step=...)): on ONNX Runtime the device step, the engine's step
+    # graphs (added above); on torch CUDA the device step; the host step where neither runs
     print(f"      {results['exact'].stats['step']} step on {engine.backend.name} ({device})"
           + (f" (the whole step runs on the device with lantern-run generate --backend {ONNXRUNTIME_TORCH.name} or "
              f"{TORCH.name} --step device)"

@@ -322,7 +322,7 @@ class StepGraphs:
     tree: dict  # {"name", "paths"}, as Manifest.tree
     forced_ids: tuple = rule(lambda v: all(is_int(i) and i >= 0 for i in v) and list(v) == sorted(set(v)),
                              "ascending distinct vocabulary ids")
-    version: int = rule(POSITIVE)
+    version: int = rule(AT_LEAST_0)
     greedy: dict = rule(read=lambda r, name: _phase_files(r.get(name, dict), r.obj(name)))  # phase -> file
     sampling: dict = rule(read=lambda r, name: _phase_files(r.get(name, dict), r.obj(name)))
 
