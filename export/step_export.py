@@ -22,18 +22,20 @@ _TARGET_EXTRA, _DRAFTER_EXTRA = 21, 17  # target capacity - M, drafter capacity 
 class Facts:
     """What the phases' shapes depend on in an engine: its manifest's model shapes and the token space."""
 
-    def __init__(self, manifest, tree, columns, accept_dtype=torch.float64):
+    def __init__(self, manifest, tree, columns, accept_dtype=torch.float64, proposer="tree", init=None):
+        """proposer "jacobi": tree is the window's chain, init its fresh drafts' (lantern.runtime.jacobi)."""
         self.tree, self.columns, self.accept_dtype = tree, np.asarray(columns, dtype=np.int64), accept_dtype
+        self.proposer, self.init = proposer, init
         self.vocab, self.codes = manifest.vocabulary.size, manifest.vocabulary.codes
         self.max_position = manifest.max_positions - 1
-        self.K = manifest.candidates if tree.depth else 1
+        self.K = manifest.candidates if tree.depth and proposer == "tree" else 2 if proposer == "jacobi" else 1
         self.float = _FLOATS[manifest.dtype]
         self.target, self.drafter = manifest.target, manifest.drafter
         self.inplace = manifest.inplace_cache is not None
 
     def modules(self, kind):
         return phases(self.tree, self.columns, self.codes, self.vocab, self.max_position, kind == "sampling",
-                      self.inplace, self.accept_dtype)
+                      self.inplace, self.accept_dtype, self.proposer, self.init)
 
 
 def _example(name, facts, kind):
@@ -88,6 +90,15 @@ def _example(name, facts, kind):
         return torch.zeros((len(facts.columns), _KN), dtype=i64), {1: "Kn"}
     if name == "table":
         return torch.rand((_N, _STEPS, M + M * facts.K), dtype=torch.float64), {0: "N", 1: "steps", 2: "block"}
+    S = len(facts.columns)
+    window = {"window_drafts": ((_N, D), i64), "window_kept": ((_N,), i64), "window_q": ((_N, D, S), real),
+              "window_block_q": ((_N, M, S), real), "body": ((_N, _BODY), i64), "window_stride": ((1,), i64)}
+    if name in window:
+        shape, dtype = window[name]
+        value = torch.zeros(shape, dtype=dtype) if name != "window_stride" else torch.full(shape, 3, dtype=dtype)
+        return value, {0: "N", 1: "L"} if name == "body" else {0: "N"} if name != "window_stride" else {}
+    if name == "tokens1" and facts.proposer == "jacobi":  # the window's slots 1..W-1
+        return torch.zeros((_N, D), dtype=i64), {0: "N"}
     if name.startswith("tokens"):
         return torch.zeros((_N, n_at[int(name[6:])]), dtype=i64), {0: "N"}
     if name.startswith("cand_ids"):
@@ -116,10 +127,11 @@ def export_phase(module, facts, kind, path, opset=18):
     onnx.save(model, path)
 
 
-def write_step_graphs(directory, folder, manifest, tree, columns, kinds=KINDS, opset=18, progress=None):
+def write_step_graphs(directory, folder, manifest, tree, columns, kinds=KINDS, opset=18, progress=None,
+                      proposer="tree", init=None):
     """Export every phase of `tree`'s step for each kind into directory/folder:
     {kind: {phase: file relative to directory}}."""
-    facts = Facts(manifest, tree, columns)
+    facts = Facts(manifest, tree, columns, proposer=proposer, init=init)
     os.makedirs(os.path.join(directory, folder), exist_ok=True)
     files = {}
     for kind in kinds:

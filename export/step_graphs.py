@@ -247,6 +247,8 @@ class Accept(Phase):
     tree: the next draft0's pairs, the target's hidden states and tokens of the path). A
     proposer's accept overrides `block` (the node tokens and q it proposed) and `keep`."""
 
+    draws = property(lambda self: self.sampling)  # whether the step reads the streams (a window's drafts do)
+
     def __init__(self, tree, columns, codes, vocab, max_position, sampling, inplace, accept_dtype=torch.float64):
         super().__init__(tree, columns, codes, vocab, max_position, sampling, inplace)
         self.accept_dtype = accept_dtype
@@ -257,10 +259,11 @@ class Accept(Phase):
         self.inputs = ("verify.logits", "count", "root", "image_of_row", "forced_columns", "target_visible",
                        "target_length") + (() if inplace else ("verify.new_keys", "verify.new_values")) + cache_in + \
             CFG_CONSTANTS + (RULE_CONSTANTS if D else ()) + \
-            (("table", "draws_taken") + SAMPLING_CONSTANTS if sampling else ()) + self.proposer_inputs()
+            (("table",) + SAMPLING_CONSTANTS if sampling else ()) + (("draws_taken",) if self.draws else ()) + \
+            self.proposer_inputs()
         self.outputs = ("report", "next_target_visible", "next_target_length", "next_count", "next_root") + \
             cache_out + (("commit.write_index", "commit.src_slots") if inplace and D else ()) + \
-            (("next_draws_taken",) if sampling else ()) + self.proposer_outputs()
+            (("next_draws_taken",) if self.draws else ()) + self.proposer_outputs()
 
     # -- the drafter tree's (AR: no drafts) -----------------------------------------------------
     def proposer_inputs(self):
@@ -344,7 +347,7 @@ class Accept(Phase):
             out = {k: v for k, v in out.items() if not k.startswith("commit.")}
         out.update(self.keep(x, dict(active=active, emit=emit, emitted=emitted, cols=cols, accepted=accepted,
                                      target_length=target_length, combined=combined, logits=logits, a=a)))
-        if self.sampling:
+        if self.draws:  # every image's stream advances every step
             out["next_draws_taken"] = x["draws_taken"] + 1
         zero = torch.zeros_like(accepted)
         out["report"] = torch.cat([torch.where(active, accepted, zero)[:, None], emitted,
@@ -363,9 +366,15 @@ class Accept(Phase):
         return torch.where(plain[..., None], cond, (cond - uncond) * a["cfg_scale"] + uncond)
 
 
-def phases(tree, columns, codes, vocab, max_position, sampling, inplace=False, accept_dtype=torch.float64):
+def phases(tree, columns, codes, vocab, max_position, sampling, inplace=False, accept_dtype=torch.float64,
+           proposer="tree", init=None):
     """{name: module} of a step over `tree`, in the order a step runs them (the engine calls
-    between: draft{d-1} before level{d}, verify before accept; in place, commit after accept)."""
+    between: draft{d-1} before level{d}, verify before accept; in place, commit after accept).
+    proposer "jacobi": the drafter-free window over the chain `tree` (lantern.export.step_jacobi)."""
+    if proposer == "jacobi":
+        from lantern.export.step_jacobi import window_phases
+
+        return window_phases(tree, columns, codes, vocab, max_position, sampling, inplace, init, accept_dtype)
     common = (tree, columns, codes, vocab, max_position, sampling, inplace)
     out = {"begin": Begin(*common)}
     for d in range(1, tree.depth + 1):

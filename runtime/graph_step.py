@@ -21,8 +21,6 @@ import numpy as np
 from lantern.runtime.plan import Call
 from lantern.runtime.sampling import Greedy
 
-STATE = ("count", "root", "pending", "draws_taken", "target_visible", "target_length", "drafter_visible",
-         "drafter_length")
 TABLE_BYTES = 64 * 2**20  # the most the streams' table holds at once
 
 
@@ -42,18 +40,23 @@ class GraphStep:
         d, plan = decoding, decoding.plan
         self.backend, self.plan, self.tree = backend, plan, plan.tree
         self.N, self.depth, self.M = d.N, plan.tree.depth, plan.tree.num_nodes
-        self.sampling = not isinstance(d.sampler, Greedy)
+        self.window, self.columns = d.proposer.name == "jacobi", d.view.size
+        self.types = {}  # every graph input's dtype, by name
+        for label in graphs.values():
+            self.types.update(backend.graph_inputs(label))
         self.streams = d.streams
-        self.table_steps = table_steps(d.N, max(d.length - 1, 1), d.streams.block) if self.sampling else 0
+        self.draws = "table" in self.types  # sampling, or a window's fresh drafts
+        self.table_steps = table_steps(d.N, max(d.length - 1, 1), d.streams.block) if self.draws else 0
         self.steps_run = 0
         state = self._state(d)
-        self.constants = self._constants(d, graphs)
+        self.constants = self._constants(d)
         self.caches = {"target": plan.target_cache}
         if plan.drafter_cache is not None:
             self.caches["drafter"] = plan.drafter_cache
         self.values = {}  # tokens{d}, cand_ids{d}, cand_probs{d}, report: one buffer each
         current = {name: 0 for name in state}
-        order = ["begin"] + [x for d_ in range(1, self.depth + 1) for x in (f"draft{d_ - 1}", f"level{d_}")] + \
+        levels = self.depth if plan.drafts else 0  # a drafter-free proposer's drafts come out of its begin
+        order = ["begin"] + [x for d_ in range(1, levels + 1) for x in (f"draft{d_ - 1}", f"level{d_}")] + \
             ["verify", "accept"] + ["commit"] * ("commit" in plan.calls)  # in place: the accepted path moved
         self.order = [(None, plan.calls[x]) if x in plan.calls else (x, None) for x in order]
         self.calls = []  # per parity: [Call] in order (engine calls are the plan's own)
@@ -78,17 +81,21 @@ class GraphStep:
 
     # -- wiring ---------------------------------------------------------------------------------
     def _state(self, d):
-        """The state's two buffers each, the first holding the prefill's outcome."""
-        plan, b = d.plan, self.backend
+        """The state's two buffers each, the first holding the prefill's outcome (the loop's and
+        the proposer's: the drafter tree's pending pairs, or the window's re-drafts)."""
+        plan, b, proposer = d.plan, self.backend, d.proposer
         start = {"count": d.count, "root": d.tokens[np.arange(d.N), d.count - 1],
                  "target_visible": plan.target_cache.visible, "target_length": plan.target_cache.length,
                  "draws_taken": np.zeros(1, np.int64)}
         if plan.drafter_cache is not None:
-            start.update(pending=d.proposer.pending, drafter_visible=plan.drafter_cache.visible,
+            start.update(pending=proposer.pending, drafter_visible=plan.drafter_cache.visible,
                          drafter_length=plan.drafter_cache.length)
-        return {name: [b.array(np.array(value)), b.array(np.zeros_like(value))] for name, value in start.items()}
+        if proposer.name == "jacobi":
+            start.update(window_drafts=proposer.drafts, window_kept=proposer.kept, window_q=proposer.q, body=d.tokens)
+        return {name: [b.array(np.array(value, dtype=self.types[name])), b.array(np.zeros_like(value, self.types[name]))]
+                for name, value in start.items() if name in self.types}
 
-    def _constants(self, d, graphs):
+    def _constants(self, d):
         """The generation's constants, in the dtypes the graphs take."""
         plan, view, rule = d.plan, d.view, d.rule
         cond_rows = np.arange(d.N)
@@ -99,15 +106,15 @@ class GraphStep:
                       k=[rule.k], lam=[getattr(rule, "lam", 1.0)], delta=[getattr(rule, "delta", 0.0)])
         if plan.drafts:
             values["cfg_partners"] = plan.cfg_partners
-        if self.sampling:
+        if not isinstance(d.sampler, Greedy):
             s = d.sampler
-            values.update(temperature=[s.temperature], top_k=[s.top_k], top_p=[s.top_p],
-                          table=d.streams.table(self.table_steps))
-        types = {}
-        for label in graphs.values():
-            types.update(self.backend.graph_inputs(label))
-        return {name: self.backend.array(np.ascontiguousarray(value, dtype=types[name]))
-                for name, value in values.items() if name in types}
+            values.update(temperature=[s.temperature], top_k=[s.top_k], top_p=[s.top_p])
+        if self.draws:
+            values["table"] = d.streams.table(self.table_steps)
+        if d.proposer.name == "jacobi":
+            values["window_stride"] = [d.proposer.stride]
+        return {name: self.backend.array(np.ascontiguousarray(value, dtype=self.types[name]))
+                for name, value in values.items() if name in self.types}
 
     def _input(self, name, state, current):
         if name in state:
@@ -142,6 +149,8 @@ class GraphStep:
         depths = self.tree.depths
         if name == "report":
             return (self.N, self.depth + 3 + 2 * self.M)
+        if self.window:  # the window's slots 1..W-1, and their q over the token space
+            return {"tokens1": (self.N, self.depth), "window_block_q": (self.N, self.M, self.columns)}[name]
         for prefix in ("cand_ids", "cand_probs", "tokens"):
             if name.startswith(prefix):
                 n = int((depths == int(name[len(prefix):])).sum())
@@ -153,7 +162,7 @@ class GraphStep:
         """Run one step; returns (accepted [N], emitted [N, depth + 1] vocabulary ids, invalid
         [N] bool, decisions [N, M] or None, node tokens [N, M] or None)."""
         b = self.backend
-        if self.sampling and self.steps_run and self.steps_run % self.table_steps == 0:
+        if self.draws and self.steps_run and self.steps_run % self.table_steps == 0:
             b.fill(self.constants["table"], self.streams.table(self.table_steps))  # the next chunk
         for call in self.calls[self.steps_run % 2]:
             b.run(call)
