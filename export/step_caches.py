@@ -35,13 +35,15 @@ def cache_names(model, inplace):
 
 def scatter_slots(cache, slots, values):
     """cache [L, B, H, S, Dh] with values [L, B, H, W, Dh] written at slots [B, W] of each row:
-    one ScatterND over (layer, row, head, slot)."""
+    one ScatterND over (layer, row, head, slot). In place: run as torch ops the cache buffer itself
+    is written (and returned); exported, the in-place write is the graph's ScatterND from its
+    cache input to its cache output, which the runner binds to the same buffer."""
     L, B, H, _, _ = cache.shape
     W = slots.shape[1]
     layer = torch.arange(L, device=slots.device)[:, None, None, None].expand(L, B, H, W)
     row = torch.arange(B, device=slots.device)[None, :, None, None].expand(L, B, H, W)
     head = torch.arange(H, device=slots.device)[None, None, :, None].expand(L, B, H, W)
-    return cache.index_put((layer, row, head, slots[None, :, None, :].expand(L, B, H, W)), values)
+    return cache.index_put_((layer, row, head, slots[None, :, None, :].expand(L, B, H, W)), values)
 
 
 def append(x, model, regime, inplace, src, counts, visible, length):

@@ -108,6 +108,28 @@ def _example(name, facts, kind):
     raise KeyError(name)
 
 
+def phase_io(module, facts, kind):
+    """([(input, numpy dtype)], [(output, numpy dtype)]) of a phase: its inputs' as the graphs
+    take them, its outputs' from one run on the tracing examples."""
+    examples = [_example(name, facts, kind)[0] for name in module.inputs]
+    with torch.no_grad():
+        outputs = module(*examples)
+    numpy = lambda t: torch.empty(0, dtype=t.dtype).numpy().dtype  # noqa: E731
+    return ([(n, numpy(t)) for n, t in zip(module.inputs, examples)],
+            [(n, numpy(t)) for n, t in zip(module.outputs, outputs)])
+
+
+def step_phase_factory(manifest):
+    """The torch backend's step modules for an engine: (tree, columns, kind, proposer, init,
+    accept dtype) -> {phase: (module, inputs, outputs)} as phase_io gives them; the same modules
+    the graphs are exported from."""
+    def make(tree, columns, kind, proposer="tree", init=None, accept_dtype="float64"):
+        facts = Facts(manifest, tree, columns, getattr(torch, accept_dtype), proposer, init)
+        return {name: (module,) + phase_io(module, facts, kind) for name, module in facts.modules(kind).items()}
+
+    return make
+
+
 def export_phase(module, facts, kind, path, opset=18):
     """Write one phase as ONNX at `path`; its inputs and outputs carry the phase's names."""
     examples = [_example(name, facts, kind) for name in module.inputs]

@@ -1,89 +1,119 @@
-"""The whole step run as the engine's step graphs (lantern.export.step_graphs, added by
-`lantern-export accept`): per step the phases and the engine calls in one fixed order
-(begin, draft0, level1, ..., draft{D-1}, level{D}, verify, accept), every call's inputs and
-outputs bound once per generation to buffers the backend owns, so a phase writes its outputs
-where the next call reads them and the host reads back only the report (accepted, emitted
-tokens, invalid: D + 3 integers per image; decisions and node tokens when an observer asks).
+"""The whole step run as the engine's step graphs (lantern.export.step_graphs): per step the
+phases and the engine calls in one fixed order (begin, draft0, level1, ..., draft{D-1},
+level{D}, verify, accept, and commit on in-place engines; a Jacobi window: begin, verify,
+accept), every call's inputs and outputs bound once per plan to buffers on the backend's device,
+so a phase writes its outputs where the next call reads them and the host reads back only the
+report (accepted, emitted tokens, invalid: D + 3 integers per image; decisions and node tokens
+when an observer asks). The runners all run it: ONNX Runtime over the exported graphs, torch over
+the same modules (one CUDA graph per plan on CUDA).
 
 How the buffers are wired (by the graphs' names; step_graphs documents them):
-- state (count, root, pending, the caches' visible slots and lengths, the draw counter) has two
-  buffers; a phase reads the current one and writes next_NAME into the other, and the names flip
-  after it, so every call's bindings repeat with period two (even and odd steps, bound once each);
-- REGIME.FEED outputs are the engine call's own feed buffers, REGIME.OUTPUT inputs its bound
-  outputs; the caches' K/V are bound as both input and output (written in place, only the kept
-  entries);
+- state (count, root, the caches' visible slots and lengths, the draw counter, the proposer's:
+  pending pairs, or the window's re-drafts) has two buffers; a phase reads the current one and
+  writes next_NAME into the other, and the names flip after it, so the bindings repeat with
+  period two (even and odd steps, bound once each);
+- REGIME.FEED outputs are the engine call's feed buffers on the device, REGIME.OUTPUT inputs its
+  outputs (backend.device_call: the plan's own bound call where the buffers are the host's); the
+  caches' K/V are bound as both input and output (written in place, only the kept entries);
 - the generation's constants (rows, CFG, the rule's numbers, the neighbor table, the forced
   columns, the streams' table) are bound once; the table is refilled in place when the step
-  counter runs past a chunk (lantern.runtime.backends.torch_step.table_steps).
+  counter runs past a chunk.
+A plan's next generation refills the same buffers (load), so the bindings (and a captured
+CUDA graph) stay valid.
 """
 import numpy as np
 
 from lantern.runtime.plan import Call
 from lantern.runtime.sampling import Greedy
 
-TABLE_BYTES = 64 * 2**20  # the most the streams' table holds at once
+TABLE_BYTES = 64 * 2**20  # the most the streams' table holds on the device at once
 
 
 def table_steps(images, steps, block):
-    """Steps of uniforms per upload of the streams' table: all `steps` when they fit TABLE_BYTES."""
+    """Steps of uniforms per upload of the streams' table: all `steps` when they fit TABLE_BYTES
+    (GPT-B's 24x24 grid, mc_sim_7b_63, 64 candidates: 7.8 MB per image for all 575 steps)."""
     return max(1, min(steps, TABLE_BYTES // max(8 * images * block, 1)))
 
 
+def step_key(decoding):
+    """What fixes a step's graphs and buffers beyond its plan: a generation with another key needs
+    a GraphStep of its own."""
+    p = decoding.proposer
+    return (not isinstance(decoding.sampler, Greedy), p.name, getattr(p, "window", None), getattr(p, "init", None),
+            tuple(decoding.view.extra.tolist()))
+
+
 class GraphStep:
-    """One generation's step on the engine's step graphs. decoding: the loop's Decoding after
-    prefill (its plan's buffers hold the state the first step starts from); graphs: {phase:
-    label} of the graphs the backend opened for this tree and kind."""
+    """One plan's step on the engine's step graphs. decoding: the loop's Decoding after prefill
+    (its plan's buffers hold the state the first step starts from); graphs: {phase: label} of
+    the graphs (or modules) the backend opened for this tree, proposer and kind."""
 
     whole_step = True
 
     def __init__(self, backend, decoding, graphs):
         d, plan = decoding, decoding.plan
-        self.backend, self.plan, self.tree = backend, plan, plan.tree
+        self.backend, self.plan, self.tree, self.key = backend, plan, plan.tree, step_key(d)
         self.N, self.depth, self.M = d.N, plan.tree.depth, plan.tree.num_nodes
         self.window, self.columns = d.proposer.name == "jacobi", d.view.size
         self.types = {}  # every graph input's dtype, by name
         for label in graphs.values():
             self.types.update(backend.graph_inputs(label))
-        self.streams = d.streams
         self.draws = "table" in self.types  # sampling, or a window's fresh drafts
         self.table_steps = table_steps(d.N, max(d.length - 1, 1), d.streams.block) if self.draws else 0
-        self.steps_run = 0
-        state = self._state(d)
-        self.constants = self._constants(d)
-        self.caches = {"target": plan.target_cache}
-        if plan.drafter_cache is not None:
-            self.caches["drafter"] = plan.drafter_cache
-        self.values = {}  # tokens{d}, cand_ids{d}, cand_probs{d}, report: one buffer each
-        current = {name: 0 for name in state}
         levels = self.depth if plan.drafts else 0  # a drafter-free proposer's drafts come out of its begin
         order = ["begin"] + [x for d_ in range(1, levels + 1) for x in (f"draft{d_ - 1}", f"level{d_}")] + \
             ["verify", "accept"] + ["commit"] * ("commit" in plan.calls)  # in place: the accepted path moved
-        self.order = [(None, plan.calls[x]) if x in plan.calls else (x, None) for x in order]
-        self.calls = []  # per parity: [Call] in order (engine calls are the plan's own)
+        shared = {}  # host buffer id -> its device buffer (the drafter calls share cfg_pair)
+        self.model_calls = {r: backend.device_call(plan.calls[r], shared) for r in order if r in plan.calls}
+        start = self._start(d)
+        self.state = {name: [backend.array(value), backend.array(np.zeros_like(value))] for name, value in start.items()}
+        self.constants = {name: backend.array(value) for name, value in self._constants(d).items()}
+        self.caches = {"target": plan.target_cache}
+        if plan.drafter_cache is not None:
+            self.caches["drafter"] = plan.drafter_cache
+        self.values = {}  # tokens{d}, cand_ids{d}, cand_probs{d}, window_block_q, report: one buffer each
+        current = {name: 0 for name in self.state}
+        self.calls = []  # per parity: [Call] in order
         for parity in (0, 1):
             calls = []
-            for phase, call in self.order:
-                if call is not None:
-                    calls.append(call)
+            for name in order:
+                if name in self.model_calls:
+                    calls.append(self.model_calls[name])
                     continue
-                feeds = {name: self._input(name, state, current) for name, _ in backend.graph_inputs(graphs[phase])}
+                feeds = {n: self._input(n, current) for n, _ in backend.graph_inputs(graphs[name])}
                 outputs, flips = {}, []
-                for name, dtype in backend.graph_outputs(graphs[phase]):
-                    outputs[name] = self._output(name, dtype, state, current, flips)
-                for name in flips:
-                    current[name] = 1 - current[name]
-                calls.append(Call(graph=graphs[phase], regime=phase, feeds=feeds, outputs=outputs))
+                for n, dtype in backend.graph_outputs(graphs[name]):
+                    outputs[n] = self._output(n, dtype, current, flips)
+                for n in flips:
+                    current[n] = 1 - current[n]
+                calls.append(Call(graph=graphs[name], regime=name, feeds=feeds, outputs=outputs))
             self.calls.append(calls)
-        if current != {name: 0 for name in state}:  # each state tensor written once per step (or twice)
+        if current != {name: 0 for name in self.state}:  # each state tensor written once per step
             raise RuntimeError(f"the step graphs' state does not alternate: {current}")
         backend.bind_calls([c for calls in self.calls for c in calls if c.regime in graphs])
         self.report = self.values["report"]
+        self.steps_run = 0
+        self.streams = d.streams
+
+    def load(self, decoding):
+        """A new generation of the same plan and key (after its prefill) into the same buffers."""
+        b = self.backend
+        for name, value in self._start(decoding).items():
+            b.fill(self.state[name][0], value)
+        for name, value in self._constants(decoding).items():
+            b.fill(self.constants[name], value)
+        for regime, call in self.model_calls.items():  # draft0's pairs from the prefill, the settings
+            for name, host in self.plan.calls[regime].feeds.items():
+                if call.feeds[name] is not host and isinstance(host, np.ndarray):
+                    b.fill(call.feeds[name], host)
+        self.steps_run = 0
+        self.streams = decoding.streams
 
     # -- wiring ---------------------------------------------------------------------------------
-    def _state(self, d):
-        """The state's two buffers each, the first holding the prefill's outcome (the loop's and
-        the proposer's: the drafter tree's pending pairs, or the window's re-drafts)."""
-        plan, b, proposer = d.plan, self.backend, d.proposer
+    def _start(self, d):
+        """The state after prefill (the loop's and the proposer's: the drafter tree's pending
+        pairs, or the window's re-drafts), in the graphs' dtypes."""
+        plan, proposer = d.plan, d.proposer
         start = {"count": d.count, "root": d.tokens[np.arange(d.N), d.count - 1],
                  "target_visible": plan.target_cache.visible, "target_length": plan.target_cache.length,
                  "draws_taken": np.zeros(1, np.int64)}
@@ -92,8 +122,7 @@ class GraphStep:
                          drafter_length=plan.drafter_cache.length)
         if proposer.name == "jacobi":
             start.update(window_drafts=proposer.drafts, window_kept=proposer.kept, window_q=proposer.q, body=d.tokens)
-        return {name: [b.array(np.array(value, dtype=self.types[name])), b.array(np.zeros_like(value, self.types[name]))]
-                for name, value in start.items() if name in self.types}
+        return {name: np.array(value, dtype=self.types[name]) for name, value in start.items() if name in self.types}
 
     def _constants(self, d):
         """The generation's constants, in the dtypes the graphs take."""
@@ -113,15 +142,15 @@ class GraphStep:
             values["table"] = d.streams.table(self.table_steps)
         if d.proposer.name == "jacobi":
             values["window_stride"] = [d.proposer.stride]
-        return {name: self.backend.array(np.ascontiguousarray(value, dtype=self.types[name]))
-                for name, value in values.items() if name in self.types}
+        return {name: np.ascontiguousarray(value, dtype=self.types[name]) for name, value in values.items()
+                if name in self.types}
 
-    def _input(self, name, state, current):
-        if name in state:
-            return state[name][current[name]]
+    def _input(self, name, current):
+        if name in self.state:
+            return self.state[name][current[name]]
         if "." in name:  # an engine call's output
             regime, output = name.split(".")
-            return self.plan.calls[regime].outputs[output]
+            return self.model_calls[regime].outputs[output]
         cache, _, part = name.partition("_")
         if cache in self.caches and part in ("keys", "values"):
             return getattr(self.caches[cache], part)
@@ -129,18 +158,18 @@ class GraphStep:
             return self.constants[name]
         return self.values[name]  # made by an earlier phase
 
-    def _output(self, name, dtype, state, current, flips):
+    def _output(self, name, dtype, current, flips):
         if name.startswith("next_"):
             flips.append(name[5:])
-            return state[name[5:]][1 - current[name[5:]]]
+            return self.state[name[5:]][1 - current[name[5:]]]
         if name.endswith("_out"):  # a cache, written in place
             cache, _, part = name[:-4].partition("_")
             return getattr(self.caches[cache], part)
-        if name == "cfg_pair":  # every drafter call's
-            return self.plan.settings["cfg_pair"]
+        if name == "cfg_pair":  # every drafter call's (one buffer)
+            return self.model_calls["draft0"].feeds["cfg_pair"]
         if "." in name:  # an engine call's feed
             regime, feed = name.split(".")
-            return self.plan.calls[regime].feeds[feed]
+            return self.model_calls[regime].feeds[feed]
         if name not in self.values:
             self.values[name] = self.backend.array(np.zeros(self._shape(name), dtype=dtype))
         return self.values[name]
@@ -164,8 +193,7 @@ class GraphStep:
         b = self.backend
         if self.draws and self.steps_run and self.steps_run % self.table_steps == 0:
             b.fill(self.constants["table"], self.streams.table(self.table_steps))  # the next chunk
-        for call in self.calls[self.steps_run % 2]:
-            b.run(call)
+        b.run_all(self.calls[self.steps_run % 2])
         self.steps_run += 1
         D, M = self.depth, self.M
         report = b.read(self.report, D + 3 + (2 * M if decisions else 0))

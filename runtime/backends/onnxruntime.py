@@ -26,7 +26,6 @@ from lantern.runtime.backends import ONNXRUNTIME, graph_acceptance
 from lantern.runtime.contracts import STEP_VERSION, graph_io
 from lantern.runtime.errors import LanternError
 from lantern.runtime.graph_step import GraphStep
-from lantern.runtime.kvcache import InPlaceKVCache
 from lantern.runtime.sampling import Greedy
 from lantern.runtime.tree import build_tree
 from lantern.runtime.vocabulary import VocabularyView
@@ -153,8 +152,6 @@ class OnnxRuntimeBackend:
         plan's tree, IOBinding) cannot run a generation of this plan and sampler, or None."""
         if not self.io_binding:
             return "it needs IOBinding (io_binding=False)"
-        if isinstance(plan.target_cache, InPlaceKVCache):
-            return "in-place engines have no step graphs yet; use step='host'"
         tree, m = plan.tree, self.manifest
         name = tree.name if tree.depth else "ar"
         entry = m.step_graphs_for(tree)
@@ -176,8 +173,8 @@ class OnnxRuntimeBackend:
         sampling; lantern.runtime.graph_step): engine calls and phases bound once, the host reads
         back a few integers per image."""
         entry = self.manifest.step_graphs_for(decoding.plan.tree)
-        return GraphStep(self, decoding, self.open_graphs(entry.greedy if isinstance(decoding.sampler, Greedy)
-                                                          else entry.sampling))
+        return GraphStep(decoding.backend, decoding, self.open_graphs(entry.greedy if isinstance(decoding.sampler, Greedy)
+                                                                      else entry.sampling))
 
     def open_graphs(self, files):
         """{name: label} of more graphs (a tree's step graphs) at files {name: path in the engine
@@ -204,6 +201,15 @@ class OnnxRuntimeBackend:
 
     def graph_outputs(self, label):
         return [(o.name, _ORT_TYPES[o.type]) for o in self.sessions[label].get_outputs()]
+
+    def device_call(self, call, shared):
+        """The plan's call itself: bound (bind), its feeds and outputs are the buffers the step's
+        phases write and read."""
+        return call
+
+    def run_all(self, calls):
+        for call in calls:
+            self.run(call)
 
     def array(self, host):
         """A buffer of the backend's holding a copy of a host array (the CPU provider's are host arrays)."""

@@ -1,9 +1,8 @@
 """ONNX Runtime sessions inside the torch backend: each graph's session a callable over torch
 tensors, bound by IOBinding to the tensors' own memory (no copy either way), so TorchBackend runs
-it where it runs a graph's module. What this gives ONNX Runtime is the device step that its own
-backend lacks (OnnxRuntimeBackend runs only acceptance as a graph; drafting, masks and commits
-are the host's there): lantern.runtime.backends.torch_step's drafting, acceptance and commits as
-torch ops on the tensors the sessions read and write, so a step's only crossing is its report, a
+it where it runs a graph's module. The device step (lantern.runtime.graph_step over
+lantern.export's step modules) runs drafting, acceptance and commits as torch ops on the tensors
+the sessions read and write, so a step's only crossing is its report, a
 few integers per image, and the calls chain through buffers that stay where the next call reads
 them. On CUDA it also keeps the KV caches on the device, which OnnxRuntimeBackend copies up and
 back every call there.
@@ -124,7 +123,7 @@ def _where(tensor):
 
 class OnnxRuntimeTorchBackend(TorchBackend):
     """The torch backend with the engine's ONNX graphs, run by ONNX Runtime, as its modules
-    (module docstring). acceptance: the device step's acceptance module factories
+    (module docstring). step_phases: the device step's modules
     (lantern.export.torch_backend.open_onnxruntime_torch_backend hands them in); without them
     only the host step runs. Quantized engines run too: ONNX Runtime runs their graphs. threads:
     ONNX Runtime's intra-op threads per session, and torch's (process-wide, as TorchBackend
@@ -132,7 +131,7 @@ class OnnxRuntimeTorchBackend(TorchBackend):
 
     name = ONNXRUNTIME_TORCH.name
 
-    def __init__(self, directory, manifest, threads=None, device="cpu", acceptance=None,
+    def __init__(self, directory, manifest, threads=None, device="cpu", step_phases=None,
                  accept_precision="float64"):
         try:
             import torch
@@ -153,7 +152,7 @@ class OnnxRuntimeTorchBackend(TorchBackend):
                                                list(io["outputs"]), io["aliases"])
         self.sessions = sessions
         super().__init__(modules, manifest, threads=threads, device=device, cuda_graphs=False,
-                         acceptance=acceptance, accept_precision=accept_precision)
+                         step_phases=step_phases, accept_precision=accept_precision)
 
     def release(self, plan):
         super().release(plan)

@@ -1,9 +1,8 @@
 """TensorRT plans inside the torch backend: each plan a callable over torch CUDA tensors,
 enqueued on torch's current stream, so TorchBackend runs it where it runs a graph's module. The
 host step gets torch's per-call CUDA graphs around the enqueues; the device step
-(lantern.runtime.backends.torch_step: drafting, acceptance and commits as torch ops, with
-lantern.export's acceptance modules) gets the whole step, TensorRT's enqueues included, as one
-CUDA graph per plan: the TensorRT step capture that TensorRTBackend (cuda-bindings, no torch)
+(lantern.runtime.graph_step over lantern.export's step modules: drafting, acceptance and commits
+as torch ops) gets the whole step, TensorRT's enqueues included, as one CUDA graph per plan: the TensorRT step capture that TensorRTBackend (cuda-bindings, no torch)
 cannot make, since its step's bookkeeping runs on the host between calls.
 
 An execution context per binding (input shapes and addresses; TensorRTModule), its outputs
@@ -142,13 +141,13 @@ class _Context:
 
 class TensorRTTorchBackend(TorchBackend):
     """The torch backend with the engine's TensorRT plans as its modules (module docstring).
-    acceptance: the device step's acceptance module factories (lantern.export.torch_backend.
+    step_phases: the device step's modules (lantern.export.torch_backend.
     open_tensorrt_torch_backend hands them in); without them only the host step runs."""
 
     name = TENSORRT_TORCH.name
 
     def __init__(self, directory, manifest, threads=None, device="cuda", flavor=None, plans=None, cuda_graphs=True,
-                 acceptance=None, accept_precision="float64"):
+                 step_phases=None, accept_precision="float64"):
         try:
             import torch
         except ImportError:
@@ -183,7 +182,7 @@ class TensorRTTorchBackend(TorchBackend):
                    for graph, (engine, plan_file, io) in engines.items()}
         self.runtime = runtime  # the plans' runtime outlives their engines
         super().__init__(modules, manifest, threads=threads, device="cuda", cuda_graphs=cuda_graphs,
-                         acceptance=acceptance, accept_precision=accept_precision)
+                         step_phases=step_phases, accept_precision=accept_precision)
 
     def release(self, plan):
         """Forget the plan's bindings and graphs, then the contexts bound to its tensors (their
@@ -192,7 +191,7 @@ class TensorRTTorchBackend(TorchBackend):
                    list(self.bound_inputs(call).values()) + list(call.feeds.values()) if isinstance(t, self.torch.Tensor)]
         step = self._steps.get(id(plan))
         if step is not None:
-            tensors += [t for feeds in step.feeds.values() for t in feeds.values()]
+            tensors += [t for call in step.model_calls.values() for t in call.feeds.values()]
         super().release(plan)
         self.torch.cuda.synchronize()  # no replay of the plan's graphs is in flight when their contexts go
         addresses = {t.data_ptr() for t in tensors}

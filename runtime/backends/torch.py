@@ -14,11 +14,12 @@ In-place graphs (contracts with `aliases`): the modules return the updated cache
 copy per call (the device step's calls too): this backend is the reference for in-place engines,
 not their fast path.
 
-Device step (lantern.runtime.backends.torch_step): with the acceptance module factories
-(open_torch_backend hands in lantern.export's GreedyAcceptance and SamplingAcceptance),
-`device_step(decoding)` runs a generation's whole step on the device, greedy or sampling, for
-the drafter tree or the drafter-free jacobi window, captured as one CUDA graph per plan on CUDA. default_step is the step path
-generate() takes when none is asked for: host on the CPU (measured faster there:
+Device step (lantern.runtime.graph_step): with the step's modules (open_torch_backend hands in
+lantern.export.step_export.step_phase_factory: the very modules the step graphs are exported
+from), `device_step(decoding)` runs a generation's whole step on the device, every proposer,
+greedy or sampling, both cache forms; on CUDA the whole step (phases and engine calls) is
+captured as one CUDA graph per plan and replayed (after one eager step). default_step is the
+step path generate() takes when none is asked for: host on the CPU (measured faster there:
 tools/bench/device_step.py), device on CUDA."""
 import sys
 
@@ -27,7 +28,10 @@ import numpy as np
 from lantern.runtime.backends import TORCH
 from lantern.runtime.errors import LanternError
 from lantern.runtime.contracts import graph_io
-from lantern.runtime.backends.torch_step import TorchDeviceStep, refusal
+from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT
+from lantern.runtime.graph_step import GraphStep, step_key
+from lantern.runtime.plan import Call
+from lantern.runtime.kvcache import InPlaceKVCache
 from lantern.runtime.sampling import Greedy
 
 _TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -38,11 +42,11 @@ class TorchBackend:
     key = None  # runs the ONNX graphs (or their modules), no compiled plans
     device_step_proposers = ("tree", "jacobi")  # its device step runs the drafter tree and the jacobi window
 
-    def __init__(self, modules, manifest, threads=None, device="cpu", cuda_graphs=True, acceptance=None,
+    def __init__(self, modules, manifest, threads=None, device="cpu", cuda_graphs=True, step_phases=None,
                  accept_precision="float64"):
         """modules: {graph name: torch module}, inputs and outputs in the order of the graph's contract.
-        acceptance: {"greedy": factory, "sampling": factory} (either may be absent), each
-        (tree, columns, codes) -> that acceptance module, for the device step.
+        step_phases: (tree, columns, kind, proposer, init, accept dtype) -> {phase: (module,
+        inputs, outputs)}, the device step's modules (lantern.export.step_export.step_phase_factory).
         accept_precision: the device step's sampling acceptance in float64 (the host's decisions)
         or float32."""
         try:
@@ -77,10 +81,14 @@ class TorchBackend:
             raise LanternError(f"accept_precision must be float64 or float32, got {accept_precision!r}")
         self.accept_precision = accept_precision
         self._bound = {}  # id(call) -> (call, static inputs, CUDA graph or None, graph outputs)
-        self.acceptance = dict(acceptance or {})
-        self.default_step = "device" if self.device.type == "cuda" and "greedy" in self.acceptance else "host"
+        self.step_phases = step_phases
+        self.default_step = "device" if self.device.type == "cuda" and step_phases is not None else "host"
+        self.manifest = manifest
         self._pinned = {}  # (shape, dtype) -> pinned host buffer for to_host on CUDA
-        self._steps = {}  # id(plan) -> its TorchDeviceStep (tensors and CUDA graph), reused by its generations
+        self._steps = {}  # id(plan) -> its GraphStep (buffers), reused by the plan's generations
+        self._phases = {}  # the step modules' key -> {phase: label}
+        self._phase_io = {}  # label -> (inputs, outputs) as [(name, numpy dtype)]
+        self._step_graphs = {}  # id(calls) -> [calls, CUDA graph or None] of a step's whole sequence
 
     def _tensor(self, x, is_float):
         if not isinstance(x, self.torch.Tensor):
@@ -147,7 +155,10 @@ class TorchBackend:
     def release(self, plan):
         for call in plan.calls.values():
             self._bound.pop(id(call), None)
-        self._steps.pop(id(plan), None)
+        step = self._steps.pop(id(plan), None)
+        if step is not None:
+            for calls in step.calls:
+                self._step_graphs.pop(id(calls), None)
 
     def run(self, call):
         bound = self._bound.get(id(call))
@@ -164,8 +175,14 @@ class TorchBackend:
         with self.torch.inference_mode():
             out = self.modules[call.graph](*args)
         out = out if isinstance(out, tuple) else (out,)
-        return self._update_in_place(call.graph, dict(zip(self.outputs[call.graph], out)),
-                                     dict(zip(self.inputs[call.graph], args)))
+        out = self._update_in_place(call.graph, dict(zip(self.outputs[call.graph], out)),
+                                    dict(zip(self.inputs[call.graph], args)))
+        if call.outputs:  # written where the step's next call reads them
+            for name, target in call.outputs.items():
+                if out[name] is not target:
+                    target.copy_(out[name])
+            return call.outputs
+        return out
 
     def _update_in_place(self, graph, out, inputs):
         """Aliased outputs copied into their inputs (the caches), and returned as those."""
@@ -204,23 +221,113 @@ class TorchBackend:
     # -- the device step ---------------------------------------------------------------------
     def device_step_refusal(self, plan, sampler):
         """Why the device step cannot run a generation of this plan and sampler, or None."""
-        kind = "greedy" if isinstance(sampler, Greedy) else "sampling"
-        if kind not in self.acceptance:
-            return (f"this {self.name} backend was opened without the {kind} acceptance module (open it with "
+        if self.step_phases is None:
+            return (f"this {self.name} backend was opened without the step's modules (open it with "
                     f"lantern.export.torch_backend.open_{self.name.replace('-', '_')}_backend)")
-        return refusal(plan, sampler)
+        vocab = int(plan.calls["verify"].output_shapes["logits"][-1])
+        if not isinstance(sampler, Greedy) and ACCEPT_TOP_K_LIMIT < sampler.top_k < vocab:
+            return (f"its sampling acceptance serves top_k up to {ACCEPT_TOP_K_LIMIT} (or none), not "
+                    f"{sampler.top_k}")
+        return None
 
     def device_step(self, decoding):
-        """The device step for one generation (after its prefill). Its host crossings go through
-        decoding.backend (this backend, or a wrapper that records them)."""
+        """The device step for one generation (after its prefill); a plan's next generation with
+        the same key refills the same buffers. Its host crossings go through decoding.backend
+        (this backend, or a wrapper that records them)."""
         step = self._steps.get(id(decoding.plan))
-        if step is not None and step.plan is decoding.plan and step.key == TorchDeviceStep.key_of(decoding) \
+        if step is not None and step.plan is decoding.plan and step.key == step_key(decoding) \
                 and step.backend is decoding.backend:
-            step.load(decoding)  # the same tensors (and CUDA graph), refilled
+            step.load(decoding)
             return step
-        step = self._steps[id(decoding.plan)] = TorchDeviceStep(decoding.backend, decoding, self.acceptance,
-                                                                self.accept_precision)
+        step = self._steps[id(decoding.plan)] = GraphStep(decoding.backend, decoding, self.step_graphs(decoding))
         return step
+
+    def step_graphs(self, decoding):
+        """{phase: label} of the step's modules for this generation's tree, proposer and kind."""
+        plan, view, proposer = decoding.plan, decoding.view, decoding.proposer
+        kind = "greedy" if isinstance(decoding.sampler, Greedy) else "sampling"
+        inplace = isinstance(plan.target_cache, InPlaceKVCache)
+        key = (plan.tree.paths, kind, proposer.name, getattr(proposer, "init", None), tuple(view.extra.tolist()),
+               inplace)
+        if key not in self._phases:
+            columns = np.concatenate([view.start + np.arange(view.codes), view.extra]).astype(np.int64)
+            made = self.step_phases(plan.tree, columns, kind, proposer.name, getattr(proposer, "init", None),
+                                    self.accept_precision)
+            labels = {}
+            for phase, (module, inputs, outputs) in made.items():
+                label = f"step{len(self._phases)}:{phase}"
+                self.modules[label] = module.to(self.device)
+                self.inputs[label], self.outputs[label] = [n for n, _ in inputs], [n for n, _ in outputs]
+                self.floats[label], self.aliases[label] = set(), {}
+                self._phase_io[label] = (inputs, outputs)
+                labels[phase] = label
+            self._phases[key] = labels
+        return self._phases[key]
+
+    def graph_inputs(self, label):
+        return self._phase_io[label][0]
+
+    def graph_outputs(self, label):
+        return self._phase_io[label][1]
+
+    def device_call(self, call, shared):
+        """The call with device tensors for every feed (a host feed copied once; one tensor per
+        host buffer in `shared`) and preallocated outputs: what the step's phases write and read."""
+        torch = self.torch
+        feeds = {}
+        for name, buf in call.feeds.items():
+            if not isinstance(buf, torch.Tensor):
+                if id(buf) not in shared:
+                    shared[id(buf)] = self._tensor(buf, name in self.floats[call.graph]).clone()
+                buf = shared[id(buf)]
+            feeds[name] = buf
+        specs = self.manifest.graphs[call.graph].outputs
+        outputs = {name: torch.empty(shape, dtype=self.dtype if specs[name].dtype in ("float16", "bfloat16") else
+                                     getattr(torch, specs[name].dtype), device=self.device)
+                   for name, shape in call.output_shapes.items()}
+        return Call(graph=call.graph, regime=call.regime, feeds=feeds, output_shapes=call.output_shapes,
+                    outputs=outputs, tokens=call.tokens)
+
+    def bind_calls(self, calls):
+        """The step's calls run eagerly (their buffers are the device's already)."""
+
+    def run_all(self, calls):
+        """A step's calls in order; on CUDA one graph of them all, captured after one eager run
+        (one warning line and eager runs where capture fails)."""
+        entry = self._step_graphs.get(id(calls))
+        if entry is not None and entry[1] is not None:
+            entry[1].replay()
+            return
+        with self.torch.inference_mode():
+            for call in calls:
+                self.run(call)
+        if entry is None and self.cuda_graphs:
+            self._step_graphs[id(calls)] = [calls, self._capture_step(calls)]
+
+    def _capture_step(self, calls):
+        torch = self.torch
+        graph = torch.cuda.CUDAGraph()
+        try:
+            torch.cuda.synchronize()
+            with torch.inference_mode(), torch.cuda.graph(graph):
+                for call in calls:
+                    self.run(call)
+        except Exception as e:  # some op refuses capture: the eager step stays correct
+            print(f"lantern: device step not captured as a CUDA graph ({str(e).splitlines()[0]}); running it "
+                  f"eagerly", file=sys.stderr)
+            return None
+        return graph
+
+    def array(self, host):
+        """A device tensor holding a copy of a host array."""
+        return self.torch.tensor(np.asarray(host), device=self.device)
+
+    def fill(self, tensor, values):
+        tensor.copy_(self.torch.as_tensor(np.asarray(values)).to(tensor.dtype), non_blocking=True)
+
+    def read(self, tensor, width):
+        """The first `width` columns of a device tensor, on the host (one transfer)."""
+        return self.to_host(tensor[:, :width].contiguous())
 
     def to_device(self, array):
         """A device tensor holding a copy of a host array."""
