@@ -178,11 +178,15 @@ class SamplingAcceptance(nn.Module):
       its own past the token space, dropped after.
     """
 
-    def __init__(self, tree, columns, codes):
+    def __init__(self, tree, columns, codes, top_k=True, top_p=True):
+        """top_k, top_p: whether the graph has those filters (without, its top_k / top_p inputs
+        must be off: 0 and 1); the step graphs export each combination, since on a CPU the top-p
+        bisection costs more than the rest of the step."""
         super().__init__()
         if not tree.contiguous:
             raise LanternError(f"tree {tree.name!r} has a node whose children skip a rank; sampling needs ranks 0..w-1")
         _register_tree(self, tree, columns, codes)
+        self.top_k, self.top_p = top_k, top_p
         self.widths = tuple(tree.widths)
         self.register_buffer("child_at", torch.as_tensor(np.array(tree.child_at, dtype=np.int64)))
 
@@ -193,7 +197,7 @@ class SamplingAcceptance(nn.Module):
         dt = logits.dtype
         l = _combined(self, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns)
         invalid = ~torch.isfinite(l.amax(dim=2)).all(dim=1)
-        target = self.filtered(l, temperature.to(dt), top_k, top_p.to(dt))  # [N, M, S]
+        target = self.filtered(l, temperature.to(dt), top_k, top_p)  # [N, M, S]
         N = target.shape[0]
         K = draft_ids.shape[2]
         Kn = neighbors.shape[1]
@@ -279,12 +283,16 @@ class SamplingAcceptance(nn.Module):
         """lantern.runtime.filtering.filtered_probs of every node's combined logits [N, M, S]."""
         S = l.shape[2]
         z = l / temperature
-        cap = min(ACCEPT_TOP_K_LIMIT, S)
-        best = torch.topk(z, cap, dim=2).values  # sorted, largest first
-        kth = best.index_select(2, top_k.clamp(1, cap) - 1)  # [N, M, 1]
-        use_k = (top_k > 0) & (top_k < S)
-        z = torch.where(use_k & (z < kth), torch.full_like(z, float("-inf")), z)
+        if self.top_k:
+            cap = min(ACCEPT_TOP_K_LIMIT, S)
+            best = torch.topk(z, cap, dim=2).values  # sorted, largest first
+            kth = best.index_select(2, top_k.clamp(1, cap) - 1)  # [N, M, 1]
+            use_k = (top_k > 0) & (top_k < S)
+            z = torch.where(use_k & (z < kth), torch.full_like(z, float("-inf")), z)
         p = torch.exp(z - z.amax(dim=2, keepdim=True))  # max 1; -inf -> 0
+        if not self.top_p:
+            return p / p.sum(dim=2, keepdim=True)
+        top_p = top_p.to(p.dtype)
         goal = top_p * p.sum(dim=2, keepdim=True)  # the nucleus' mass, unnormalised
         lo = torch.zeros_like(goal)
         hi = torch.full_like(goal, 2.0)  # invariant: mass(p >= lo) >= goal > mass(p >= hi)

@@ -36,10 +36,10 @@ from torch import nn
 
 from lantern.export.accept_graphs import GreedyAcceptance, SamplingAcceptance
 from lantern.export.step_caches import append, cache_names, call_feeds, write_scratch
+from lantern.runtime.contracts import SAMPLING_FILTERS
 
 CFG_CONSTANTS = ("cond_rows", "uncond_rows", "cfg_scale", "cfg_interval")
 RULE_CONSTANTS = ("neighbors", "k", "lam", "delta")  # read only where there are drafts
-SAMPLING_CONSTANTS = ("temperature", "top_k", "top_p")
 _NEVER = 1e300  # race keys of candidates with q = 0: past every real key (-log(u) / q < 1e48 for float32 q)
 
 
@@ -249,17 +249,20 @@ class Accept(Phase):
 
     draws = property(lambda self: self.sampling)  # whether the step reads the streams (a window's drafts do)
 
-    def __init__(self, tree, columns, codes, vocab, max_position, sampling, inplace, accept_dtype=torch.float64):
+    def __init__(self, tree, columns, codes, vocab, max_position, sampling, inplace, accept_dtype=torch.float64,
+                 filters=()):
+        """filters: the sampling filters this accept has ("top_k", "top_p"; see accept_variant)."""
         super().__init__(tree, columns, codes, vocab, max_position, sampling, inplace)
         self.accept_dtype = accept_dtype
-        self.rule = (SamplingAcceptance if sampling else GreedyAcceptance)(tree, columns, codes)
+        self.rule = SamplingAcceptance(tree, columns, codes, "top_k" in filters, "top_p" in filters) if sampling \
+            else GreedyAcceptance(tree, columns, codes)
         self.leaves = int((tree.depths == tree.depth).sum())  # the deepest nodes: no candidates
         D = tree.depth
         cache_in, cache_out = cache_names("target", inplace)
         self.inputs = ("verify.logits", "count", "root", "image_of_row", "forced_columns", "target_visible",
                        "target_length") + (() if inplace else ("verify.new_keys", "verify.new_values")) + cache_in + \
             CFG_CONSTANTS + (RULE_CONSTANTS if D else ()) + \
-            (("table",) + SAMPLING_CONSTANTS if sampling else ()) + (("draws_taken",) if self.draws else ()) + \
+            (("table", "temperature") + filters if sampling else ()) + (("draws_taken",) if self.draws else ()) + \
             self.proposer_inputs()
         self.outputs = ("report", "next_target_visible", "next_target_length", "next_count", "next_root") + \
             cache_out + (("commit.write_index", "commit.src_slots") if inplace and D else ()) + \
@@ -328,7 +331,7 @@ class Accept(Phase):
             accepted, next_column, path, decisions, invalid = self.rule(
                 combined.to(self.accept_dtype), plain, plain, torch.ones_like(a["cfg_scale"]),
                 torch.full_like(a["cfg_interval"], -1), count, x["forced_columns"], tokens, cand_ids, cand_probs,
-                uniforms, a["neighbors"], a["k"], a["lam"], a["delta"], x["temperature"], x["top_k"], x["top_p"])
+                uniforms, a["neighbors"], a["k"], a["lam"], a["delta"], x["temperature"], x.get("top_k"), x.get("top_p"))
         else:
             accepted, next_column, path, decisions, invalid = self.rule(
                 logits, a["cond_rows"], a["uncond_rows"], a["cfg_scale"], a["cfg_interval"], count,
@@ -379,5 +382,6 @@ def phases(tree, columns, codes, vocab, max_position, sampling, inplace=False, a
     out = {"begin": Begin(*common)}
     for d in range(1, tree.depth + 1):
         out[f"level{d}"] = Level(*common, d)
-    out["accept"] = Accept(*common, accept_dtype=accept_dtype)
+    for filters in SAMPLING_FILTERS if sampling else [()]:  # the runner picks (graph_step.accept_variant)
+        out["+".join(("accept",) + filters)] = Accept(*common, accept_dtype=accept_dtype, filters=filters)
     return {name: module.eval() for name, module in out.items()}

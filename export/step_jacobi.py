@@ -13,6 +13,7 @@ import torch
 
 from lantern.export.step_caches import call_feeds
 from lantern.export.step_graphs import Accept, Phase
+from lantern.runtime.contracts import SAMPLING_FILTERS
 
 
 class WindowBegin(Phase):
@@ -95,9 +96,9 @@ class WindowAccept(Accept):
 
     draws = True  # the window's fresh drafts read the streams, greedy too
 
-    def __init__(self, tree, columns, codes, vocab, max_position, sampling, inplace, init, accept_dtype):
+    def __init__(self, tree, columns, codes, vocab, max_position, sampling, inplace, init, accept_dtype, filters=()):
         self.init = init
-        super().__init__(tree, columns, codes, vocab, max_position, sampling, inplace, accept_dtype)
+        super().__init__(tree, columns, codes, vocab, max_position, sampling, inplace, accept_dtype, filters)
 
     def proposer_inputs(self):
         return ("tokens1", "window_drafts", "window_kept") + \
@@ -136,7 +137,7 @@ class WindowAccept(Accept):
         allowed = (is_forced & (columns == column[..., None])) | (~is_forced & (columns < self.codes))
         later = torch.where(allowed, later, torch.full_like(later, float("-inf")))
         if self.sampling:
-            p = self.rule.filtered(later.to(self.accept_dtype), x["temperature"], x["top_k"], x["top_p"])
+            p = self.rule.filtered(later.to(self.accept_dtype), x["temperature"], x.get("top_k"), x.get("top_p"))
             cdf = torch.cumsum(p, dim=2)
             u = self.race(x, 0, self.M)[:, 1:, 1].to(p.dtype)
             drawn = (cdf <= (u * cdf[..., -1])[..., None]).sum(dim=2)
@@ -160,4 +161,7 @@ class WindowAccept(Accept):
 def window_phases(tree, columns, codes, vocab, max_position, sampling, inplace, init, accept_dtype=torch.float64):
     """{name: module} of a Jacobi window's step over the chain `tree` (W = depth + 1 slots)."""
     common = (tree, columns, codes, vocab, max_position, sampling, inplace, init, accept_dtype)
-    return {"begin": WindowBegin(*common).eval(), "accept": WindowAccept(*common).eval()}
+    out = {"begin": WindowBegin(*common).eval()}
+    for filters in SAMPLING_FILTERS if sampling else [()]:
+        out["+".join(("accept",) + filters)] = WindowAccept(*common, filters).eval()
+    return out

@@ -164,7 +164,11 @@ ACCEPT_CONTRACTS = ("accept_greedy", "accept_sampling")
 ACCEPT_TOP_K_LIMIT = 3840
 # the step graphs' names and meaning (lantern.export.step_graphs): an engine whose step graphs carry another
 # version is refused by the runners that run them, with the command that re-exports them
-STEP_VERSION = 1
+STEP_VERSION = 2  # 2: a sampling step's accept per filter combination
+# a sampling step's accept phase per filter combination (the runner picks the one its settings need:
+# an absent filter costs nothing, an inactive one does): lantern.runtime.graph_step.accept_variant
+SAMPLING_FILTERS = ((), ("top_k",), ("top_p",), ("top_k", "top_p"))
+ACCEPT_PHASES = tuple("+".join(("accept",) + f) for f in SAMPLING_FILTERS)  # a sampling step's; greedy: "accept"
 
 IN_PLACE_CONTRACTS = {"target": "target_inplace", "target_ids": "target_ids_inplace", "drafter": "drafter_inplace"}
 

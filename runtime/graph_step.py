@@ -35,12 +35,21 @@ def table_steps(images, steps, block):
     return max(1, min(steps, TABLE_BYTES // max(8 * images * block, 1)))
 
 
+def accept_variant(sampler, columns):
+    """The accept phase a generation runs: sampling ones come per filter combination
+    ("accept+top_k+top_p"), since a filter that is off costs nothing only where it is absent."""
+    if isinstance(sampler, Greedy):
+        return "accept"
+    return "+".join(("accept",) + (("top_k",) if 0 < sampler.top_k < columns else ()) +
+                    (("top_p",) if sampler.top_p < 1.0 else ()))
+
+
 def step_key(decoding):
     """What fixes a step's graphs and buffers beyond its plan: a generation with another key needs
     a GraphStep of its own."""
     p = decoding.proposer
-    return (not isinstance(decoding.sampler, Greedy), p.name, getattr(p, "window", None), getattr(p, "init", None),
-            tuple(decoding.view.extra.tolist()))
+    return (accept_variant(decoding.sampler, decoding.view.size), p.name, getattr(p, "window", None),
+            getattr(p, "init", None), tuple(decoding.view.extra.tolist()))
 
 
 class GraphStep:
@@ -53,6 +62,9 @@ class GraphStep:
     def __init__(self, backend, decoding, graphs):
         d, plan = decoding, decoding.plan
         self.backend, self.plan, self.tree, self.key = backend, plan, plan.tree, step_key(d)
+        accept = graphs[accept_variant(d.sampler, d.view.size)]
+        graphs = {name: label for name, label in graphs.items() if not name.startswith("accept")}
+        graphs["accept"] = accept
         self.N, self.depth, self.M = d.N, plan.tree.depth, plan.tree.num_nodes
         self.window, self.columns = d.proposer.name == "jacobi", d.view.size
         self.types = {}  # every graph input's dtype, by name

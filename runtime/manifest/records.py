@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lantern.runtime.contracts import GRAPHS
+from lantern.runtime.contracts import ACCEPT_PHASES, GRAPHS
 from lantern.runtime.enginedir import write_file
 from lantern.runtime.errors import LanternError
 from lantern.runtime.manifest.schema import (AN_ID, AT_LEAST_0, NAMES, POSITIVE, Reader, is_int, json_type, one_of,
@@ -302,8 +302,8 @@ def _phase_files(value, r):
     if not value:
         r.fail("", "is empty; expected {phase: file}")
     for phase, name in value.items():
-        if not (phase in ("begin", "accept") or (phase.startswith("level") and phase[5:].isdigit())):
-            r.fail("", f"names phase {phase!r}; the step's phases are begin, level1.., accept")
+        if not (phase in ("begin",) + ACCEPT_PHASES or (phase.startswith("level") and phase[5:].isdigit())):
+            r.fail("", f"names phase {phase!r}; the step's phases are begin, level1.., {', '.join(ACCEPT_PHASES)}")
         parts = name.replace("\\", "/").split("/") if isinstance(name, str) else None
         if not parts or name.startswith(("/", "\\")) or any(p in ("", ".", "..") for p in parts):
             r.fail(phase, f"is {name!r}, not a relative path inside the engine directory")
