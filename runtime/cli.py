@@ -82,12 +82,13 @@ def add_generation_options(p, tree=True):
                         f"graph per call regime ({spoken(names(export=True, onnx=False))} capture theirs always on "
                         f"CUDA)")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: all cores)")
-    torch_based, graphs = spoken(names(export=True)), spoken(names(export=False))
+    torch_based = spoken(names(export=True))
     p.add_argument("--step", choices=("host", "device"), default=None,
                    help=f"where each decoding step runs: host (acceptance in numpy over logits read back) or device "
-                        f"({torch_based}: the whole step on its device, plain or in-place engines; {graphs}: "
-                        f"acceptance, greedy or sampling, by the graphs `lantern-export accept` writes, the rest on "
-                        f"the host); default: the backend's (device on CUDA for {torch_based}, else host)")
+                        f"(the whole step as the step graphs, a few integers per image read back: {torch_based} run "
+                        f"their modules, onnxruntime the graphs `lantern-export accept` writes into the engine, "
+                        f"tensorrt acceptance only); default: the backend's (device for onnxruntime where the "
+                        f"engine has step graphs and on CUDA for {torch_based}, else host)")
 
 
 def generation_settings(args):
@@ -182,6 +183,8 @@ def run_generate(args):
     print(f"{s['images']} images, mode {s_mode}: {s['steps_per_image']:.1f} steps/image, "
           f"mean accepted length {s['mean_accepted_length']:.2f}, {s['tokens_per_second']:.1f} tokens/s, "
           f"{s['step']} step -> {args.out}")
+    if "step_reason" in s and engine.backend.default_step == "device":  # an engine the device step cannot run
+        print(f"the step ran on the host: {s['step_reason']}")
     return 0
 
 

@@ -139,9 +139,11 @@ class Engine:
         setup = self.prepare(settings, dict(classes=classes, caption=caption, caption_mask=caption_mask, prompt=prompt,
                                             prompt_ids=prompt_ids, grid=grid), seed, tree)
         plan = self._plan_for(setup.proposer.tree, setup.prefix, setup.feeds, setup.proposer.drafter)
-        run = setup.decoding(self, plan, observer, self._step_path(plan, setup.proposer, setup.rule, setup.sampler))
-        out = run.generate()
+        path, why = self._step_path(plan, setup.proposer, setup.rule, setup.sampler)
+        out = setup.decoding(self, plan, observer, path).generate()
         out.stats.update(setup.describe())
+        if why is not None:  # the default device step gave way: say why (an old engine names its upgrade)
+            out.stats["step_reason"] = why
         return out
 
     def prepare(self, settings, condition, seed, tree=None):
@@ -187,11 +189,11 @@ class Engine:
         return "exported", "exported with the engine (no tree tuned for these settings on this backend)"
 
     def _step_path(self, plan, proposer, rule, sampler):
-        """Where this generation's steps run: the engine's step path, except that a default device
-        step gives way to the host for a generation it cannot run (asked for by name, it is an
-        error that says why)."""
+        """(where this generation's steps run, why not on the device or None): the engine's step
+        path, except that a default device step gives way to the host for a generation it cannot
+        run (asked for by name, it is an error that says why)."""
         if self.step == "host":
-            return "host"
+            return "host", None
         if proposer.name not in getattr(self.backend, "device_step_proposers", ("tree",)):
             why = f"it runs the drafter tree only, not the {proposer.name} proposer"
         elif rule is not None and rule.name not in DEVICE_RULES:
@@ -199,10 +201,10 @@ class Engine:
         else:
             why = self.backend.device_step_refusal(plan, sampler)
         if why is None:
-            return "device"
+            return "device", None
         if self._step_asked:
             raise LanternError(f"the device step cannot run this generation: {why}; use step='host'")
-        return "host"
+        return "host", why
 
     def check_positions(self, prefix):
         """Every token fed to the model (the prefix and all generated tokens but the last) needs a
