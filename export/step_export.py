@@ -63,7 +63,8 @@ def _example(name, facts, kind):
         dims = {0: "B"} if what not in ("new_keys", "new_values") else {1: "B"}
         value = torch.rand(shape).to(dtype) if dtype != i64 else torch.randint(0, facts.K, shape)
         return value, dims
-    per_image = {"count": 2, "root": 1, "pending": 1, "cond_rows": 0, "uncond_rows": 0}
+    code = int(facts.columns[0])  # node tokens are vocabulary ids: an image code's (a prompt engine's ids start past 0)
+    per_image = {"count": 2, "root": code, "pending": 1, "cond_rows": 0, "uncond_rows": 0}
     if name in per_image:
         return torch.full((_N,), per_image[name], dtype=i64), {0: "N"}
     if name in ("image_of_row", "offset", "cfg_partners", "target_length", "drafter_length"):
@@ -98,9 +99,9 @@ def _example(name, facts, kind):
         value = torch.zeros(shape, dtype=dtype) if name != "window_stride" else torch.full(shape, 3, dtype=dtype)
         return value, {0: "N", 1: "L"} if name == "body" else {0: "N"} if name != "window_stride" else {}
     if name == "tokens1" and facts.proposer == "jacobi":  # the window's slots 1..W-1
-        return torch.zeros((_N, D), dtype=i64), {0: "N"}
+        return torch.full((_N, D), code, dtype=i64), {0: "N"}
     if name.startswith("tokens"):
-        return torch.zeros((_N, n_at[int(name[6:])]), dtype=i64), {0: "N"}
+        return torch.full((_N, n_at[int(name[6:])]), code, dtype=i64), {0: "N"}
     if name.startswith("cand_ids"):
         return torch.zeros((_N, n_at[int(name[8:])], facts.K), dtype=i64), {0: "N"}
     if name.startswith("cand_probs"):
