@@ -137,6 +137,12 @@ def strike_drafter(directory):
     for name in [n for n in m["files"] if n.split(".")[0] in ("drafter", "vq_decoder", "neighbors")]:
         del m["files"][name]
         os.remove(directory / name)
+    steps = m.get("step_graphs", {})
+    for tree in [t for t, e in steps.items() if e["tree"]["paths"]]:  # AR's step graphs stay
+        for name in {*steps[tree]["greedy"].values(), *steps[tree]["sampling"].values()}:
+            del m["files"][name]
+            os.remove(directory / name)
+        del steps[tree]
     m["modes"], m["image"]["pixels"] = ["ar"], None
     m["sources"] = {"target": m["sources"]["target"]}
     (directory / "manifest.json").write_text(json.dumps(m))
