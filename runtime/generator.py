@@ -12,11 +12,12 @@ tree or window and why), makes or reuses its step plan, and runs the decoding lo
 step, with acceptance in numpy over logits read back to the host; "device" hands the step to the
 backend (backend.device_step): the torch backend's (and tensorrt-torch's and onnxruntime-torch's,
 whose plans and sessions are its modules) runs the whole step, draft -> verify -> accept ->
-commit, on its device and reads back a few integers per image; ONNX Runtime's runs acceptance
-only (greedy or sampling), the engine's acceptance graph (`lantern-export accept`) fed the
-verification logits where the target left them and, sampling, the same draws of the images'
-streams the host step reads, and the host does the rest. None takes the backend's default_step
-(host where a backend has none). The same loop drives every path; stats["step"] says which ran.
+commit, on its device and reads back a few integers per image; ONNX Runtime's runs the whole
+step too, on the engine's step graphs of the generation's tree (`lantern-export accept`;
+lantern.runtime.graph_step), with the same draws of the images' streams the host step reads.
+None takes the backend's default_step (host where a backend has none; ONNX Runtime's is device,
+and a generation its graphs cannot run takes the host step). The same loop drives every path;
+stats["step"] says which ran.
 """
 import os
 import threading
