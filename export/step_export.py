@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from lantern.export.step_graphs import phases
+from lantern.export.step_jacobi import window_phases
 
 KINDS = ("greedy", "sampling")
 _FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -34,8 +35,11 @@ class Facts:
         self.inplace = manifest.inplace_cache is not None
 
     def modules(self, kind):
-        return phases(self.tree, self.columns, self.codes, self.vocab, self.max_position, kind == "sampling",
-                      self.inplace, self.accept_dtype, self.proposer, self.init)
+        """{phase: module} of the proposer's step (the drafter tree's, or the Jacobi window's)."""
+        common = (self.tree, self.columns, self.codes, self.vocab, self.max_position, kind == "sampling", self.inplace)
+        if self.proposer == "jacobi":
+            return window_phases(*common, self.init, self.accept_dtype)
+        return phases(*common, self.accept_dtype)
 
 
 def _example(name, facts, kind):

@@ -369,19 +369,16 @@ class Accept(Phase):
         return torch.where(plain[..., None], cond, (cond - uncond) * a["cfg_scale"] + uncond)
 
 
-def phases(tree, columns, codes, vocab, max_position, sampling, inplace=False, accept_dtype=torch.float64,
-           proposer="tree", init=None):
-    """{name: module} of a step over `tree`, in the order a step runs them (the engine calls
-    between: draft{d-1} before level{d}, verify before accept; in place, commit after accept).
-    proposer "jacobi": the drafter-free window over the chain `tree` (lantern.export.step_jacobi)."""
-    if proposer == "jacobi":
-        from lantern.export.step_jacobi import window_phases
-
-        return window_phases(tree, columns, codes, vocab, max_position, sampling, inplace, init, accept_dtype)
+def phases(tree, columns, codes, vocab, max_position, sampling, inplace=False, accept_dtype=torch.float64):
+    """{name: module} of a drafter tree's step (AR: the root-only tree), in the order a step runs
+    them (the engine calls between: draft{d-1} before level{d}, verify before accept; in place,
+    commit after accept). Sampling: an accept per filter combination (the runner picks one:
+    lantern.runtime.graph_step.accept_variant). A drafter-free proposer has its own
+    (lantern.export.step_jacobi.window_phases)."""
     common = (tree, columns, codes, vocab, max_position, sampling, inplace)
     out = {"begin": Begin(*common)}
     for d in range(1, tree.depth + 1):
         out[f"level{d}"] = Level(*common, d)
-    for filters in SAMPLING_FILTERS if sampling else [()]:  # the runner picks (graph_step.accept_variant)
+    for filters in SAMPLING_FILTERS if sampling else [()]:
         out["+".join(("accept",) + filters)] = Accept(*common, accept_dtype=accept_dtype, filters=filters)
     return {name: module.eval() for name, module in out.items()}
