@@ -243,18 +243,54 @@ class CpuGraph:
 
 
 def capture_steps_on_cpu(monkeypatch):
-    """Every torch device step made from here on is captured as on CUDA with cuda_graphs (one
-    eager step, then a CpuGraph replayed)."""
-    from lantern.runtime.backends.torch_step import TorchDeviceStep
+    """Every CPU torch backend made from here on runs its device step as on CUDA with
+    cuda_graphs: TorchBackend.run_all runs a step's call list eagerly once, then captures it
+    (_capture_step) as a CpuGraph of `for call in calls: backend.run(call)`, replayed from then
+    on; an op in it that stream capture refuses (host_reads) fails the test. Each backend counts its runs in `step_runs`: {(id(calls), "eager" or "replay"): n}."""
+    import collections
 
-    init = TorchDeviceStep.__init__
+    from lantern.runtime.backends.torch import TorchBackend
+
+    init, run_all = TorchBackend.__init__, TorchBackend.run_all
 
     def capturing(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.capture = True
+        self.cuda_graphs = True
+        self.step_runs = collections.Counter()
 
-    monkeypatch.setattr(TorchDeviceStep, "__init__", capturing)
-    monkeypatch.setattr(TorchDeviceStep, "_capture", lambda self: CpuGraph(self._step))
+    def counting(self, calls):
+        entry = self._step_graphs.get(id(calls))
+        self.step_runs[id(calls), "replay" if entry is not None and entry[1] is not None else "eager"] += 1
+        return run_all(self, calls)
+
+    def capture(self, calls):
+        def step():
+            for call in calls:
+                self.run(call)
+        made = []
+        refused = host_reads(lambda: made.append(CpuGraph(step)))  # what stream capture would refuse
+        assert refused == {}, f"CUDA graph capture of the step would fail on {refused}"
+        return made[0]
+
+    monkeypatch.setattr(TorchBackend, "__init__", capturing)
+    monkeypatch.setattr(TorchBackend, "run_all", counting)
+    monkeypatch.setattr(TorchBackend, "_capture_step", capture)
+
+
+def assert_captured_once(backend, step):
+    """Both of the step's call lists (even and odd steps) ran eagerly exactly once, were
+    captured as a CpuGraph, and replayed after that."""
+    for calls in step.calls:
+        assert isinstance(backend._step_graphs[id(calls)][1], CpuGraph)
+        assert backend.step_runs[id(calls), "eager"] == 1
+        assert backend.step_runs[id(calls), "replay"] >= 1
+
+
+def run_one_step(step):
+    """One step's calls run eagerly (on the CPU backend), for the probes above: the ops a step
+    dispatches, whatever its images' state (after a generation all are done: the ops still run)."""
+    for call in step.calls[step.steps_run % 2]:
+        step.backend.run(call)
 
 
 def tensors_made_without_a_device(fn):

@@ -1,17 +1,16 @@
-"""The device step against the host step: the torch backend's whole step on the device
-(runtime/backends/torch_step.py) on the CPU, and ONNX Runtime's acceptance graph fed the
-verification logits in place (greedy and sampling graphs). The same tokens, token for token,
-over modes, CFG, batch sizes and a forced-token (Lumina-mGPT) engine (ONNX Runtime's float32
-sampling graph: on most images); batch invariance; and, through a backend that records every
-host crossing, a torch step that moves only a few integers per image and nothing that grows with
-the vocabulary, the cache or the tree, and an ONNX Runtime step whose logits never cross."""
+"""The device step against the host step: the whole step on the device (lantern.runtime.
+graph_step.GraphStep) run by the torch backend over lantern.export.step_graphs' modules on the
+CPU, and by ONNX Runtime over the engine's exported step graphs. The same tokens, token for
+token, over modes, CFG, batch sizes and a forced-token (Lumina-mGPT) engine; batch invariance;
+the step replayed as a captured graph would be; and, through a backend that records every host
+crossing, a step that moves only a few integers per image (and launches its calls) and nothing
+that grows with the vocabulary, the cache or the tree: the logits never cross."""
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from lantern.export.accept_graphs import KINDS
 from lantern.export.torch_backend import open_torch_backend
 from lantern.runtime.backends.torch import TorchBackend
 from lantern.runtime.errors import LanternError
@@ -75,7 +74,7 @@ def test_the_step_reads_nothing_on_the_host_so_cuda_can_capture_it(engines, torc
     ops CUDA stream capture refuses (engines.host_reads sees them on the CPU), and none makes a
     tensor without naming the device. Greedy and sampling (top-k, top-p), CFG with an
     interval, forced tokens."""
-    from engines import host_reads, tensors_made_without_a_device
+    from engines import host_reads, run_one_step, tensors_made_without_a_device
 
     assert host_reads(lambda: torch.arange(4)[torch.arange(2)[1]]) == {"aten::item": 1}  # the probes see them
     assert host_reads(lambda: torch.arange(4)[[0, 2]]) == {"aten::lift_fresh": 1}  # an index list goes up per call
@@ -91,16 +90,17 @@ def test_the_step_reads_nothing_on_the_host_so_cuda_can_capture_it(engines, torc
                           (lumina, dict(greedy=False, prompt=["a red cat"], grid=(4, 4), seed=[2]))]:
         engine.generate(**kw, **extra)
         step = engine.backend._steps[id(engine._plan)]
-        assert host_reads(step._step) == {}, extra
-        assert tensors_made_without_a_device(step._step) == set(), extra  # each would be a CPU tensor on CUDA
+        assert host_reads(lambda: run_one_step(step)) == {}, extra
+        assert tensors_made_without_a_device(lambda: run_one_step(step)) == set(), extra  # CPU tensors on CUDA
 
 
 def test_the_step_replayed_as_one_captured_graph_gives_the_host_tokens(engines, torch_c2i, torch_lumina, monkeypatch):
-    """The step as CUDA would run it once captured (engines.CpuGraph: the first step's ops
-    recorded, then replayed with every Python value as it was at capture, on the same tensors):
-    the host step's tokens, greedy and sampling, CFG with an interval, forced tokens, and for a
-    second generation that replays from its first step (load refilled the graph's tensors)."""
-    from engines import CpuGraph, capture_steps_on_cpu
+    """The step as CUDA would run it once captured (engines.capture_steps_on_cpu: run_all runs
+    each call list eagerly once, then a CpuGraph of it, its ops recorded once and replayed with
+    every Python value as it was at capture, on the same tensors): the host step's tokens, greedy
+    and sampling, CFG with an interval, forced tokens, and for a second generation that replays
+    from its first step (load refilled the graph's tensors)."""
+    from engines import assert_captured_once, capture_steps_on_cpu
 
     capture_steps_on_cpu(monkeypatch)
     host_engine, _ = engines
@@ -115,8 +115,7 @@ def test_the_step_replayed_as_one_captured_graph_gives_the_host_tokens(engines, 
         kw = dict(mode="lantern++", lam=3.0, k=8, cfg_scale=4.0, **extra)
         want = host.generate(**kw).tokens
         first, second = device.generate(**kw), device.generate(**kw)
-        step = device.backend._steps[id(device._plan)]
-        assert isinstance(step.graph, CpuGraph) and step.eager_steps == 1  # one eager step, then replays
+        assert_captured_once(device.backend, device.backend._steps[id(device._plan)])  # one eager run, then replays
         np.testing.assert_array_equal(first.tokens, want, err_msg=str(extra))
         np.testing.assert_array_equal(second.tokens, want, err_msg=str(extra))
 
@@ -144,11 +143,12 @@ def test_device_step_moves_a_few_integers_per_image(torch_c2i):
     events = backend.events[backend.start:]
     depth, vocab = engine.tree.depth, engine.manifest.vocabulary.size
     report = 3 * (depth + 3) * 8  # per image: accepted, depth + 1 tokens, invalid (int64)
-    # per step one read of the report and its one synchronisation; no launches from the host,
-    # nothing written up, nothing that grows with the vocabulary, the cache or the tree
-    assert {kind for kind, _ in events} == {"to_host", "sync"}
-    reads = [size for kind, size in events if kind == "to_host"]
-    assert reads == [report] * len(reads) and len(reads) == len(events) // 2 >= device.stats["steps_per_image"]
+    calls = len(backend._steps[id(engine._plan)].calls[0])  # phases and engine calls (one CUDA graph on CUDA)
+    # per step its calls launched, one read of the report and its one synchronisation; nothing
+    # written up, nothing that grows with the vocabulary, the cache or the tree
+    assert {kind for kind, _ in events} == {"launch", "to_host", "sync"}
+    assert events == ([("launch", 0)] * calls + [("to_host", report), ("sync", 0)]) * device.stats["steps"]
+    assert device.stats["steps"] >= device.stats["steps_per_image"]
 
     start = len(backend.events)
     host = Engine(directory, backend=backend, step="host").generate(**kw)
@@ -173,11 +173,10 @@ def test_step_choice_and_refusals(torch_c2i, c2i_engine, tmp_path, capsys):
     with pytest.raises(LanternError, match=r"no step graphs for tree chain-4; add them with `lantern-export accept "
                                            r".* --tree \.\.\.`"):  # the engine has its default tree's and AR's
         Engine(c2i_engine, step="device").generate(mode="exact", greedy=True, classes=[1], tree="chain-4")
-    from lantern.export.accept_graphs import GreedyAcceptance
-
-    greedy_only = TorchBackend(backend.modules, backend_manifest(directory), acceptance={"greedy": GreedyAcceptance})
-    with pytest.raises(LanternError, match="without the sampling acceptance module"):
-        Engine(directory, backend=greedy_only, step="device").generate(mode="exact", classes=[1])
+    bare = TorchBackend(backend.modules, backend_manifest(directory))  # opened without the step's modules
+    with pytest.raises(LanternError, match="opened without the step's modules.*open_torch_backend") as e:
+        Engine(directory, backend=bare, step="device").generate(mode="exact", greedy=True, classes=[1])
+    assert "\n" not in str(e.value)
     with pytest.raises(LanternError, match="accept_precision must be float64 or float32"):
         TorchBackend(backend.modules, backend_manifest(directory), accept_precision="float16")
     out = tmp_path / "run"
@@ -363,14 +362,14 @@ def test_sampling_with_forced_tokens_on_the_device(torch_lumina):
 
 def test_sampling_streams_in_chunks(torch_c2i, monkeypatch):
     """A table smaller than the generation: the next chunk is uploaded as the steps reach it."""
-    from lantern.runtime.backends import torch_step
+    from lantern.runtime import graph_step
 
     directory, backend = torch_c2i
     kw = dict(mode="lantern", delta=0.05, k=8, greedy=False, cfg_scale=4.0, classes=[1], seed=[3])
     host = Engine(directory, backend=backend, step="host").generate(**kw)
     engine = Engine(directory, backend=backend, step="device")
     block = 26 * (1 + engine.manifest.candidates)  # uniforms per image per step (mc_sim_7b_63)
-    monkeypatch.setattr(torch_step, "TABLE_BYTES", 2 * 8 * block)  # 2 steps per chunk
+    monkeypatch.setattr(graph_step, "TABLE_BYTES", 2 * 8 * block)  # 2 steps per chunk
     device = engine.generate(**kw)
     step = backend._steps[id(engine._plan)]
     assert 1 < step.table_steps < device.stats["steps"]
@@ -394,8 +393,7 @@ def test_float32_sampling_acceptance_distribution(torch_c2i):
     -s). On this 64-token model the test has little power against small biases (a temperature of
     0.3 in place of 1 passed it at 24 images); a biased draw (uniforms u^4) fails it (p ~ 3e-6)."""
     directory, backend = torch_c2i
-    f32 = TorchBackend(backend.modules, backend_manifest(directory), threads=2, acceptance=KINDS,
-                       accept_precision="float32")
+    f32 = open_torch_backend(directory, threads=2, accept_precision="float32")
     kw = dict(mode="exact", greedy=False, temperature=1.0, cfg_scale=4.0, classes=[3] * 8, seed=list(range(100, 108)))
     host = Engine(directory, backend=backend, step="host").generate(**kw)
     device = Engine(directory, backend=f32, step="device").generate(**kw)
@@ -459,33 +457,43 @@ def test_engine_release_gives_a_shared_backend_its_plan_back(torch_c2i):
     engine.release()
 
 
-def test_the_device_step_feeds_the_calls_static_inputs_where_the_backend_bound_them(torch_c2i, monkeypatch):
-    """On CUDA TorchBackend.bind gives each call static input tensors; the device step adopts
-    them (refilled in place, every drafter call's cfg_pair written), so both step paths feed a
-    call from the same addresses (what tensorrt-torch's contexts are keyed by). Here bind's
-    statics are made by hand on the CPU: the step feeds exactly those, and the tokens stay the
-    host step's."""
-    directory, _ = torch_c2i
-    backend = open_torch_backend(directory, threads=2)
-    statics = {}
-
-    def bound_inputs(call):
-        if id(call) not in statics:
-            statics[id(call)] = {name: torch.zeros(np.shape(buf), dtype=getattr(torch, str(np.asarray(buf).dtype)))
-                                 for name, buf in call.feeds.items() if not isinstance(buf, torch.Tensor)}
-        return statics[id(call)]
-
-    monkeypatch.setattr(backend, "bound_inputs", bound_inputs)
+def test_the_device_step_chains_its_calls_through_buffers_made_once(torch_c2i):
+    """GraphStep wires the step once per plan: each engine call's feeds are device tensors that
+    the phase before it writes in place (the very objects, for both parities), every drafter call
+    reads the one cfg_pair buffer, and a phase reads an engine call's outputs from the buffers the
+    call writes; so a CUDA graph of the sequence (and tensorrt-torch's contexts, keyed by
+    addresses) stays valid from step to step. The tokens stay the host step's."""
+    directory, backend = torch_c2i
     kw = dict(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, cfg_interval=5, classes=[1, 2, 3])
     device = Engine(directory, backend=backend, step="device")
     got = device.generate(**kw)
-    want = Engine(directory, backend=torch_c2i[1], step="host").generate(**kw)
+    want = Engine(directory, backend=backend, step="host").generate(**kw)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     step = backend._steps[id(device._plan)]
-    for regime, feeds in step.feeds.items():
-        mine = statics[id(device._plan.calls[regime])]
-        assert mine and all(feeds[name] is tensor for name, tensor in mine.items()), regime
-    assert len(step.cfg_pairs) == device.tree.depth  # one per drafter call
+    calls = step.model_calls
+    assert {"draft0", "verify"} <= set(calls) and len(calls) == device.tree.depth + 1  # D drafter calls, verify
+    for regime, call in calls.items():
+        assert all(isinstance(t, torch.Tensor) for t in call.feeds.values()), regime
+    written = 0
+    for sequence in step.calls:
+        assert [c.regime for c in sequence if c.regime in calls] == list(calls)  # each call once per step, in order
+        for call in sequence:
+            if call.regime in calls:
+                assert call is calls[call.regime]  # the same call (and buffers) at both parities
+                continue
+            for name, buffer in call.outputs.items():
+                if "." in name:  # REGIME.FEED: written where the engine call reads it
+                    regime, feed = name.split(".")
+                    assert buffer is calls[regime].feeds[feed], name
+                    written += 1
+            for name, buffer in call.feeds.items():
+                if "." in name:  # REGIME.OUTPUT: read where the engine call wrote it
+                    regime, output = name.split(".")
+                    assert buffer is calls[regime].outputs[output], name
+    assert written > 0
+    pairs = {id(call.feeds["cfg_pair"]) for regime, call in calls.items() if regime.startswith("draft")}
+    assert len(pairs) == 1  # one cfg_pair for every drafter call
+    device.release()
 
 
 def test_fp16_engine_device_step_equals_host_step(fp16_engine):

@@ -11,7 +11,8 @@ OWN_BUFFERS = ("target_hidden", "cond_embeds")
 class RecordingBackend:
     """A real backend with every host crossing counted as events (kind, bytes): arrays the loop
     hands to run() (feeds that a GPU backend copies up), index arrays of gather/commit/copy,
-    numpy() and to_host() reads, to_device() writes, synchronisations, launches from the host.
+    numpy(), to_host() and read() reads, to_device(), array() and fill() writes, synchronisations,
+    launches from the host (run_all: one per call of the step).
     `start`: where the last device step's steps begin in `events` (its setup is not counted)."""
 
     def __init__(self, inner):
@@ -62,6 +63,38 @@ class RecordingBackend:
     def synchronize(self):
         self.events.append(("sync", 0))
         return self.inner.synchronize()
+
+    # the device step's buffers (lantern.runtime.graph_step.GraphStep runs on decoding.backend,
+    # this wrapper): made and bound at setup, refilled by fill, read back by read, run by run_all
+    def array(self, host):
+        self._up(np.asarray(host))
+        return self.inner.array(host)
+
+    def fill(self, buffer, values):
+        self._up(np.asarray(values))
+        return self.inner.fill(buffer, values)
+
+    def read(self, buffer, width):
+        out = self.inner.read(buffer, width)
+        self.events += [("to_host", out.nbytes), ("sync", 0)]
+        return out
+
+    def device_call(self, call, shared):
+        return self.inner.device_call(call, shared)
+
+    def bind_calls(self, calls):
+        return self.inner.bind_calls(calls)
+
+    def graph_inputs(self, label):
+        return self.inner.graph_inputs(label)
+
+    def graph_outputs(self, label):
+        return self.inner.graph_outputs(label)
+
+    def run_all(self, calls):
+        # one launch per call; their feeds are the device buffers bound once: nothing goes up
+        self.events += [("launch", 0)] * len(calls)
+        return self.inner.run_all(calls)
 
     def device_step(self, decoding):
         step = self.inner.device_step(decoding)

@@ -7,15 +7,15 @@ Whole step (--engine DIR or --gpt GPT-B; the default section): real generations 
 each mode (ar, exact, lantern++; CFG), greedy and sampling (temperature 1, top-k --top-k; rows
 with "sampling": true), on ONNX Runtime CPU, on onnxruntime-torch (the same sessions inside the
 torch backend) and on the torch backend on the CPU, each with the host step and the device step
-(torch and onnxruntime-torch: the whole step on the device, lantern.runtime.backends.torch_step;
-ONNX Runtime: the engine's acceptance graph, greedy or sampling, fed the logits in place, the
-rest on the host; it has none for AR), side by side in one run. Per step: ms, host time (the
+(each the whole step on the device, lantern.runtime.graph_step.GraphStep: torch and
+onnxruntime-torch over the step's modules, lantern.export.step_graphs; ONNX Runtime over the
+engine's exported step graphs, which `lantern-export accept` adds), side by side in one run. Per step: ms, host time (the
 loop's time outside engine work; the device step counts all of its work as engine time),
 engine launches, and, through RecordingBackend, the bytes that cross the host boundary each way
 and the synchronisations. On a CPU "device" and host are the same memory, so the bytes are what
 a GPU would move. DIR may be an in-place engine (`lantern-export onnx --attention inplace`): the
-torch device step runs it as it runs a plain one (ONNX Runtime's device step needs the
-acceptance graphs `lantern-export accept` adds; without them its rows say skipped).
+torch device step runs it as it runs a plain one (ONNX Runtime's device step needs the step
+graphs `lantern-export accept` adds; without them its rows say skipped).
 
 Acceptance only (--acceptance): on GPT-B shapes (vocabulary 16384, a 1000-wide neighbor table):
 the host path copies the verification logits ([rows, nodes, V] float32) to the host and runs the
@@ -29,8 +29,9 @@ outcome crosses back (ONNX Runtime CPU here).
     python -m lantern.tools.bench.device_step --kernels [--gpt GPT-B | --engine DIR] [--batch 1]
 
 Kernels (--kernels): per mode, the ops one device step of the torch backend dispatches that
-write memory (about one kernel each in the step's CUDA graph), by part: target, drafter,
-acceptance, and the step's own drafting, masks and commits; on the fp32 engine (an fp16 one adds
+write memory (about one kernel each in the step's CUDA graph), by part: target, drafter (and an
+in-place engine's commit graph), acceptance (the rule inside the accept phase), and the step's
+own drafting, masks and commits (the other phases, and the copies into the calls' buffers); on the fp32 engine (an fp16 one adds
 its casts to every graph, which barely moves the ratio). Small-batch GPU steps are launch-bound,
 so the speculative step's kernels over AR's predict its cost in AR steps.
 
@@ -278,13 +279,14 @@ def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), c
 
 def step_backend(engine_dir, device="cuda", cuda_graphs=True, threads=None):
     """The torch backend step_timing and step_kernels measure: the engine's graphs as torch
-    modules on `device` with the acceptance modules of its device step."""
-    from lantern.export.accept_graphs import KINDS
+    modules on `device` with the step's modules for its device step."""
     from lantern.export.onnx_export import load_graph_modules
+    from lantern.export.step_export import step_phase_factory
 
     manifest = read_manifest(engine_dir)
     modules = {name: module for name, (_, module) in load_graph_modules(manifest).items()}
-    return TorchBackend(modules, manifest, device=device, threads=threads, cuda_graphs=cuda_graphs, acceptance=KINDS)
+    return TorchBackend(modules, manifest, device=device, threads=threads, cuda_graphs=cuda_graphs,
+                        step_phases=step_phase_factory(manifest))
 
 
 def step_timing(engine_dir, device="cuda", cuda_graphs=True, modes=("ar", "exact", "lantern++"), batches=(1, 8),
@@ -383,15 +385,18 @@ def count_kernels(fn, parts=(), ops=None):
 
 def step_kernels(engine_dir, backend, modes=("ar", "exact", "lantern++"), images=1, cfg=4.0):
     """Per mode, about the kernels one device step of the torch backend runs (count_kernels: the
-    ops its CUDA graph replays), by part: the target's and drafter's calls (and an in-place engine's
-    commit graph), acceptance, and the step's own drafting, masks and commits ("step"). Counted
+    ops its CUDA graph replays: the GraphStep's call list, run as TorchBackend.run_all runs it),
+    by part: the target's and drafter's calls (and an in-place engine's commit graph), acceptance
+    (the accept phase's rule), and the step's own drafting, masks and commits ("step": the other
+    phases' ops, and the copies of their outputs into the buffers the next call reads). Counted
     on one eager step after a greedy generation (its images are done: the step's shapes and ops
     are the same). A GPU step of small batches is launch-bound, so their ratio predicts the
     speculative step in AR steps before a GPU measures it."""
     manifest = read_manifest(engine_dir)
     engine = Engine(engine_dir, backend=backend, step="device")
     classes = [c % (manifest.condition.num_classes or 1) for c in range(1, images + 1)]
-    modules = {name: m for name, m in backend.modules.items() if isinstance(m, backend.torch.nn.Module)}
+    graphs = {name: m for name, m in backend.modules.items()  # the engine's own graphs, not the step's phases
+              if name in backend.manifest.graphs and isinstance(m, backend.torch.nn.Module)}
     out = {}
     for mode in modes:
         if mode not in manifest.modes:
@@ -399,8 +404,10 @@ def step_kernels(engine_dir, backend, modes=("ar", "exact", "lantern++"), images
         k = min(100, manifest.neighbors.k) if mode == "lantern++" and manifest.neighbors else None
         engine.generate(mode=mode, greedy=True, cfg_scale=cfg, classes=classes, k=k)
         step = backend._steps[id(engine._plan)]
+        calls = step.calls[step.steps_run % 2]  # the state's current buffers
+        accept = next(backend.modules[c.graph] for c in calls if c.regime == "accept")
         ops = collections.Counter()
-        counts = count_kernels(step._step, {**modules, "accept": step.accept_module}, ops)
+        counts = count_kernels(lambda: [backend.run(c) for c in calls], {**graphs, "accept": accept.rule}, ops)
         out[mode] = {"kernels": sum(counts.values()), "by_part": dict(sorted(counts.items())),
                      "step_ops": {f"{part}/{op}": n for (part, op), n in ops.most_common() if part in ("step", "accept")}}
     engine.release()
