@@ -1,5 +1,5 @@
-"""The drafter-free jacobi window on the torch backend's device step (runtime/backends/torch_step.py)
-against the host step (runtime/jacobi.py, the specification): the same tokens, token for token,
+"""The drafter-free jacobi window on the torch backend's device step (lantern.runtime.graph_step
+over lantern.export.step_jacobi's modules) against the host step (runtime/jacobi.py, the specification): the same tokens, token for token,
 greedy (every window size and init, CFG off and on, batches) and sampling (exact, lantern++, with
 CFG), on the c2i engine and on Lumina-mGPT (forced tokens); the step as a captured graph replays
 to the same tokens and reads nothing on the host; gsd stays refused on the device."""
@@ -87,7 +87,8 @@ def test_the_window_step_replays_as_one_captured_graph_and_reads_nothing_on_the_
     replayed with Python values baked in, for two generations in a row (load refilled the
     tensors): the host's tokens. And no op of the step reads a value on the host or makes a
     tensor off the device."""
-    from engines import CpuGraph, capture_steps_on_cpu, host_reads, tensors_made_without_a_device
+    from engines import assert_captured_once, capture_steps_on_cpu, host_reads, run_one_step, \
+        tensors_made_without_a_device
 
     capture_steps_on_cpu(monkeypatch)
     lumina = chameleon_engines["lumina_mgpt"]
@@ -102,12 +103,12 @@ def test_the_window_step_replays_as_one_captured_graph_and_reads_nothing_on_the_
         device = Engine(directory, backend=backend, step="device")
         first, second = device.generate(**kw), device.generate(**kw)
         step = backend._steps[id(device._plan)]
-        assert isinstance(step.graph, CpuGraph) and step.eager_steps == 1
+        assert_captured_once(backend, step)
         np.testing.assert_array_equal(first.body, want, err_msg=str(extra))
         np.testing.assert_array_equal(second.body, want, err_msg=str(extra))
-        step.graph = None  # the eager step itself, watched op by op
-        assert host_reads(step._step) == {}, extra
-        assert tensors_made_without_a_device(step._step) == set(), extra
+        # the eager step itself, watched op by op
+        assert host_reads(lambda: run_one_step(step)) == {}, extra
+        assert tensors_made_without_a_device(lambda: run_one_step(step)) == set(), extra
 
 
 def test_a_cached_step_serves_only_its_own_proposer(c2i):
