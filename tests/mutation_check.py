@@ -28,6 +28,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = {"export": "export", "runtime": "runtime", "tools": "tools"}  # lantern.<name> -> folder
 
 CFG_TEST = "tests/test_generator.py::test_cfg_interval_switches_to_conditional_logits_at_its_index"
+REFERENCES_DEVICE = ["tests/test_references.py::test_greedy_tokens_of_every_mode_match_a_full_forward[c2i-device]",
+                     "tests/test_references.py::test_drafts_match_a_full_drafter_forward[c2i-device]"]
 
 # (name, file, text, replacement, tests): `text` must occur exactly once in `file`.
 MUTANTS = [
@@ -44,28 +46,31 @@ MUTANTS = [
      "d.positions(np.broadcast_to(root_slot[:, None] + level.depth, (B, T)))",
      "d.positions(np.broadcast_to(root_slot[:, None] + level.depth + 1, (B, T)))",
      ["tests/test_references.py"]),
-    ("torch-verify-positions", "runtime/backends/torch_step.py",
-     "self._positions(self.target.length[:, None] + self.depths[None, :])",
-     "self._positions(self.target.length[:, None] + 1 + self.depths[None, :])",
-     ["tests/test_references.py"]),
-    ("torch-draft0-positions", "runtime/backends/torch_proposers.py",
-     "first = self.target.length - self.offset - counts[iob] + 1",
-     "first = self.target.length - self.offset - counts[iob] + 2",
-     ["tests/test_references.py"]),
-    ("torch-draft-depth-positions", "runtime/backends/torch_proposers.py",
-     "(root_position + depth).clamp(0, self.max_position)",
-     "(root_position + depth + 1).clamp(0, self.max_position)",
-     ["tests/test_references.py"]),
-    # The torch step's drafting: depth 1's parent is the root at draft0's column `last`, and a
-    # plain mask's block columns are draft0's block (written there by _set_pending).
-    ("torch-depth1-parent-column", "runtime/backends/torch_proposers.py",
-     "column = last[iob][:, None, None].expand(",
-     "column = (last[iob] - 1).clamp(min=0)[:, None, None].expand(",
-     ["tests/test_references.py"]),
-    ("torch-draft0-block-kept-apart", "runtime/backends/torch_step.py",
-     "self.blocks[regime] = mask[:, 0, :, mask.shape[3] - mask.shape[2]:]",
-     "self.blocks[regime] = mask[:, 0, :, mask.shape[3] - mask.shape[2]:].clone()",
-     ["tests/test_references.py::test_drafts_match_a_full_drafter_forward"]),
+    # The same slips in the device step's graphs (lantern.export.step_graphs: the torch runners
+    # run these modules, ONNX Runtime their export), caught by the device cases of the references.
+    ("torch-verify-positions", "export/step_graphs.py",
+     '"verify.position_ids": self.positions(length[:, None] + self.depths[None, :], x["offset"])',
+     '"verify.position_ids": self.positions(length[:, None] + 1 + self.depths[None, :], x["offset"])',
+     REFERENCES_DEVICE),
+    ("torch-draft0-positions", "export/step_graphs.py",
+     'first = o["target_length"] - x["offset"] - counts[iob] + 1',
+     'first = o["target_length"] - x["offset"] - counts[iob] + 2',
+     REFERENCES_DEVICE),
+    ("torch-draft-depth-positions", "export/step_graphs.py",
+     "(root_position + self.d).clamp(0, self.max_position)",
+     "(root_position + self.d + 1).clamp(0, self.max_position)",
+     REFERENCES_DEVICE),
+    # The step graphs' drafting: depth 1's parent is the root at draft0's column pending - 1, and
+    # draft0's pending pairs see the earlier ones (each seeing only itself changes the root's
+    # drafts; a pair seeing the next one changes nothing a one-layer drafter keeps: equivalent).
+    ("torch-depth1-parent-column", "export/step_graphs.py",
+     "parent_hidden = hidden.gather(1, last[:, None, None].expand(B, T, hidden.shape[2]))",
+     "parent_hidden = hidden.gather(1, (last - 1).clamp(min=0)[:, None, None].expand(B, T, hidden.shape[2]))",
+     REFERENCES_DEVICE),
+    ("step-draft0-block-causal", "export/step_graphs.py",
+     "causal = index[:, None] >= index[None, :]",
+     "causal = index[:, None] == index[None, :]",
+     ["tests/test_references.py::test_drafts_match_a_full_drafter_forward[c2i-device]"]),
     # The engine directory's integrity: a file changed while hashed, the neighbor table's k, plan hashes.
     ("hash-changed-guard-off", "runtime/integrity.py",
      "if _version(os.stat(path)) != key:", "if False:",
@@ -106,13 +111,13 @@ MUTANTS = [
      "late = (d.count >= d.cfg_interval)[d.image_of_row]",
      "late = (d.count > d.cfg_interval)[d.image_of_row]",
      [CFG_TEST]),
-    ("cfg-interval-device-drafter", "runtime/backends/torch_proposers.py",
-     'late = (self.count >= self.accept_feeds["cfg_interval"])[iob]',
-     'late = (self.count > self.accept_feeds["cfg_interval"])[iob]',
+    ("cfg-interval-device-drafter", "export/step_graphs.py",
+     'late = (interval >= 0) & (x["count"][iob] >= interval)',
+     'late = (interval >= 0) & (x["count"][iob] > interval)',
      [CFG_TEST]),
-    ("cfg-interval-device-verify", "runtime/backends/torch_step.py",
-     'late = (self.count[:, None] + self.depths[None, :]) >= a["cfg_interval"]',
-     'late = (self.count[:, None] + self.depths[None, :]) > a["cfg_interval"]',
+    ("cfg-interval-device-verify", "export/step_graphs.py",  # the sampling step's CFG combination
+     "((interval >= 0) & (body >= interval))",
+     "((interval >= 0) & (body > interval))",
      [CFG_TEST]),
     ("cfg-interval-accept-graph", "export/accept_graphs.py",
      "((cfg_interval >= 0) & (body >= cfg_interval))", "((cfg_interval >= 0) & (body > cfg_interval))",
@@ -129,8 +134,8 @@ MUTANTS = [
     ("jacobi-uniform-q-half", "runtime/jacobi.py",
      "q[n, i, :codes] = 1.0 / codes", "q[n, i, :codes // 2] = 2.0 / codes",
      ["tests/test_jacobi.py"]),
-    ("torch-jacobi-redraft-uniforms", "runtime/backends/torch_proposers.py",
-     "u = race[:, 1:, 1].to(p.dtype)", "u = race[:, 1:, 0].to(p.dtype)",
+    ("torch-jacobi-redraft-uniforms", "export/step_jacobi.py",
+     "u = self.race(x, 0, self.M)[:, 1:, 1].to(p.dtype)", "u = self.race(x, 0, self.M)[:, 1:, 0].to(p.dtype)",
      ["tests/test_device_jacobi.py"]),
     # What the net already guarded (acceptance, cache commits, streams), kept in the list so a
     # rewrite of the step is checked against all of it.
