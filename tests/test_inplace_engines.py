@@ -10,7 +10,7 @@ import onnx
 import pytest
 import torch
 
-from engines import export_argv, export_like, host_reads, manifest
+from engines import export_argv, export_like, host_reads, manifest, run_one_step
 from lantern.export import checkpoints, cli
 from lantern.export.check import check_engine
 from lantern.export.check_cases import check_cases
@@ -389,8 +389,9 @@ def test_trt_command_builds_a_inplace_engines_plans_commit_included(inplace_fp16
 
 
 # ---------------------------------------------------------------------------------------------
-# The torch backend's device step on an in-place engine (lantern.runtime.backends.torch_step):
-# write indices, masks and the commit graph as device ops; the host step is the specification.
+# The torch backend's device step on an in-place engine (lantern.runtime.graph_step over
+# lantern.export.step_graphs' modules, the in-place cache form of step_caches): write indices,
+# masks and the commit graph's feeds as device ops; the host step is the specification.
 # (Without the commit graph's move the lantern++ cases differ in ~15% of their tokens.)
 
 
@@ -440,17 +441,20 @@ def test_inplace_device_step_moves_a_few_integers_per_image(inplace_torch, inpla
     out = engine.generate(mode="lantern++", lam=3.0, k=8, greedy=True, cfg_scale=4.0, classes=[1, 2, 3])
     events = backend.events[backend.start:]
     report = 3 * (engine.tree.depth + 3) * 8  # per image: accepted, depth + 1 tokens, invalid (int64)
-    assert {kind for kind, _ in events} == {"to_host", "sync"}  # no launches from the host, nothing up
-    reads = [size for kind, size in events if kind == "to_host"]
-    assert reads == [report] * len(reads) and len(reads) == out.stats["steps"]
+    step = backend._steps[id(engine._plan)]
+    calls = len(step.calls[0])  # phases and engine calls, the commit graph's among them
+    assert "commit" in [c.regime for c in step.calls[0]]
+    # per step its calls launched (one CUDA graph on CUDA), the report read: nothing goes up
+    assert events == ([("launch", 0)] * calls + [("to_host", report), ("sync", 0)]) * out.stats["steps"]
     # and within the step no op reads the device on the host (CUDA capture refuses those)
-    assert host_reads(backend._steps[id(engine._plan)]._step) == {}
+    assert host_reads(lambda: run_one_step(step)) == {}
 
 
 def test_inplace_step_replayed_as_one_captured_graph(inplace_torch, inplace_c2i, monkeypatch):
     """The in-place step (write_index, the commit graph) as CUDA runs it once captured
-    (engines.CpuGraph): the host step's tokens, greedy and sampling, two generations."""
-    from engines import CpuGraph, capture_steps_on_cpu
+    (engines.capture_steps_on_cpu: one eager run per call list, then a CpuGraph replayed): the
+    host step's tokens, greedy and sampling, two generations."""
+    from engines import assert_captured_once, capture_steps_on_cpu
     from lantern.export.torch_backend import open_torch_backend
 
     capture_steps_on_cpu(monkeypatch)
@@ -460,7 +464,7 @@ def test_inplace_step_replayed_as_one_captured_graph(inplace_torch, inplace_c2i,
         kw = dict(mode="lantern++", lam=3.0, k=8, cfg_scale=4.0, classes=[1, 2], **extra)
         want = host_engine.generate(**kw).tokens
         first, second = device.generate(**kw), device.generate(**kw)
-        assert isinstance(device.backend._steps[id(device._plan)].graph, CpuGraph)
+        assert_captured_once(device.backend, device.backend._steps[id(device._plan)])
         np.testing.assert_array_equal(first.tokens, want, err_msg=str(extra))
         np.testing.assert_array_equal(second.tokens, want, err_msg=str(extra))
 
@@ -468,7 +472,6 @@ def test_inplace_step_replayed_as_one_captured_graph(inplace_torch, inplace_c2i,
 def test_inplace_device_step_refusals(inplace_torch, inplace_c2i):
     """The device step serves in-place plans, greedy and sampling; what it cannot serve is still
     refused in one line."""
-    from lantern.export.accept_graphs import GreedyAcceptance
     from lantern.runtime.backends.torch import TorchBackend
     from lantern.runtime.kvcache import InPlaceKVCache
     from lantern.runtime.sampling import Greedy, Sampling
@@ -480,10 +483,10 @@ def test_inplace_device_step_refusals(inplace_torch, inplace_c2i):
     assert isinstance(plan.target_cache, InPlaceKVCache)
     assert backend.device_step_refusal(plan, Greedy()) is None
     assert backend.device_step_refusal(plan, Sampling(top_k=20)) is None
-    greedy_only = TorchBackend(backend.modules, read_manifest(inplace_c2i), acceptance={"greedy": GreedyAcceptance})
-    with pytest.raises(LanternError, match="the device step cannot run this generation: .* without the sampling "
-                                           "acceptance module") as e:
-        Engine(inplace_c2i, backend=greedy_only, step="device").generate(mode="exact", classes=[1])
+    bare = TorchBackend(backend.modules, read_manifest(inplace_c2i))  # opened without the step's modules
+    with pytest.raises(LanternError, match="the device step cannot run this generation: .* opened without the "
+                                           "step's modules") as e:
+        Engine(inplace_c2i, backend=bare, step="device").generate(mode="exact", classes=[1])
     assert "\n" not in str(e.value)
 
 
