@@ -357,11 +357,13 @@ def greedy_agreement(reference, engines, classes, cfg_scale):
     agreement fall after a first different token: it measures each step's fidelity."""
 
     recorder = RecordingBackend(reference.backend)
-    reference.backend = recorder
+    # the host step: every target call goes through run(), where the recorder sees it (a device
+    # step runs its calls on the runner itself)
+    reference.backend, step, reference.step = recorder, reference.step, "host"
     try:
         tokens = reference.generate(classes=list(classes), mode="ar", greedy=True, cfg_scale=cfg_scale).tokens
     finally:
-        reference.backend = recorder.backend
+        reference.backend, reference.step = recorder.backend, step
     m, images = reference.manifest, len(classes)
     columns = slice(m.vocabulary.image_start, m.vocabulary.image_end)
 

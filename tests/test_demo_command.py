@@ -28,14 +28,15 @@ def test_demo_exports_checks_generates_and_reports(demo):
     for name in ("report.md", "acceptance.png", "ar.png", "lanternpp.png"):
         assert (demo / "report" / name).stat().st_size > 0
     # Step costs at the batch and at one image, and what they show.
-    on_cpu = report["generated_on"]["device"] == "cpu"  # the device step times no verify phase apart
-    for key in ("step_cost_vs_ar", "step_cost_vs_ar_batch1") + ("verify_cost_vs_ar", "verify_cost_vs_ar_batch1") * on_cpu:
+    for key in ("step_cost_vs_ar", "step_cost_vs_ar_batch1"):
         assert rows["ar"][key] == pytest.approx(1.0) and rows["lantern++"][key] > 1
+    for key in ("verify_cost_vs_ar", "verify_cost_vs_ar_batch1"):  # the device step times no verify phase apart
+        assert rows["ar"][key] is None and rows["lantern++"][key] is None
     assert rows["lantern++"]["engine_calls_per_step_batch1"] > rows["ar"]["engine_calls_per_step_batch1"]
     on = report["generated_on"]  # README's command: --device auto
-    if on["device"] == "cpu":
-        assert on == {"backend": "onnxruntime", "device": "cpu", "step": "host"}
-        assert "compute per verified token" in report["reading"] and "call overhead" in report["reading"]
+    if on["device"] == "cpu":  # ONNX Runtime's default: the step graphs the demo added
+        assert on == {"backend": "onnxruntime", "device": "cpu", "step": "device"}
+        assert "On the CPU (onnxruntime, the device step)" in report["reading"]
     else:  # a suite run where torch sees a CUDA device: the torch backend's device step
         assert on == {"backend": "torch", "device": "cuda", "step": "device"} and "On cuda" in report["reading"]
     assert report["reading"] in (demo / "report" / "report.md").read_text()

@@ -24,6 +24,14 @@ def reading(summary):
                 f"({images} images{', CFG' if cfg else ''}) and {spec['step_cost_vs_ar_batch1']:.2f} AR steps at one "
                 f"image: speculative decoding pays off where the accepted length is the larger "
                 f"({spec['speedup_batch']:.2f}x and {spec['speedup_batch1']:.2f}x over AR here).")
+    if spec["verify_cost_vs_ar"] is None or spec["verify_cost_vs_ar_batch1"] is None:
+        # the device step (ONNX Runtime's step graphs) is timed whole: no verification share to read
+        return (f"A speculative step pays off when its mean accepted length exceeds its cost in AR steps. On the "
+                f"CPU ({on.get('backend', 'onnxruntime')}, the {on.get('step', 'device')} step) a {spec['mode']} step costs "
+                f"{spec['step_cost_vs_ar']:.1f} AR steps for {spec['mean_accepted_length']:.2f} tokens at the batch "
+                f"({images} images{', CFG' if cfg else ''}) and {spec['step_cost_vs_ar_batch1']:.1f} AR steps at one "
+                f"image ({spec['speedup_batch']:.2f}x and {spec['speedup_batch1']:.2f}x over AR here); `lantern-run "
+                f"generate --step host` times the step's phases, `lantern-run profile ENGINE` the latency curve.")
     return (
         f"A speculative step pays off when its mean accepted length exceeds its cost in AR steps. "
         f"At the batch ({images} images{', CFG' if cfg else ''}: {images * (2 if cfg else 1)} rows per call) a "
