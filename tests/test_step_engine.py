@@ -6,7 +6,6 @@ import dataclasses
 import json
 import os
 import shutil
-import types
 
 import numpy as np
 import pytest
@@ -14,10 +13,9 @@ import pytest
 from engines import manifest as manifest_json
 from lantern.export import cli
 from lantern.runtime.backends import graph_acceptance
-from lantern.runtime.contracts import STEP_VERSION
+from lantern.runtime.contracts import ACCEPT_PHASES, STEP_VERSION
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
-from lantern.runtime.kvcache import InPlaceKVCache
 from lantern.runtime.manifest import read_manifest
 from lantern.runtime.settings import GenerationSettings
 from lantern.runtime.tree import build_tree, root_only
@@ -62,11 +60,12 @@ def test_accept_writes_the_default_trees_and_ars_step_graphs(step_engine):
                       (root_only(), ["begin", "accept"])):
         entry = m.step_graphs_for(t)
         assert entry is not None and entry.version == STEP_VERSION and entry.forced_ids == ()
-        for kind in ("greedy", "sampling"):
+        for kind, want in (("greedy", phases), ("sampling", phases[:-1] + list(ACCEPT_PHASES))):  # an accept per filter
             files = getattr(entry, kind)
-            assert sorted(files) == sorted(phases)
+            assert sorted(files) == sorted(want)
             for phase, name in files.items():
                 assert name.startswith("step/") and name.endswith(f"{kind}.{phase}.onnx")
+                assert os.path.dirname(name) == os.path.dirname(files["begin"])  # one folder per tree
                 assert name in m.files and os.path.getsize(os.path.join(step_engine, name)) == m.files[name].size
     assert m.step_graphs["ar"].tree == {"name": "ar", "paths": []}
     assert m.step_graphs_for(build_tree("chain-4")) is None
@@ -166,9 +165,6 @@ def test_what_the_graphs_cannot_serve_is_one_line(copy, monkeypatch):
                                                          "none), not 20"
     with pytest.raises(LanternError, match="serves top_k up to 10"):
         engine.generate(GenerationSettings(mode="exact", greedy=False, top_k=20), classes=[1], seed=0)
-    # an in-place engine's plan
-    inplace = types.SimpleNamespace(tree=plan.tree, prefix=plan.prefix, target_cache=object.__new__(InPlaceKVCache))
-    assert backend.device_step_refusal(inplace, sampler) == "in-place engines have no step graphs yet; use step='host'"
     # no IOBinding
     unbound = Engine(copy, backend="onnxruntime", threads=2, step="device", io_binding=False)
     with pytest.raises(LanternError, match="IOBinding"):
