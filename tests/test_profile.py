@@ -27,12 +27,16 @@ def test_profile_figures_agree_with_what_they_claim(c2i_engine, tmp_path, capsys
         assert sum(run["phase_ms_per_step"].values()) <= run["ms_per_step"] + 1e-3
         assert run["engine_ms_per_step"] + run["host_ms_per_step"] == pytest.approx(run["ms_per_step"], abs=1e-3)
         assert run["steps"] > 1 and run["tokens_per_second"] > 0
-    # a host step: one drafter call per depth, then the verification; AR verifies the root alone
+    # the engine's default step, on its step graphs: one drafter call per depth, then the
+    # verification (AR verifies the root alone), and the phases between them (begin, a level per
+    # depth, accept) launched from the host too; the report comes back: D + 3 integers per image
     assert (spec["nodes"], spec["depth"]) == (tree.num_nodes, tree.depth)
+    assert (spec["step"], ar["step"]) == ("device", "device")
     assert spec["engine_calls_per_step"] == tree.depth + 1 and ar["engine_calls_per_step"] == 1
-    assert spec["host_launches_per_step"] == tree.depth + 1
-    # the verification logits of 26 nodes come back, not of one
-    assert spec["bytes_to_host_per_step_per_image"] > ar["bytes_to_host_per_step_per_image"] > 0
+    assert spec["host_launches_per_step"] == (tree.depth + 1) + (tree.depth + 2)
+    assert ar["host_launches_per_step"] == 1 + 2
+    assert spec["bytes_to_host_per_step_per_image"] == 8 * (tree.depth + 3 + 2 * tree.num_nodes)
+    assert ar["bytes_to_host_per_step_per_image"] == 8 * (3 + 2)
 
     depths = spec["acceptance_per_depth"]
     assert len(depths) == tree.depth and ar["acceptance_per_depth"] == []
@@ -80,9 +84,9 @@ def test_profile_refuses_up_front_in_one_line(c2i_engine, tmp_path, monkeypatch,
     assert captured.out == "" and list(tmp_path.iterdir()) == []
 
 
-def test_profile_of_a_device_step_traces_its_acceptance_graph(c2i_accept_engine, tmp_path):
-    """ONNX Runtime's device step: the acceptance graph is one more engine call per step, in the
-    trace as `accept`; AR, which it has no graph for, runs on the host step beside it."""
+def test_profile_of_a_device_step_traces_its_phases(c2i_accept_engine, tmp_path):
+    """ONNX Runtime's device step: the step graphs' phases between the engine calls, each in the
+    trace by name, for the tree and for AR; the host step, asked for, reads the logits back."""
     from lantern.tools import run_cli
 
     out = tmp_path / "profile"
@@ -92,11 +96,21 @@ def test_profile_of_a_device_step_traces_its_acceptance_graph(c2i_accept_engine,
     (result,) = json.loads((out / "profile.json").read_text())["runners"]
     spec, ar = result["runs"]["lantern++"], result["runs"]["ar"]
     depth = build_tree(read_manifest(c2i_accept_engine).tree).depth
-    assert (spec["step"], ar["step"]) == ("device", "host")
-    assert spec["engine_calls_per_step"] == depth + 2 and ar["engine_calls_per_step"] == 1
+    assert (spec["step"], ar["step"]) == ("device", "device")
+    assert spec["engine_calls_per_step"] == depth + 1 and ar["engine_calls_per_step"] == 1
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
-    per_step = [e["name"] for e in events if e["ph"] == "X" and e["cat"] == "calls" and e["pid"] == 1]
-    assert per_step[: depth + 2] == [f"draft{d}" for d in range(depth)] + ["verify", "accept"]
+    for pid, want in ((1, ["begin"] + [x for d in range(depth) for x in (f"draft{d}", f"level{d + 1}")] +
+                       ["verify", "accept"]), (2, ["begin", "verify", "accept"])):
+        per_step = [e["name"] for e in events if e["ph"] == "X" and e["cat"] == "calls" and e["pid"] == pid]
+        assert per_step[: len(want)] == want and len(per_step) == 3 * len(want)  # --trace-steps 3
+
+    host = tmp_path / "host"
+    argv[argv.index("device")] = "host"
+    assert run_cli.main(argv[:-1] + [str(host)]) == 0
+    (result,) = json.loads((host / "profile.json").read_text())["runners"]
+    spec = result["runs"]["lantern++"]
+    vocab = read_manifest(c2i_accept_engine).vocabulary.size
+    assert spec["step"] == "host" and spec["bytes_to_host_per_step_per_image"] > vocab * 4  # the logits
 
 
 class RangeRecorder:
@@ -136,10 +150,13 @@ def test_engine_trace_merges_onnxruntime_profiler_and_ranges_wrap_each_call(c2i_
     assert all(isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["dur"] >= 0
                for e in timed)
     rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    for pid, graphs in ((1, {"target", "drafter"}), (2, {"target"})):  # lantern++, then ar
+    phases = ["begin"] + [f"level{d}" for d in range(1, depth + 1)] + ["accept"]
+    for pid, graphs in ((1, ["target", "drafter"] + phases), (2, ["target", "begin", "accept"])):  # lantern++, ar
         ours = [e for e in timed if e["pid"] == pid and e["cat"] == "calls"]
         ort = [e for e in timed if e["pid"] == pid and rows[pid, e["tid"]].startswith("ONNX Runtime")]
-        assert {rows[pid, e["tid"]] for e in ort} == {f"ONNX Runtime {g}" for g in graphs}
+        # a session per engine graph and per step graph (named by its file: greedy.level1, ...)
+        names = {rows[pid, e["tid"]][len("ONNX Runtime "):] for e in ort}
+        assert {n.split(".")[-1] for n in names} == set(graphs)
         assert any(e["cat"] == "Node" and e["name"].endswith("_kernel_time") for e in ort)
         runs = [e for e in ort if e["name"] == "model_run"]
         assert len(runs) == len(ours)  # one session run per engine call of the traced steps
@@ -153,7 +170,8 @@ def test_engine_trace_merges_onnxruntime_profiler_and_ranges_wrap_each_call(c2i_
     # the lantern++ generation's second step: its range holds one range per engine call, in order
     start = recorder.calls.index("step 2")
     inside = recorder.calls[start + 1: recorder.calls.index("step 3", start) - 1]
-    assert [c for c in inside if c is not None] == [f"draft{d}" for d in range(depth)] + ["verify"]
+    assert [c for c in inside if c is not None] == \
+        ["begin"] + [x for d in range(depth) for x in (f"draft{d}", f"level{d + 1}")] + ["verify", "accept"]
 
 
 def test_engine_trace_merges_torch_profiler_ops_of_the_traced_steps(c2i_engine, tmp_path):

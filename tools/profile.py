@@ -18,9 +18,9 @@ generation's stats and the observer, so it profiles whatever step the engine run
 --out DIR (written whole, or not at all): profile.json (all of the above), profile.png (L(T)
 and acceptance per depth; needs matplotlib, from the export extra) and trace.json, a few steps'
 engine calls as Chrome trace events (Perfetto, chrome://tracing): one track of steps, one of
-calls named by regime (draft0, draft1, ..., verify, accept; a whole device step is one
-"device_step" event); the gaps between calls are host time. --engine-trace adds, on rows of their
-own, the engine's own profiler's events of those steps (ONNX Runtime's profiler; torch.profiler
+calls named by regime (draft0, draft1, ..., verify; a device step's phases too: begin,
+level1, ..., accept; a step replayed as one CUDA graph is one "step" event); the gaps between
+calls are host time. --engine-trace adds, on rows of their own, the engine's own profiler's events of those steps (ONNX Runtime's profiler; torch.profiler
 for the torch-based runners; lantern.tools.profile_trace). On CUDA each traced call and step is
 an NVTX range named by its regime, so Nsight Systems shows the phases.
 """

@@ -22,8 +22,9 @@ from lantern.runtime.errors import LanternError
 
 class TracedBackend:
     """A backend whose engine calls are timed as the loop makes them: each run() (through the
-    synchronize that follows it, where the work of an asynchronous device ends), the device
-    step's acceptance call, or a whole device step. spans: [regime, start, end] (perf_counter).
+    synchronize that follows it, where the work of an asynchronous device ends), each call of a
+    device step's run_all (its phases too; a step replayed as one CUDA graph is one "step" span),
+    or the device step's acceptance call. spans: [regime, start, end] (perf_counter).
     ranges: None, or an NVTX-like recorder (range_push(name), range_pop()) given a range per call
     and, through mark_step, per step."""
 
@@ -43,6 +44,22 @@ class TracedBackend:
             self._open = [call.regime, start, time.perf_counter()]
         self.spans.append(self._open)
         return out
+
+    def run_all(self, calls):
+        """A device step's calls (its phases and engine calls), each timed and ranged by regime;
+        where the runner replays the step as one CUDA graph, the step is one span ("step")."""
+        if getattr(self.inner, "cuda_graphs", False):
+            with self.range("step"):
+                start = time.perf_counter()
+                self.inner.run_all(calls)
+                self.inner.synchronize()
+            self.spans.append(["step", start, time.perf_counter()])
+            return
+        for call in calls:
+            with self.range(call.regime):
+                start = time.perf_counter()
+                self.inner.run_all([call])
+            self.spans.append([call.regime, start, time.perf_counter()])
 
     def synchronize(self):
         out = self.inner.synchronize()
@@ -77,8 +94,8 @@ class TracedBackend:
 
 
 class _TracedStep:
-    """A backend's device step with its calls timed: accept() (its acceptance graph) or step()
-    (the whole step on the device)."""
+    """A backend's device step with its acceptance call timed (accept(): TensorRT's acceptance
+    plan); a whole device step's calls are timed by TracedBackend.run_all."""
 
     def __init__(self, inner, traced):
         self.inner, self.traced = inner, traced
@@ -96,8 +113,6 @@ class _TracedStep:
     def accept(self, *args, **kw):
         return self._timed("accept", self.inner.accept, *args, **kw)
 
-    def step(self, *args, **kw):
-        return self._timed("device_step", self.inner.step, *args, **kw)
 
 
 def nvtx_ranges(device):

@@ -184,7 +184,7 @@ class OnnxRuntimeBackend:
             label = f"file:{rel}"
             if label not in self.sessions:
                 path = os.path.join(self.directory, rel)
-                self._name_profile(self.options, os.path.splitext(os.path.basename(rel))[0])
+                self._name_profile(self.options, _session_name(label).replace("/", "_"))
                 try:
                     session = self.ort.InferenceSession(path, self.options, providers=self.providers)
                 except Exception as e:
@@ -228,7 +228,8 @@ class OnnxRuntimeBackend:
 
     def end_profiling(self):
         """{session name: (its profiler's start, ns since the epoch; its JSON file)}; profiling ends."""
-        return {name: (s.get_profiling_start_time_ns(), s.end_profiling()) for name, s in self.sessions.items()}
+        return {_session_name(label): (s.get_profiling_start_time_ns(), s.end_profiling())
+                for label, s in self.sessions.items()}
 
     def call_shapes(self, graph):
         return None  # any shape runs
@@ -249,3 +250,12 @@ class OnnxRuntimeBackend:
 
     def synchronize(self):
         """run() returns host arrays, so nothing is ever left in flight."""
+
+
+def _session_name(label):
+    """A session's name in profiles: its graph's ('target'), or a step graph's folder and file stem
+    ('mc_sim_7b_63-523717d6/greedy.level1': every tree has a greedy.begin)."""
+    if not label.startswith("file:"):
+        return label
+    folder, file = os.path.split(label[len("file:"):])
+    return f"{os.path.basename(folder)}/{os.path.splitext(file)[0]}"
