@@ -156,5 +156,5 @@ class OnnxRuntimeTorchBackend(TorchBackend):
 
     def release(self, plan):
         super().release(plan)
-        for module in (self.modules[graph] for graph in self.manifest.graphs):  # not the step's modules
+        for module in self.modules.values():
             module.bindings.clear()  # the plan's tensors are going, and with them their calls' outputs

@@ -195,5 +195,5 @@ class TensorRTTorchBackend(TorchBackend):
         super().release(plan)
         self.torch.cuda.synchronize()  # no replay of the plan's graphs is in flight when their contexts go
         addresses = {t.data_ptr() for t in tensors}
-        for module in (self.modules[graph] for graph in self.manifest.graphs):  # not the step's modules
+        for module in self.modules.values():
             module.forget(addresses)

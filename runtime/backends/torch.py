@@ -86,6 +86,7 @@ class TorchBackend:
         self.manifest = manifest
         self._pinned = {}  # (shape, dtype) -> pinned host buffer for to_host on CUDA
         self._steps = {}  # id(plan) -> its GraphStep (buffers), reused by the plan's generations
+        self.phase_modules = {}  # label -> a step phase's module (lantern.export.step_graphs), run as calls too
         self._phases = {}  # the step modules' key -> {phase: label}
         self._phase_io = {}  # label -> (inputs, outputs) as [(name, numpy dtype)]
         self._step_graphs = {}  # id(calls) -> [calls, CUDA graph or None] of a step's whole sequence
@@ -172,8 +173,9 @@ class TorchBackend:
         else:
             floats = self.floats[call.graph]
             args = [self._tensor(call.feeds[name], name in floats) for name in self.inputs[call.graph]]
+        module = self.modules[call.graph] if call.graph in self.modules else self.phase_modules[call.graph]
         with self.torch.inference_mode():
-            out = self.modules[call.graph](*args)
+            out = module(*args)
         out = out if isinstance(out, tuple) else (out,)
         out = self._update_in_place(call.graph, dict(zip(self.outputs[call.graph], out)),
                                     dict(zip(self.inputs[call.graph], args)))
@@ -239,6 +241,9 @@ class TorchBackend:
                 and step.backend is decoding.backend:
             step.load(decoding)
             return step
+        if step is not None:  # another key on this plan: the old step's graphs go with it
+            for calls in step.calls:
+                self._step_graphs.pop(id(calls), None)
         step = self._steps[id(decoding.plan)] = GraphStep(decoding.backend, decoding, self.step_graphs(decoding))
         return step
 
@@ -256,7 +261,7 @@ class TorchBackend:
             labels = {}
             for phase, (module, inputs, outputs) in made.items():
                 label = f"step{len(self._phases)}:{phase}"
-                self.modules[label] = module.to(self.device)
+                self.phase_modules[label] = module.to(self.device)
                 self.inputs[label], self.outputs[label] = [n for n, _ in inputs], [n for n, _ in outputs]
                 self.floats[label], self.aliases[label] = set(), {}
                 self._phase_io[label] = (inputs, outputs)
