@@ -316,3 +316,12 @@ def tensors_made_without_a_device(fn):
     with Probe():
         fn()
     return found
+
+
+def flip_a_bit(path, at):
+    """Damage a file in place: the lowest bit of its byte `at` flipped (integrity must notice)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 1]))

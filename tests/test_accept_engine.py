@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from engines import manifest as manifest_json
+from engines import flip_a_bit, manifest as manifest_json
 from lantern.export import cli
 from lantern.runtime import accept as acceptance
 from lantern.runtime.errors import LanternError
@@ -65,11 +65,7 @@ def test_a_changed_acceptance_graph_is_refused(accept_engine, tmp_path):
     copy = shutil.copytree(accept_engine, tmp_path / "engine")
     m = read_manifest(copy)
     path = os.path.join(copy, next(iter(m.acceptance.values())).greedy.file)
-    with open(path, "r+b") as f:
-        f.seek(100)
-        byte = f.read(1)
-        f.seek(100)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_a_bit(path, 100)
     with pytest.raises(LanternError, match="accept/"):
         read_manifest(copy, verify=True)
 

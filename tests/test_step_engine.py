@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from engines import manifest as manifest_json
+from engines import flip_a_bit, manifest as manifest_json
 from lantern.export import cli
 from lantern.runtime.backends import graph_acceptance
 from lantern.runtime.contracts import ACCEPT_PHASES, STEP_VERSION
@@ -82,11 +82,7 @@ def test_the_manifest_round_trips(copy):
 
 def test_a_changed_step_graph_is_refused(copy):
     name = read_manifest(copy).step_graphs["ar"].greedy["accept"]
-    with open(os.path.join(copy, name), "r+b") as f:
-        f.seek(50)
-        byte = f.read(1)
-        f.seek(50)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_a_bit(os.path.join(copy, name), 50)
     with pytest.raises(LanternError, match="step/"):
         read_manifest(copy, verify=True)
 
