@@ -214,6 +214,9 @@ def estimate_bytes(manifest, tree, prefix, itemsize, drafter=True):
         held += outputs + feeds  # bound outputs and feed buffers stay allocated per call
         peak = max(peak, scores + mlp)
     acceptance = 4 * N * M * m.vocabulary.codes + 8 * 6 * N * m.vocabulary.codes
+    # the device step's accept graph holds every node's CFG-combined logits and their softmax terms at
+    # once (about 8 [N, M, S] float32 tensors live, ARENA times in ONNX Runtime's arena)
+    acceptance += ARENA * 8 * 4 * N * M * m.vocabulary.codes
     if tree.depth and not drafter:  # a drafter-free window's dense q and processed p, float64
         acceptance += 8 * 4 * N * M * m.vocabulary.codes
     return held + ARENA * peak + acceptance

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engines import captions
-from lantern.runtime import decoding
+from lantern.runtime import decoding, graph_step
 from lantern.runtime.generator import Engine
 from references import chameleon_forward, llamagen_forward
 
@@ -52,12 +52,21 @@ def test_a_one_position_shift_changes_chameleon_logits_and_argmaxes(chameleon_en
 
 def test_generating_with_positions_shifted_by_one_changes_the_tokens(c2i_engine, monkeypatch):
     """The decoding loop itself with every drafted and verified token one position late (the
-    mutants verify/draft positions + 1): the greedy tokens must change."""
-    engine = Engine(c2i_engine, threads=2)
+    mutants verify/draft positions + 1): the greedy tokens must change, on the host step and on
+    the step graphs (every phase's positions come from the rows' offsets: one less is one late)."""
     kw = dict(greedy=True, cfg_scale=CFG, classes=[1, 2, 3])
-    right = {mode: engine.generate(mode=mode, **kw).tokens for mode in ("ar", "exact")}
-    positions = decoding.Decoding.positions
-    monkeypatch.setattr(decoding.Decoding, "positions", lambda self, slots: positions(self, slots + 1))
-    for mode, tokens in right.items():
-        late = engine.generate(mode=mode, **kw).tokens
-        assert (late != tokens).mean() > 0.2, mode
+    host, device = Engine(c2i_engine, threads=2, step="host"), Engine(c2i_engine, threads=2, step="device")
+    right = {(step, mode): e.generate(mode=mode, **kw).tokens
+             for step, e in (("host", host), ("device", device)) for mode in ("ar", "exact")}
+    positions, constants = decoding.Decoding.positions, graph_step.GraphStep._constants
+    for step, engine in (("host", host), ("device", device)):  # the prefill stays right on the device's
+        with monkeypatch.context() as m:
+            if step == "host":
+                m.setattr(decoding.Decoding, "positions", lambda self, slots: positions(self, slots + 1))
+            else:
+                m.setattr(graph_step.GraphStep, "_constants",
+                          lambda self, d: {k: v - 1 if k == "offset" else v for k, v in constants(self, d).items()})
+            for mode in ("ar", "exact"):
+                late = engine.generate(mode=mode, **kw)
+                assert late.stats["step"] == step
+                assert (late.tokens != right[step, mode]).mean() > 0.2, (step, mode)

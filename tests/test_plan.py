@@ -25,6 +25,10 @@ class RecordingBackend:
         self.calls.append((call.regime, {k: tuple(np.shape(v)) for k, v in call.feeds.items()}))
         return self.inner.run(call)
 
+    def run_all(self, calls):  # the device step's calls: its phases and the plan's engine calls
+        for call in calls:
+            self.run(call)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
@@ -42,13 +46,18 @@ def test_every_call_has_the_shapes_its_plan_lists(c2i_engine, t2i_engine, kind, 
     shapes = plan.shapes()
     rows = 2 * n if cfg > 1 else n
     tree = build_tree(base.manifest.tree)
-    seen = {}
+    seen, phases = {}, {}
     for regime, feeds in recorder.calls:
+        if regime not in shapes:  # the step graphs' phases between the engine calls
+            phases.setdefault(regime, set()).add(tuple(sorted(feeds.items())))
+            continue
         assert feeds == shapes[regime][1], regime
         seen[regime] = seen.get(regime, 0) + 1
     # the regimes are what the plan promises: fixed widths, one verify and D drafter calls a step
     steps = seen["verify"]
     assert seen["prefill"] == seen.get("condition", 1) == 1
+    assert out.stats["step"] == "device" and all(len(f) <= 2 for f in phases.values())  # one shape per parity
+    assert set(phases) == {"begin", "accept"} | {f"level{d}" for d in range(1, (mode != "ar") * tree.depth + 1)}
     if mode == "ar":
         assert set(seen) == {"condition", "prefill", "verify"} and steps == out.tokens.shape[1] - 1
         assert shapes["verify"][1]["input_ids"] == (rows, 1)

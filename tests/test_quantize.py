@@ -73,8 +73,8 @@ class Recording:
 @pytest.fixture(scope="module")
 def feeds(c2i):
     """Inputs of real target and drafter calls: a greedy `exact` generation with CFG, recorded
-    at the backend (prefill, verification, every drafter depth)."""
-    engine = Engine(c2i, threads=2)
+    at the backend (prefill, verification, every drafter depth: the host step runs each call)."""
+    engine = Engine(c2i, threads=2, step="host")
     engine.backend = recorder = Recording(engine.backend)
     engine.generate(classes=[1, 2, 3], mode="exact", greedy=True, cfg_scale=3.0)
     return {g: calls[:: max(1, len(calls) // 6)] for g, calls in recorder.calls.items()}

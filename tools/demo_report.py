@@ -2,6 +2,7 @@
 (`reading`, the report's and the console's last paragraph), the console tables, the acceptance
 plots and report.md, from the summary the demo's run collects.
 """
+from lantern.runtime.backends import DEFAULT
 import os
 
 import numpy as np
@@ -27,7 +28,7 @@ def reading(summary):
     if spec["verify_cost_vs_ar"] is None or spec["verify_cost_vs_ar_batch1"] is None:
         # the device step (ONNX Runtime's step graphs) is timed whole: no verification share to read
         return (f"A speculative step pays off when its mean accepted length exceeds its cost in AR steps. On the "
-                f"CPU ({on.get('backend', 'onnxruntime')}, the {on.get('step', 'device')} step) a {spec['mode']} step costs "
+                f"CPU ({on.get('backend', DEFAULT)}, the {on.get('step', 'device')} step) a {spec['mode']} step costs "
                 f"{spec['step_cost_vs_ar']:.1f} AR steps for {spec['mean_accepted_length']:.2f} tokens at the batch "
                 f"({images} images{', CFG' if cfg else ''}) and {spec['step_cost_vs_ar_batch1']:.1f} AR steps at one "
                 f"image ({spec['speedup_batch']:.2f}x and {spec['speedup_batch1']:.2f}x over AR here); `lantern-run "

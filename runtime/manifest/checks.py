@@ -246,7 +246,7 @@ def _check_step_entries(m, r):
             for phase, file in getattr(s, kind).items():
                 if file not in m.files:
                     r.fail(f"{name}.{kind}.{phase}", f"names {file}, which `files` does not list")
-        if s.tree["paths"] and (m.candidates is None or build_tree(s.tree).max_width > m.candidates):
+        if s.tree["paths"] and m.candidates is not None and build_tree(s.tree).max_width > m.candidates:
             r.fail(f"{name}.tree", f"needs {build_tree(s.tree).max_width} children per node; the drafter returns "
                                    f"{m.candidates}")
 

@@ -405,7 +405,7 @@ def step_kernels(engine_dir, backend, modes=("ar", "exact", "lantern++"), images
         engine.generate(mode=mode, greedy=True, cfg_scale=cfg, classes=classes, k=k)
         step = backend._steps[id(engine._plan)]
         calls = step.calls[step.steps_run % 2]  # the state's current buffers
-        accept = next(backend.modules[c.graph] for c in calls if c.regime == "accept")
+        accept = next(backend.phase_modules[c.graph] for c in calls if c.regime == "accept")
         ops = collections.Counter()
         counts = count_kernels(lambda: [backend.run(c) for c in calls], {**graphs, "accept": accept.rule}, ops)
         out[mode] = {"kernels": sum(counts.values()), "by_part": dict(sorted(counts.items())),
