@@ -25,7 +25,7 @@ import numpy as np
 from lantern.runtime.backends import ONNXRUNTIME, graph_acceptance
 from lantern.runtime.contracts import STEP_VERSION, graph_io
 from lantern.runtime.errors import LanternError
-from lantern.runtime.graph_step import GraphStep
+from lantern.runtime.graph_step import GraphStep, step_key
 from lantern.runtime.sampling import Greedy
 from lantern.runtime.tree import build_tree
 from lantern.runtime.vocabulary import VocabularyView
@@ -87,6 +87,7 @@ class OnnxRuntimeBackend:
         self.outputs = {g: [o.name for o in s.get_outputs()] for g, s in self.sessions.items()}
         self.aliases = {g: graph_io(e.contract, max(e.layers, 1))["aliases"] for g, e in manifest.graphs.items()}
         self._bound = {}  # id(call) -> (call, IOBinding)
+        self._steps = {}  # id(plan) -> its GraphStep, reused (refilled) by the plan's next generations
         self._values = {}  # id(call) -> {input or output name: its bound OrtValue}
         self.directory, self.manifest, self.options, self.providers = directory, manifest, options, providers
         self.device = device
@@ -145,6 +146,10 @@ class OnnxRuntimeBackend:
         for call in plan.calls.values():
             self._bound.pop(id(call), None)
             self._values.pop(id(call), None)
+        step = self._steps.pop(id(plan), None)
+        for call in [c for calls in step.calls for c in calls] if step is not None else ():
+            self._bound.pop(id(call), None)
+            self._values.pop(id(call), None)
 
     # -- the device step: the engine's step graphs --------------------------------------------
     def device_step_refusal(self, plan, sampler):
@@ -172,9 +177,15 @@ class OnnxRuntimeBackend:
         """The generation's whole step on the engine's step graphs of its tree (greedy or
         sampling; lantern.runtime.graph_step): engine calls and phases bound once, the host reads
         back a few integers per image."""
+        step = self._steps.get(id(decoding.plan))
+        if step is not None and step.plan is decoding.plan and step.key == step_key(decoding) \
+                and step.backend is decoding.backend:
+            step.load(decoding)  # the plan's next generation: the same buffers and bindings, refilled
+            return step
         entry = self.manifest.step_graphs_for(decoding.plan.tree)
-        return GraphStep(decoding.backend, decoding, self.open_graphs(entry.greedy if isinstance(decoding.sampler, Greedy)
-                                                                      else entry.sampling))
+        graphs = self.open_graphs(entry.greedy if isinstance(decoding.sampler, Greedy) else entry.sampling)
+        step = self._steps[id(decoding.plan)] = GraphStep(decoding.backend, decoding, graphs)
+        return step
 
     def open_graphs(self, files):
         """{name: label} of more graphs (a tree's step graphs) at files {name: path in the engine

@@ -257,10 +257,11 @@ def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), c
         recorder = RecordingBackend(backend)
         engine = Engine(engine_dir, backend=recorder)
         for path in ("host", "device"):  # warm-up: the sessions' first runs are not the first row's step time
-            try:  # a speculative mode, so the drafter's and the acceptance graph's sessions run too
-                step_record(engine, recorder, path, warm_mode, 1, cfg, [1 % num_classes], samplings[0], top_k)
-            except LanternError:
-                pass  # that row is a skipped record below
+            for sampling in samplings:  # a speculative mode, so the drafter's and every step graph's sessions run
+                try:
+                    step_record(engine, recorder, path, warm_mode, 1, cfg, [1 % num_classes], sampling, top_k)
+                except LanternError:
+                    pass  # that row is a skipped record below
         for mode in modes:
             if mode not in manifest.modes:
                 continue
