@@ -18,7 +18,7 @@ from lantern.runtime import accept as acceptance, enginedir
 from lantern.runtime.backends import ONNXRUNTIME, TORCH
 from lantern.runtime.chameleon_prompts import forced_tokens
 from lantern.runtime.enginedir import inside
-from lantern.runtime.contracts import STEP_VERSION
+from lantern.runtime.contracts import SAMPLING_FILTERS, STEP_VERSION
 from lantern.runtime.manifest import (AcceptanceGraphs, Graph, StepGraphs, TensorSpec, describe_files,
                                       read_manifest)
 from lantern.runtime.sampling import Sampling
@@ -156,7 +156,8 @@ def add_acceptance_graphs(directory, specs=(), kinds=tuple(KINDS), force=False, 
     enginedir.check_writable(directory, "lantern-export accept")
     enginedir.inside(directory, "accept")  # a planted link is refused before any work
     enginedir.inside(directory, "step")
-    total = len(trees) * len(KINDS) + sum(2 * (t.depth + 2) for t in step_trees)
+    # per step tree: greedy's begin, levels and accept; sampling's begin, levels and an accept per filter set
+    total = len(trees) * len(KINDS) + sum(2 * (t.depth + 1) + 1 + len(SAMPLING_FILTERS) for t in step_trees)
     bar = _progress(total, progress)
     with enginedir.staging(directory, "accept") as stage:
         built, steps = [], []

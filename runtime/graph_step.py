@@ -48,8 +48,8 @@ def step_key(decoding):
     """What fixes a step's graphs and buffers beyond its plan: a generation with another key needs
     a GraphStep of its own."""
     p = decoding.proposer
-    return (accept_variant(decoding.sampler, decoding.view.size), p.name, getattr(p, "window", None),
-            getattr(p, "init", None), tuple(decoding.view.extra.tolist()))
+    return (isinstance(decoding.sampler, Greedy), accept_variant(decoding.sampler, decoding.view.size), p.name,
+            getattr(p, "window", None), getattr(p, "init", None), tuple(decoding.view.extra.tolist()))
 
 
 class GraphStep:
