@@ -120,7 +120,8 @@ def write_engine_step_graphs(directory, manifest, tree, opset=18, progress=None)
     forced, columns = engine_columns(manifest)
     folder = step_folder(tree)
     enginedir.make_dirs(directory, folder)
-    files = write_step_graphs(directory, folder, manifest, tree, columns, opset=opset, progress=progress)
+    files = write_step_graphs(directory, folder, manifest, tree, columns, opset=opset, progress=progress,
+                              cache=os.environ.get("LANTERN_GRAPH_CACHE") or None)  # as `lantern-export onnx`'s
     entry = StepGraphs(tree=tree.to_json(), forced_ids=forced, version=STEP_VERSION, greedy=files["greedy"],
                        sampling=files["sampling"])
     return entry, sorted(entry.files())

@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 import torch
 
+from lantern.export.graph_cache import fetch_graph, graph_key, store_graph
 from lantern.export.step_graphs import phases
 from lantern.export.step_jacobi import window_phases
 
@@ -155,9 +156,11 @@ def export_phase(module, facts, kind, path, opset=18):
 
 
 def write_step_graphs(directory, folder, manifest, tree, columns, kinds=KINDS, opset=18, progress=None,
-                      proposer="tree", init=None):
+                      proposer="tree", init=None, cache=None):
     """Export every phase of `tree`'s step for each kind into directory/folder:
-    {kind: {phase: file relative to directory}}."""
+    {kind: {phase: file relative to directory}}. cache: a graph cache directory
+    (lantern.export.graph_cache): a phase exported before for the same shapes is copied from it
+    (the phases hold no weights: engines of one shape share them)."""
     facts = Facts(manifest, tree, columns, proposer=proposer, init=init)
     os.makedirs(os.path.join(directory, folder), exist_ok=True)
     files = {}
@@ -165,8 +168,22 @@ def write_step_graphs(directory, folder, manifest, tree, columns, kinds=KINDS, o
         files[kind] = {}
         for name, module in facts.modules(kind).items():
             rel = f"{folder}/{kind}.{name}.onnx"
-            export_phase(module, facts, kind, os.path.join(directory, rel), opset)
+            path = os.path.join(directory, rel)
+            key = graph_key(module, _cache_io(module, facts, kind), os.path.basename(rel), opset, False) \
+                if cache else None
+            if key is None or not fetch_graph(cache, key, path):
+                export_phase(module, facts, kind, path, opset)
+                if key is not None:
+                    store_graph(cache, key, path, [os.path.basename(rel)])
             files[kind][name] = rel
             if progress is not None:
                 progress()
     return files
+
+
+def _cache_io(module, facts, kind):
+    """What a phase's graph depends on besides the module itself: its names and the shapes and
+    dtypes of its tracing examples (the model's dims, the drafter's width)."""
+    examples = {name: _example(name, facts, kind) for name in module.inputs}
+    return {"inputs": {n: [str(x.dtype), list(x.shape), sorted(d.items())] for n, (x, d) in examples.items()},
+            "outputs": list(module.outputs), "kind": kind}
