@@ -155,9 +155,10 @@ class Level(Phase):
         call, last = f"draft{d - 1}", d == tree.depth
         cache_in, cache_out = cache_names("drafter", inplace)
         new = () if inplace else (f"{call}.new_keys", f"{call}.new_values")
+        hidden = () if last else (f"{call}.hidden_out",)  # the next drafter call's parents' states
+        visible = ("drafter_visible",) if d == 1 or not last else ()  # draft0's pairs kept, or the next call's mask
         self.inputs = (f"{call}.topk_ids", "count", "image_of_row", "offset", "forced_columns", "target_length") + \
-            new + cache_in + (("pending", "drafter_length") if d == 1 else ()) + \
-            ((f"{call}.hidden_out", "drafter_visible") if not last else ("drafter_visible",) if d == 1 else ()) + \
+            new + cache_in + (("pending", "drafter_length") if d == 1 else ()) + hidden + visible + \
             ((f"{call}.topk_probs", "table", "draws_taken") if sampling else ()) + \
             (("root", "target_visible") + tuple(f"tokens{e}" for e in range(1, d)) if last else ())
         outputs = (f"tokens{d}",) + ((f"cand_ids{d - 1}", f"cand_probs{d - 1}") if sampling else ())
