@@ -13,6 +13,8 @@ engines/NAME/
                     without them runs acceptance on the host)
   step/TREE-HASH/*.onnx  the step graphs per draft tree and AR (`Manifest.step_graphs`, a
                     STEP_VERSION each; optional: a tree without them runs the host step)
+  step/jacobiW-INIT/*.onnx  the step graphs of a Jacobi window of W slots and fresh drafts INIT
+                    (`Manifest.window_graphs`; optional, `lantern-export accept --window W`)
   plans/KEY/*.plan  TensorRT plans built from the graphs by `lantern-export trt` (optional;
                     KEY = flavor and compute capabilities, e.g. tensorrt-rtx-SM89)
 
@@ -41,9 +43,10 @@ from lantern.runtime.manifest.io import check_files, describe_files, read_manife
 from lantern.runtime.manifest.records import (GRAPH_FILES, QUANTIZABLE, SCHEMA_VERSION, AcceptanceGraphs,
                                               CacheBudget, Condition, FileRecord, Graph, Image, Manifest, Neighbors,
                                               PlanFile, PlanProfile, Quantization, Shape, StepGraphs, TensorRTPlans,
-                                              TensorSpec, TunedSettings, TunedTree, Vocabulary, quantization_scheme)
+                                              TensorSpec, TunedSettings, TunedTree, Vocabulary, WindowGraphs,
+                                              quantization_scheme, window_name)
 
 __all__ = ["AcceptanceGraphs", "CacheBudget", "Condition", "FileRecord", "GRAPH_FILES", "Graph", "Image",
            "Manifest", "Neighbors", "PlanFile", "PlanProfile", "QUANTIZABLE", "Quantization", "SCHEMA_VERSION", "Shape",
-           "StepGraphs", "TensorRTPlans", "TensorSpec", "TunedSettings", "TunedTree", "Vocabulary", "check_files",
-           "describe_files", "quantization_scheme", "read_manifest"]
+           "StepGraphs", "TensorRTPlans", "TensorSpec", "TunedSettings", "TunedTree", "Vocabulary", "WindowGraphs",
+           "check_files", "describe_files", "quantization_scheme", "read_manifest", "window_name"]

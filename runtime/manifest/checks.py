@@ -6,9 +6,10 @@ import dataclasses
 
 from lantern.runtime.contracts import ACCEPT_CONTRACTS, ACCEPT_PHASES, GRAPHS, IN_PLACE_CONTRACTS, STEP_VERSION, graph_io
 from lantern.runtime.errors import LanternError
-from lantern.runtime.manifest.records import (QUANT_SCHEMES, QUANTIZABLE, READD_ACCEPTANCE, READD_STEP, REBUILD_PLANS,
-                                              RETUNE, AcceptanceGraphs, CacheBudget, Condition, Graph, Quantization,
-                                              Shape, StepGraphs, TunedSettings, TunedTree, Vocabulary)
+from lantern.runtime.manifest.records import (QUANT_SCHEMES, QUANTIZABLE, READD_ACCEPTANCE, READD_STEP, READD_WINDOW,
+                                              REBUILD_PLANS, RETUNE, AcceptanceGraphs, CacheBudget, Condition, Graph,
+                                              Quantization, Shape, StepGraphs, TunedSettings, TunedTree, Vocabulary,
+                                              WindowGraphs, window_name)
 from lantern.runtime.manifest.schema import Reader, file_references, record_check
 from lantern.runtime.tree import build_tree
 
@@ -132,6 +133,20 @@ def _check_step_graphs(s, r):
                          f"{', '.join(sorted(phases))}")
 
 
+@record_check(WindowGraphs)
+def _check_window_graphs(w, r):
+    """A window keyed by its window and init, with a file for each phase its step runs (begin and
+    accept: no drafter calls), greedy and sampling."""
+    if window_name(w.window, w.init) != r.key:
+        r.fail("window", f"is {w.window} with init {w.init!r}; the entry is keyed {r.key!r} (expected "
+                         f"{window_name(w.window, w.init)!r})")
+    if w.version != STEP_VERSION:  # read as they are, refused by the runners with the re-export command
+        return
+    for kind, phases in (("greedy", {"begin", "accept"}), ("sampling", {"begin"} | set(ACCEPT_PHASES))):
+        if set(getattr(w, kind)) != phases:
+            r.fail(kind, f"has phases {', '.join(sorted(getattr(w, kind)))}; a window runs {', '.join(sorted(phases))}")
+
+
 # ---------------------------------------------------------------------------------------------
 # What the records must agree on across the manifest
 
@@ -159,7 +174,8 @@ def check_consistency(m, r):
         if g.contract in ACCEPT_CONTRACTS:
             r.fail(f"graphs.{name}.contract", f"is {g.contract!r}; acceptance graphs are recorded per tree in `acceptance`")
     _check_acceptance_dims(m, Reader({}, r.where, "acceptance.", READD_ACCEPTANCE))
-    _check_step_entries(m, Reader({}, r.where, "step_graphs.", READD_STEP))
+    _check_step_entries(m, Reader({}, r.where, "step_graphs.", READD_STEP), m.step_graphs)
+    _check_step_entries(m, Reader({}, r.where, "window_graphs.", READD_WINDOW), m.window_graphs)
     if "ar" not in m.modes:
         r.fail("modes", "lacks 'ar' (every engine serves it)")
     speculative = [mode for mode in m.modes if mode != "ar"]
@@ -235,18 +251,19 @@ def _check_inplace_cache(m, r):
         r.fail("inplace_cache.tree_nodes", f"({s.tree_nodes}) is less than the default tree's nodes")
 
 
-def _check_step_entries(m, r):
-    """The step graphs' files are listed in `files` (so they are confined and hashed), their
-    forced ids no image tokens, and their trees fit the drafter."""
+def _check_step_entries(m, r, entries):
+    """The step graphs' files (entries: m.step_graphs or m.window_graphs) are listed in `files`
+    (so they are confined and hashed), their forced ids no image tokens, and their trees fit the
+    drafter."""
     v = m.vocabulary
-    for name, s in m.step_graphs.items():
+    for name, s in entries.items():
         if any(v.image_start <= i < v.image_end or i >= v.size for i in s.forced_ids):
             r.fail(f"{name}.forced_ids", "holds an image token id or one past the vocabulary")
         for kind in ("greedy", "sampling"):
             for phase, file in getattr(s, kind).items():
                 if file not in m.files:
                     r.fail(f"{name}.{kind}.{phase}", f"names {file}, which `files` does not list")
-        if s.tree["paths"] and m.candidates is not None and build_tree(s.tree).max_width > m.candidates:
+        if isinstance(s, StepGraphs) and s.tree["paths"] and m.candidates is not None and build_tree(s.tree).max_width > m.candidates:
             r.fail(f"{name}.tree", f"needs {build_tree(s.tree).max_width} children per node; the drafter returns "
                                    f"{m.candidates}")
 

@@ -12,6 +12,7 @@ from typing import Optional
 from lantern.runtime.contracts import ACCEPT_PHASES, GRAPHS
 from lantern.runtime.enginedir import write_file
 from lantern.runtime.errors import LanternError
+from lantern.runtime.jacobi import INITS, MAX_WINDOW, MIN_WINDOW
 from lantern.runtime.manifest.schema import (AN_ID, AT_LEAST_0, NAMES, POSITIVE, Reader, is_int, json_type, one_of,
                                              read_record, rule, to_json)
 from lantern.runtime.settings import MODES, GenerationSettings
@@ -28,6 +29,7 @@ RETUNE = "run `lantern-run tune` again (or delete the entry)"
 REBUILD_PLANS = "rebuild the plans with `lantern-export trt ENGINE --force`"
 READD_ACCEPTANCE = "add them again with `lantern-export accept ENGINE --force`"
 READD_STEP = "export them again with `lantern-export accept ENGINE --force`"
+READD_WINDOW = "export them again with `lantern-export accept ENGINE --window W --init INIT --force`"
 
 
 @dataclass(frozen=True)
@@ -330,6 +332,32 @@ class StepGraphs:
         return set(self.greedy.values()) | set(self.sampling.values())
 
 
+def window_name(window, init):
+    """A Jacobi window's key in Manifest.window_graphs (and its folder under step/)."""
+    return f"jacobi{int(window)}-{init}"
+
+
+@dataclass(frozen=True)
+class WindowGraphs:
+    """The step graphs of one Jacobi window (lantern.export.step_jacobi, written by `lantern-export
+    accept --window W --init INIT`), keyed window_name(window, init): the phases begin and
+    accept, for greedy and for sampling generations. The window fixes the graphs' block (a chain
+    of `window` slots) and init their fresh drafts (spatial reads the body, uniform's q is not
+    one-hot); the grid's stride is an input, so one entry serves every grid. forced_ids and
+    version as StepGraphs'."""
+
+    window: int = rule(lambda v: MIN_WINDOW <= v <= MAX_WINDOW, f"an integer in [{MIN_WINDOW}, {MAX_WINDOW}]")
+    init: str = rule(one_of(INITS))
+    forced_ids: tuple = rule(lambda v: all(is_int(i) and i >= 0 for i in v) and list(v) == sorted(set(v)),
+                             "ascending distinct vocabulary ids")
+    version: int = rule(AT_LEAST_0)
+    greedy: dict = rule(read=lambda r, name: _phase_files(r.get(name, dict), r.obj(name)))  # phase -> file
+    sampling: dict = rule(read=lambda r, name: _phase_files(r.get(name, dict), r.obj(name)))
+
+    def files(self):
+        return set(self.greedy.values()) | set(self.sampling.values())
+
+
 @dataclass(frozen=True)
 class Manifest:
     family: str
@@ -362,6 +390,8 @@ class Manifest:
                             default_factory=dict)  # tree name -> AcceptanceGraphs (`lantern-export accept`)
     step_graphs: dict = rule(of=StepGraphs, fix=READD_STEP, optional=True,
                              default_factory=dict)  # tree name -> StepGraphs (`lantern-export accept`)
+    window_graphs: dict = rule(of=WindowGraphs, fix=READD_WINDOW, optional=True,
+                               default_factory=dict)  # window_name -> WindowGraphs (`accept --window`)
     schema: int = SCHEMA_VERSION
 
     def acceptance_for(self, tree):
@@ -378,6 +408,10 @@ class Manifest:
                 return entry
         return None
 
+    def window_graphs_for(self, window, init):
+        """The WindowGraphs of a Jacobi window of `window` slots and fresh drafts `init`, or None."""
+        return self.window_graphs.get(window_name(window, init))
+
     def all_graphs(self):
         """{label: Graph} of the engine graphs and the acceptance graphs ("accept_greedy@TREE")."""
         out = dict(self.graphs)
@@ -393,7 +427,10 @@ class Manifest:
         return "inplace" if self.inplace_cache is not None else "plain"
 
     def to_json(self):
-        return to_json(self)
+        out = to_json(self)
+        if not self.window_graphs:  # written only where there are some: a lantern from before reads the rest
+            del out["window_graphs"]
+        return out
 
     def write(self, directory):
         """manifest.json in `directory`, atomically through a unique temporary name (written last
