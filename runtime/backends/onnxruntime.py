@@ -262,6 +262,10 @@ class OnnxRuntimeBackend:
     def synchronize(self):
         """run() returns host arrays, so nothing is ever left in flight."""
 
+    def fill_rows(self, array, rows, values):
+        """array[rows] = values in place (a continuous batch's joiner into a running step's buffers)."""
+        array[rows] = values
+
 
 def _session_name(label):
     """A session's name in profiles: its graph's ('target'), or a step graph's folder and file stem

@@ -330,6 +330,11 @@ class TorchBackend:
     def fill(self, tensor, values):
         tensor.copy_(self.torch.as_tensor(np.asarray(values)).to(tensor.dtype), non_blocking=True)
 
+    def fill_rows(self, tensor, rows, values):
+        """tensor[rows] = values in place (a continuous batch's joiner into a running step's buffers)."""
+        index = self.torch.as_tensor(np.asarray(rows), device=self.device)
+        tensor[index] = self.torch.as_tensor(np.asarray(values)).to(device=self.device, dtype=tensor.dtype)
+
     def read(self, tensor, width):
         """The first `width` columns of a device tensor, on the host (one transfer)."""
         return self.to_host(tensor[:, :width].contiguous())
