@@ -38,6 +38,9 @@ from lantern.runtime.kvcache import cache_layout
 from lantern.runtime.plan import StepPlan
 from lantern.runtime.settings import GenerationSettings
 
+# feeds that carry state between steps: draft0's pairs and the condition embeddings
+CARRIED = [("draft0", name) for name in ("input_ids", "position_ids", "target_hidden")] + [("verify", "cond_embeds")]
+
 
 @dataclass
 class Finished:
@@ -66,6 +69,8 @@ class ContinuousBatch:
         self.engine, self.settings, self.slots, self.tree = engine, settings, slots, tree
         self.prefill_sizes = sorted(prefill_sizes or [1 << i for i in range(slots.bit_length())])
         self.decoding = None  # the running batch's loop state, made by the first admit
+        self.device = None  # the backend's device step where it runs the batch (made with the running plan)
+        self.why = None  # why the step runs on the host where the engine's default would not
         self.owner = [None] * slots  # tag per slot; None: free
         self.steps = np.zeros(slots, dtype=np.int64)
         self.admitted = np.zeros(slots)  # when each slot's image joined (perf_counter)
@@ -88,8 +93,11 @@ class ContinuousBatch:
         if self.decoding is None:
             return {}
         d = self.decoding
-        return dict(self.setup.describe(), mode=d.rule.name if d.tree.depth else "ar", tree=d.tree.name,
-                    step=d.step_path, backend=self.engine.backend.name)
+        stats = dict(self.setup.describe(), mode=d.rule.name if d.tree.depth else "ar", tree=d.tree.name,
+                     step=d.step_path, backend=self.engine.backend.name)
+        if self.why is not None:
+            stats["step_reason"] = self.why
+        return stats
 
     # -- joining -----------------------------------------------------------------------------------
     def admit(self, condition, seed, tag):
@@ -149,9 +157,12 @@ class ContinuousBatch:
         e.check_memory(tree, setup.prefix, drafter)
         self.plan = StepPlan(e.manifest, e.backend, tree, setup.prefix, setup.feeds, drafter)
         e.backend.bind(self.plan)
-        self.decoding = d = setup.decoding(e, self.plan)
+        path, self.why = e._step_path(self.plan, setup.proposer, setup.rule, setup.sampler)  # as generate's
+        self.decoding = d = setup.decoding(e, self.plan, step_path=path)
         d.prefill()
         d.count[:] = d.length  # every slot free until an image joins
+        if path == "device":  # its state starts from the free slots': every image done
+            self.device = e.backend.device_step(d)
 
     def _joiner(self, group):
         """The Setup of a group of joiners prefilled together (the batch's proposer kind, their
@@ -192,10 +203,7 @@ class ContinuousBatch:
                 cache.visible[r] = False
                 cache.visible[r, :width] = from_cache.visible[s, :width]
                 cache.length[r] = from_cache.length[s]
-        # feeds that carry state between steps: draft0's pairs and the condition embeddings
-        carried = [("draft0", name) for name in ("input_ids", "position_ids", "target_hidden")] + \
-            [("verify", "cond_embeds")]
-        for regime, name in carried:
+        for regime, name in CARRIED:
             if regime in plan.calls and name in plan.calls[regime].feeds:
                 for r, s in zip(rows, src):
                     _copy_row(backend, small.calls[regime].feeds[name], s, plan.calls[regime].feeds[name], r)
@@ -205,6 +213,13 @@ class ContinuousBatch:
         d.tokens[n], d.count[n] = joiner.tokens[i], joiner.count[i]
         d.streams.generators[n] = joiner.streams.generators[i]
         d.proposer.adopt(joiner.proposer, i, n)
+        if self._whole:  # the same rows of the running graph step's buffers, from the host state just written
+            self.device.take(d, n, rows, CARRIED)
+
+    @property
+    def _whole(self):
+        """Whether the batch runs the whole step on the backend's device (a GraphStep)."""
+        return self.device is not None and self.device.whole_step
 
     # -- running -----------------------------------------------------------------------------------
     def step(self):
@@ -215,7 +230,10 @@ class ContinuousBatch:
                 return []
             active = d.count < d.length
             start = time.perf_counter()
-            d.host_step(active)
+            if self._whole:
+                d.device_step(self.device, active)
+            else:  # the host step (with the backend's acceptance where its device step is not whole)
+                d.host_step(active, self.device)
             self.steps[active] += 1
             self.engine_seconds[active] += time.perf_counter() - start
             self.shared[active] += active.sum()
@@ -245,8 +263,8 @@ class ContinuousBatch:
         """Let the running plan's bindings go (the batch is done)."""
         with self.lock, self.engine._lock:
             if self.decoding is not None:
-                self.engine.backend.release(self.plan)
-            self.decoding = None
+                self.engine.backend.release(self.plan)  # its GraphStep too
+            self.decoding = self.device = None
 
 
 def _concat(conditions):

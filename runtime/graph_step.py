@@ -27,6 +27,8 @@ from lantern.runtime.plan import Call
 from lantern.runtime.sampling import Greedy
 
 TABLE_BYTES = 64 * 2**20  # the most the streams' table holds on the device at once
+ROW_STATE = ("target_visible", "target_length", "drafter_visible", "drafter_length")  # per cache row; the rest of
+# the state is per image but for the shared draw counter
 
 
 def table_steps(images, steps, block):
@@ -120,6 +122,35 @@ class GraphStep:
                     b.fill(call.feeds[name], host)
         self.steps_run = 0
         self.streams = decoding.streams
+
+    def take(self, decoding, image, rows, feeds=()):
+        """Restart image `image` (batch rows `rows`) of this running step from what decoding's host
+        state holds for it, where a continuous batch has just moved a prefilled joiner
+        (lantern.runtime.continuous; the caches' K/V it copies into the plan's buffers itself):
+        its entries of the state the next step reads, its rows' position offsets, its rows of
+        the engine feeds [(regime, name)] that carry state between steps (where the device keeps
+        its own copy of them), and its stream's next blocks in the table. The other images'
+        entries are left as they are."""
+        b, parity = self.backend, self.steps_run % 2  # each state tensor flips once per step
+        for name, value in self._start(decoding).items():
+            if name != "draws_taken":  # the one counter of every image
+                index = rows if name in ROW_STATE else [image]
+                b.fill_rows(self.state[name][parity], index, value[index])
+        if "offset" in self.constants:
+            b.fill_rows(self.constants["offset"], rows, decoding.offset[rows].astype(self.types["offset"]))
+        for regime, name in feeds:
+            host = self.plan.calls[regime].feeds.get(name) if regime in self.model_calls else None
+            if isinstance(host, np.ndarray) and self.model_calls[regime].feeds[name] is not host:
+                b.fill_rows(self.model_calls[regime].feeds[name], rows, host[rows])
+        if self.draws:
+            # the next step reads table column steps_run % table_steps: the image's stream fills its row
+            # from there to the chunk's end, and the refill after it reads on in the same generator
+            # (decoding.streams, the step's own); at a chunk's boundary the refill comes first
+            done = self.steps_run % self.table_steps
+            if self.steps_run == 0 or done:
+                fresh = decoding.streams.generators[image].random((self.table_steps - done, self.streams.block))
+                row = np.concatenate([np.zeros((done, self.streams.block)), fresh])  # past columns: never read again
+                b.fill_rows(self.constants["table"], [image], row[None].astype(self.types["table"]))
 
     # -- wiring ---------------------------------------------------------------------------------
     def _start(self, d):

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import built_once
 from engines import captions, export_like
+from lantern.runtime import graph_step
 from lantern.runtime.continuous import ContinuousBatch
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
@@ -62,6 +63,42 @@ def test_every_image_equals_its_generation_alone(c2i, name):
     for condition, seed, tag in images:
         alone = c2i.generate(settings, **condition, seed=seed).tokens
         np.testing.assert_array_equal(got[tag], alone, err_msg=tag)
+
+
+# the graph step (ONNX Runtime's default on an engine with step graphs: its default tree and AR; no
+# window graphs, so a jacobi batch takes the host step as generate does)
+GRAPH_SETTINGS = {
+    "greedy lantern++ cfg": (GenerationSettings(mode="lantern++", greedy=True, cfg_scale=3.0), "device"),
+    "sampling lantern++ cfg interval": (GenerationSettings(mode="lantern++", cfg_scale=3.0, cfg_interval=5), "device"),
+    "sampling exact": (GenerationSettings(mode="exact", cfg_scale=1.0), "device"),
+    "greedy ar": (GenerationSettings(mode="ar", greedy=True, cfg_scale=1.0), "device"),
+    "sampling ar cfg top_k": (GenerationSettings(mode="ar", cfg_scale=3.0, top_k=20), "device"),
+    "sampling jacobi": (GenerationSettings(mode="exact", proposer="jacobi", window=4, cfg_scale=2.0), "host"),
+}
+
+
+@pytest.fixture(scope="module")
+def c2i_graphs(c2i_accept_engine):
+    return Engine(c2i_accept_engine, threads=1)
+
+
+@pytest.mark.parametrize("name", list(GRAPH_SETTINGS))
+def test_the_graph_step_equals_each_generation_alone(c2i_graphs, name, monkeypatch):
+    """Joiners are moved into the running GraphStep's buffers (its state, offsets, draft0's pairs
+    and their streams' rows of the table); the streams' table holds 3 steps, so images join
+    before, at and after the boundaries where it is refilled."""
+    settings, path = GRAPH_SETTINGS[name]
+    monkeypatch.setattr(graph_step, "table_steps", lambda images, steps, block: min(steps, 3))
+    batch = ContinuousBatch(c2i_graphs, settings, slots=3)
+    images = [({"classes": [c % 10]}, 40 + c, f"img{c}") for c in range(7)]
+    got = run_staggered(batch, images, joins_per_step=1)
+    assert batch.stats["step"] == path
+    assert ("step_reason" in batch.stats) == (path == "host")
+    for condition, seed, tag in images:
+        alone = c2i_graphs.generate(settings, **condition, seed=seed)
+        assert alone.stats["step"] == path
+        np.testing.assert_array_equal(got[tag], alone.tokens, err_msg=tag)
+    batch.close()
 
 
 def test_inplace_engine(inplace_c2i_engine):
