@@ -3,8 +3,9 @@ written into the engine directory per draft tree, accept/<tree>-<hash>.<kind>.on
 Manifest.acceptance (`lantern-export accept`, add_acceptance_graphs), and checked on ONNX Runtime
 against their torch modules and the numpy specification (`lantern-export check`,
 check_acceptance). The same command writes the step graphs (lantern.export.step_export) of those
-trees and of AR, step/<tree>-<hash>/<kind>.<phase>.onnx recorded in Manifest.step_graphs: what
-ONNX Runtime's device step runs."""
+trees and of AR, step/<tree>-<hash>/<kind>.<phase>.onnx recorded in Manifest.step_graphs, and of
+the Jacobi windows asked for (--window, --init), step/jacobi<W>-<init>/<kind>.<phase>.onnx recorded
+in Manifest.window_graphs: what ONNX Runtime's device step runs."""
 import contextlib
 import os
 
@@ -19,8 +20,9 @@ from lantern.runtime.backends import ONNXRUNTIME, TORCH
 from lantern.runtime.chameleon_prompts import forced_tokens
 from lantern.runtime.enginedir import inside
 from lantern.runtime.contracts import SAMPLING_FILTERS, STEP_VERSION
-from lantern.runtime.manifest import (AcceptanceGraphs, Graph, StepGraphs, TensorSpec, describe_files,
-                                      read_manifest)
+from lantern.runtime.jacobi import INITS, check_window
+from lantern.runtime.manifest import (AcceptanceGraphs, Graph, StepGraphs, TensorSpec, WindowGraphs, describe_files,
+                                      read_manifest, window_name)
 from lantern.runtime.sampling import Sampling
 from lantern.runtime.tree import build_tree, root_only
 from lantern.runtime.vocabulary import VocabularyView
@@ -127,6 +129,38 @@ def write_engine_step_graphs(directory, manifest, tree, opset=18, progress=None)
     return entry, sorted(entry.files())
 
 
+def write_engine_window_graphs(directory, manifest, window, init, opset=18, progress=None):
+    """Export the step graphs of a Jacobi window of `window` slots and fresh drafts `init`
+    (lantern.export.step_jacobi; greedy and sampling) into `directory` (a staging copy of the
+    engine): (WindowGraphs, [files written]). The stride of the spatial init is an input: one
+    entry serves every grid."""
+    forced, columns = engine_columns(manifest)
+    folder = f"step/{window_name(window, init)}"
+    enginedir.make_dirs(directory, folder)
+    files = write_step_graphs(directory, folder, manifest, build_tree(f"chain-{window - 1}"), columns, opset=opset,
+                              progress=progress, proposer="jacobi", init=init,
+                              cache=os.environ.get("LANTERN_GRAPH_CACHE") or None)
+    entry = WindowGraphs(window=window, init=init, forced_ids=forced, version=STEP_VERSION, greedy=files["greedy"],
+                         sampling=files["sampling"])
+    return entry, sorted(entry.files())
+
+
+def _windows(manifest, windows, inits, force):
+    """The (window, init) pairs whose graphs to write: each window given with each init, and the
+    windows the engine has (so --force, or another STEP_VERSION, re-exports them as it does the
+    trees), less those whose graphs are there at this STEP_VERSION (unless force)."""
+    asked = {(int(w), i) for w in windows for i in inits}
+    for w, i in asked:
+        check_window(w, i)
+    asked |= {(e.window, e.init) for e in manifest.window_graphs.values()}
+    out = []
+    for w, i in sorted(asked):
+        entry = manifest.window_graphs_for(w, i)
+        if force or entry is None or entry.version != STEP_VERSION:
+            out.append((w, i))
+    return out
+
+
 def _step_trees(manifest, trees, force):
     """The trees whose step graphs to write: those `accept` covers and AR, less the ones whose
     graphs are there at this STEP_VERSION (unless force: an old version is always re-exported)."""
@@ -139,26 +173,32 @@ def _step_trees(manifest, trees, force):
 
 
 def add_acceptance_graphs(directory, specs=(), kinds=tuple(KINDS), force=False, opset=18, acceptance=True,
-                          step=True, progress=False):
+                          step=True, progress=False, windows=(), inits=("random",)):
     """`lantern-export accept`: export the acceptance graphs of the engine's trees and the step
     graphs of those trees and AR into it and record them; returns the merged manifest. Staged
     beside the engine's files, moved into accept/ and step/ and recorded under the engine's lock;
     trees that have graphs (step graphs: of this STEP_VERSION) are skipped unless force. Nothing
     changes when any step fails. acceptance / step: which of the two to write (the demo and the
-    test engines write step graphs only). An engine without a drafter gets AR's step graphs."""
+    test engines write step graphs only). An engine without a drafter gets AR's step graphs.
+    windows, inits: the Jacobi windows (slots, the root included) whose step graphs to add, each
+    with each init (fresh drafts: random, uniform, spatial); the windows the engine has are
+    re-exported as its trees are (force, another STEP_VERSION)."""
     directory = os.path.abspath(os.fspath(directory))
     manifest = read_manifest(directory, verify=True)
     covered = engine_trees(manifest, directory, specs) if manifest.tree is not None or specs else []
     trees = [t for t in covered if acceptance and (force or manifest.acceptance_for(t) is None or
              any(getattr(manifest.acceptance_for(t), k) is None for k in kinds))]
     step_trees = _step_trees(manifest, covered, force) if step else []
-    if not trees and not step_trees:
+    todo_windows = _windows(manifest, windows, inits, force) if step else []
+    if not trees and not step_trees and not todo_windows:
         return manifest
     enginedir.check_writable(directory, "lantern-export accept")
     enginedir.inside(directory, "accept")  # a planted link is refused before any work
     enginedir.inside(directory, "step")
     # per step tree: greedy's begin, levels and accept; sampling's begin, levels and an accept per filter set
-    total = len(trees) * len(KINDS) + sum(2 * (t.depth + 1) + 1 + len(SAMPLING_FILTERS) for t in step_trees)
+    # per window: greedy's begin and accept; sampling's begin and an accept per filter set
+    total = len(trees) * len(KINDS) + sum(2 * (t.depth + 1) + 1 + len(SAMPLING_FILTERS) for t in step_trees) + \
+        len(todo_windows) * (3 + len(SAMPLING_FILTERS))
     bar = _progress(total, progress)
     with enginedir.staging(directory, "accept") as stage:
         built, steps = [], []
@@ -175,6 +215,9 @@ def add_acceptance_graphs(directory, specs=(), kinds=tuple(KINDS), force=False, 
         for t in step_trees:
             bar.set_description(f"step {t.name}")
             steps.append(write_engine_step_graphs(stage, manifest, t, opset, lambda: bar.update(1)))
+        for w, i in todo_windows:
+            bar.set_description(f"step {window_name(w, i)}")
+            steps.append(write_engine_window_graphs(stage, manifest, w, i, opset, lambda: bar.update(1)))
         bar.close()
         with enginedir.locked(directory, "lantern-export accept"):
             current = read_manifest(directory, verify=True)
@@ -184,17 +227,23 @@ def add_acceptance_graphs(directory, specs=(), kinds=tuple(KINDS), force=False, 
                 entries = {n: e for n, e in current.acceptance.items() if _paths(e) not in paths}
                 paths = {t.paths for t in step_trees}
                 step_entries = {n: e for n, e in current.step_graphs.items() if _step_paths(e) not in paths}
+                names = {window_name(w, i) for w, i in todo_windows}
+                window_entries = {n: e for n, e in current.window_graphs.items() if n not in names}
                 for entry, files in built + steps:
                     for name in files:
                         enginedir.make_dirs(directory, os.path.dirname(name))
                         os.replace(os.path.join(stage, name), os.path.join(directory, name))
                         moved.append(name)
-                    (entries if isinstance(entry, AcceptanceGraphs) else step_entries)[entry.tree["name"]] = entry
+                    if isinstance(entry, WindowGraphs):
+                        window_entries[window_name(entry.window, entry.init)] = entry
+                    else:
+                        (entries if isinstance(entry, AcceptanceGraphs) else step_entries)[entry.tree["name"]] = entry
                 stale = (_files(current.acceptance) - _files(entries)) | (_step_files(current) - _step_files(
-                    current.replace(step_graphs=step_entries)))
+                    current.replace(step_graphs=step_entries, window_graphs=window_entries)))
                 records = {k: v for k, v in current.files.items() if k not in stale}
                 records.update(describe_files(directory, moved))
-                merged = current.replace(acceptance=entries, step_graphs=step_entries, files=dict(sorted(records.items())))
+                merged = current.replace(acceptance=entries, step_graphs=step_entries, window_graphs=window_entries,
+                                         files=dict(sorted(records.items())))
                 merged.write(directory)
             except BaseException:
                 for name in moved:
@@ -221,7 +270,7 @@ def _files(acceptance):
 
 
 def _step_files(manifest):
-    return {f for e in manifest.step_graphs.values() for f in e.files()}
+    return {f for e in list(manifest.step_graphs.values()) + list(manifest.window_graphs.values()) for f in e.files()}
 
 
 class _NoBar:
@@ -253,11 +302,19 @@ def add_parser(sub):
                                    "(the whole step between engine calls, greedy and sampling) of those trees and "
                                    "of AR into ENGINE/step/, and record them in the manifest. ONNX Runtime runs "
                                    "the step graphs (its device step, the default where the engine has them); a "
-                                   "tree without them runs the host step. Trees that have graphs are skipped; step "
-                                   "graphs of another lantern's step version are exported again.")
+                                   "tree without them runs the host step. --window adds the step graphs of a "
+                                   "Jacobi window (`lantern-run generate --proposer jacobi --window W --init "
+                                   "INIT`; one set per window and init, any grid) into ENGINE/step/jacobiW-INIT/. "
+                                   "Trees and windows that have graphs are skipped; step graphs of another "
+                                   "lantern's step version are exported again.")
     p.add_argument("engine", help="engine directory")
     p.add_argument("--tree", action="append", default=[], help="a tree (preset name or JSON file); repeatable")
-    p.add_argument("--force", action="store_true", help="export again trees that have graphs")
+    p.add_argument("--window", action="append", type=int, default=[],
+                   help="a Jacobi window's slots, the root included (as `lantern-run generate --window`): add its "
+                        "step graphs, so ONNX Runtime runs that window on its device step; repeatable")
+    p.add_argument("--init", action="append", choices=INITS, default=None,
+                   help="the windows' fresh drafts (as `lantern-run generate --init`; default random); repeatable")
+    p.add_argument("--force", action="store_true", help="export again trees and windows that have graphs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -266,11 +323,15 @@ def run(args):
     import time
 
     start = time.perf_counter()
-    manifest = add_acceptance_graphs(args.engine, args.tree, force=args.force, progress=not args.no_progress)
+    if args.init and not args.window:
+        raise LanternError("--init names the fresh drafts of the windows --window adds: give --window too")
+    manifest = add_acceptance_graphs(args.engine, args.tree, force=args.force, progress=not args.no_progress,
+                                     windows=args.window, inits=tuple(args.init or ("random",)))
     names = ", ".join(f"{n} ({'+'.join(k for k in ('greedy', 'sampling') if getattr(e, k) is not None)})"
                       for n, e in manifest.acceptance.items())
     print(f"acceptance graphs in {args.engine}: {names or 'none'}; step graphs: "
-          f"{', '.join(manifest.step_graphs) or 'none'} ({time.perf_counter() - start:.1f}s)")
+          f"{', '.join(list(manifest.step_graphs) + list(manifest.window_graphs)) or 'none'} "
+          f"({time.perf_counter() - start:.1f}s)")
     return 0
 
 

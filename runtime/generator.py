@@ -199,8 +199,8 @@ class Engine:
             why = f"it runs the drafter tree only, not the {proposer.name} proposer"
         elif rule is not None and rule.name not in DEVICE_RULES:
             why = f"it runs modes {', '.join(DEVICE_RULES)}, not {rule.name}"
-        else:
-            why = self.backend.device_step_refusal(plan, sampler)
+        else:  # a drafter-free proposer's graphs depend on its settings too (a window's slots and init)
+            why = self.backend.device_step_refusal(plan, sampler, *(() if proposer.name == "tree" else (proposer,)))
         if why is None:
             return "device", None
         if self._step_asked:

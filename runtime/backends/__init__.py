@@ -53,8 +53,10 @@ class Backend(Protocol):
 
     default_step: str  # "host" or "device": the step path Engine(step=None) takes
 
-    def device_step_refusal(self, plan, sampler):
-        """Why the device step cannot run a generation of this plan and sampler, or None."""
+    def device_step_refusal(self, plan, sampler, proposer=None):
+        """Why the device step cannot run a generation of this plan and sampler, or None.
+        proposer: given for the proposers other than the drafter tree that device_step_proposers
+        names (a jacobi window: its graphs depend on its slots and init)."""
 
     def device_step(self, decoding):
         """The device step for one generation (runtime.generator; only where the refusal is None)."""

@@ -26,6 +26,7 @@ from lantern.runtime.backends import ONNXRUNTIME, graph_acceptance
 from lantern.runtime.contracts import STEP_VERSION, graph_io
 from lantern.runtime.errors import LanternError
 from lantern.runtime.graph_step import GraphStep, step_key
+from lantern.runtime.manifest import window_name
 from lantern.runtime.sampling import Greedy
 from lantern.runtime.tree import build_tree
 from lantern.runtime.vocabulary import VocabularyView
@@ -41,6 +42,7 @@ class OnnxRuntimeBackend:
     # the step graphs where the engine has them for a generation's tree (lantern-export accept), else
     # the host step (Engine's _step_path gives way to it when the default device step refuses)
     default_step = "device"
+    device_step_proposers = ("tree", "jacobi")  # a jacobi window where the engine has its graphs (accept --window)
 
     def __init__(self, directory, manifest, threads=None, device="cpu", io_binding=True, profile_prefix=None):
         try:
@@ -152,29 +154,40 @@ class OnnxRuntimeBackend:
             self._values.pop(id(call), None)
 
     # -- the device step: the engine's step graphs --------------------------------------------
-    def device_step_refusal(self, plan, sampler):
+    def device_step_refusal(self, plan, sampler, proposer=None):
         """Why this backend's device step (the whole step on the engine's step graphs for the
-        plan's tree, IOBinding) cannot run a generation of this plan and sampler, or None."""
+        plan's tree, or for the jacobi proposer's window and init; IOBinding) cannot run a
+        generation of this plan, sampler and proposer (None: the drafter tree), or None."""
         if not self.io_binding:
             return "it needs IOBinding (io_binding=False)"
         tree, m = plan.tree, self.manifest
-        name = tree.name if tree.depth else "ar"
-        entry = m.step_graphs_for(tree)
-        if entry is None:
-            default = not tree.depth or (m.tree is not None and build_tree(m.tree).paths == tree.paths)
-            return (f"the engine has no step graphs for tree {name}; add them with `lantern-export accept "
-                    f"{self.directory}{'' if default else ' --tree ...'}`")
+        if _window(proposer):
+            name = f"window {window_name(proposer.window, proposer.init)}"
+            entry = m.window_graphs_for(proposer.window, proposer.init)
+            add = f"lantern-export accept {self.directory} --window {proposer.window} --init {proposer.init}"
+            if entry is None:
+                return (f"the engine has no step graphs for a jacobi window of {proposer.window} slots with init "
+                        f"{proposer.init}; add them with `{add}`")
+            upgrade = add  # accept exports an entry of another version again
+        else:
+            name = f"tree {tree.name if tree.depth else 'ar'}"
+            entry = m.step_graphs_for(tree)
+            if entry is None:
+                default = not tree.depth or (m.tree is not None and build_tree(m.tree).paths == tree.paths)
+                return (f"the engine has no step graphs for {name}; add them with `lantern-export accept "
+                        f"{self.directory}{'' if default else ' --tree ...'}`")
+            upgrade = f"lantern-export accept {self.directory} --force"
         if entry.version != STEP_VERSION:
             return (f"the engine's step graphs are version {entry.version}, this lantern runs {STEP_VERSION}: "
-                    f"re-export them with `lantern-export accept {self.directory} --force`")
+                    f"re-export them with `{upgrade}`")
         forced = [int(i) for i in VocabularyView(m.vocabulary, plan.prefix.forced).extra]
         if list(entry.forced_ids) != forced:
-            return (f"the step graphs of tree {name} serve forced ids {list(entry.forced_ids)}, this generation "
+            return (f"the step graphs of {name} serve forced ids {list(entry.forced_ids)}, this generation "
                     f"forces {forced}")
         return graph_acceptance.top_k_refusal(sampler, m.vocabulary.codes + len(entry.forced_ids))
 
     def device_step(self, decoding):
-        """The generation's whole step on the engine's step graphs of its tree (greedy or
+        """The generation's whole step on the engine's step graphs of its tree or jacobi window (greedy or
         sampling; lantern.runtime.graph_step): engine calls and phases bound once, the host reads
         back a few integers per image."""
         step = self._steps.get(id(decoding.plan))
@@ -182,7 +195,9 @@ class OnnxRuntimeBackend:
                 and step.backend is decoding.backend:
             step.load(decoding)  # the plan's next generation: the same buffers and bindings, refilled
             return step
-        entry = self.manifest.step_graphs_for(decoding.plan.tree)
+        p = decoding.proposer
+        entry = self.manifest.window_graphs_for(p.window, p.init) if _window(p) else \
+            self.manifest.step_graphs_for(decoding.plan.tree)
         graphs = self.open_graphs(entry.greedy if isinstance(decoding.sampler, Greedy) else entry.sampling)
         step = self._steps[id(decoding.plan)] = GraphStep(decoding.backend, decoding, graphs)
         return step
@@ -265,6 +280,11 @@ class OnnxRuntimeBackend:
     def fill_rows(self, array, rows, values):
         """array[rows] = values in place (a continuous batch's joiner into a running step's buffers)."""
         array[rows] = values
+
+
+def _window(proposer):
+    """Whether a generation's proposer is a jacobi window (its graphs: Manifest.window_graphs)."""
+    return proposer is not None and proposer.name == "jacobi"
 
 
 def _session_name(label):

@@ -221,7 +221,7 @@ class TorchBackend:
         cache[:, r, :, d] = new[:, r, :, s]
 
     # -- the device step ---------------------------------------------------------------------
-    def device_step_refusal(self, plan, sampler):
+    def device_step_refusal(self, plan, sampler, proposer=None):
         """Why the device step cannot run a generation of this plan and sampler, or None."""
         if self.step_phases is None:
             return (f"this {self.name} backend was opened without the step's modules (open it with "
