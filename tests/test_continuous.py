@@ -101,6 +101,27 @@ def test_the_graph_step_equals_each_generation_alone(c2i_graphs, name, monkeypat
     batch.close()
 
 
+@pytest.mark.parametrize("name, inplace", [("sampling lantern++", False), ("sampling exact jacobi", False),
+                                           ("greedy lantern++", True)])
+def test_the_torch_runners_graph_step(c2i_engine, inplace_c2i_engine, name, inplace, monkeypatch):
+    """The torch runner's GraphStep (device tensors: fill_rows, draft0's pairs copied to the device;
+    the window's state; in-place caches with their commit) on the CPU, asked for by step="device"."""
+    pytest.importorskip("torch")
+    from lantern.export.torch_backend import open_torch_backend
+
+    directory = inplace_c2i_engine if inplace else c2i_engine
+    engine = Engine(directory, backend=open_torch_backend(directory, threads=1), step="device")
+    settings = SETTINGS[name]
+    monkeypatch.setattr(graph_step, "table_steps", lambda images, steps, block: min(steps, 3))
+    batch = ContinuousBatch(engine, settings, slots=2)
+    images = [({"classes": [c]}, 5 + c, c) for c in range(4)]
+    got = run_staggered(batch, images, joins_per_step=1)
+    assert batch.stats["step"] == "device"
+    for condition, seed, tag in images:
+        np.testing.assert_array_equal(got[tag], engine.generate(settings, **condition, seed=seed).tokens)
+    batch.close()
+
+
 def test_inplace_engine(inplace_c2i_engine):
     engine = Engine(inplace_c2i_engine, threads=1)
     settings = GenerationSettings(mode="lantern++", cfg_scale=3.0)
