@@ -20,9 +20,17 @@ greedy and sampling, both proposers, plain and in-place caches).
 A free slot keeps running in its rows (static shapes) on the state the last image left there,
 never read. All images of a batch share its settings, proposer (tree or window: pinned when the
 batch starts) and grid; a joiner whose prompt does not fit the running plan's prefix slots waits
-for a batch of its own (`admit` says False). The batch runs the host step: the torch device
-step keeps its state as its own tensors, and admitting images into it waits for the step written
-once.
+for a batch of its own (`admit` says False).
+
+Where the step runs: where generate would (Engine's step path for the batch's settings and plan):
+the graph step (lantern.runtime.graph_step) on ONNX Runtime over an engine's step graphs and on
+the torch runners asked for step="device" (their default on CUDA); there a joiner's rows also go
+into the running GraphStep's buffers (`GraphStep.take`: its state rows, offsets, draft0's pairs on
+the device, and its stream's row of the streams' table from the shared step counter on). The
+host step runs where the graph step cannot, as generate's does: an engine without step graphs
+(or of another STEP_VERSION), a Jacobi window on ONNX Runtime (no window graphs), a sampling
+top_k past the acceptance's limit, step="host"; `stats` says which ("step", and "step_reason"
+where the default gave way).
 """
 import copy
 import dataclasses
