@@ -25,7 +25,7 @@ import numpy as np
 from lantern.runtime.backends import ONNXRUNTIME, graph_acceptance
 from lantern.runtime.contracts import STEP_VERSION, graph_io
 from lantern.runtime.errors import LanternError
-from lantern.runtime.graph_step import GraphStep, step_key
+from lantern.runtime.graph_step import GraphStep, accept_variant, step_key
 from lantern.runtime.manifest import window_name
 from lantern.runtime.sampling import Greedy
 from lantern.runtime.tree import build_tree
@@ -198,7 +198,10 @@ class OnnxRuntimeBackend:
         p = decoding.proposer
         entry = self.manifest.window_graphs_for(p.window, p.init) if _window(p) else \
             self.manifest.step_graphs_for(decoding.plan.tree)
-        graphs = self.open_graphs(entry.greedy if isinstance(decoding.sampler, Greedy) else entry.sampling)
+        files = entry.greedy if isinstance(decoding.sampler, Greedy) else entry.sampling
+        accept = accept_variant(decoding.sampler, decoding.view.size)  # the one accept phase this generation runs:
+        files = {n: f for n, f in files.items() if n == accept or not n.startswith("accept")}  # a session costs its load
+        graphs = self.open_graphs(files)
         step = self._steps[id(decoding.plan)] = GraphStep(decoding.backend, decoding, graphs)
         return step
 
