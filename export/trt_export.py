@@ -53,12 +53,14 @@ from lantern.runtime.backends import runs_plans
 from lantern.runtime.backends.cuda import gpu_compute_capability
 from lantern.runtime.conditions import condition_adapter
 from lantern.runtime.errors import LanternError
+from lantern.runtime.graph_step import table_steps
 from lantern.runtime.jacobi import check_window
 from lantern.runtime.manifest import (describe_files, PlanFile, PlanProfile, quantization_scheme, read_manifest,
                                       TensorRTPlans)
 from lantern.runtime.plan import StepPlan
 from lantern.runtime.tree import build_tree, root_only
 
+STEP_KINDS = ("greedy", "sampling")
 GRAPH_ORDER = ("condition", "target", "drafter", "commit", "vq_decoder")
 _TREE_REGIMES = ("verify", "draft", "commit")  # regimes whose shapes depend on the tree (draft0, draft1, ...)
 
@@ -167,6 +169,66 @@ def acceptance_jobs(manifest, batches, cfgs, trees):
     return jobs
 
 
+def step_plan_dims(manifest, plan, width):
+    """{dim name: size} of the step graphs' dynamic axes (lantern.export.step_export._example names
+    them) for the generations of one step plan, as GraphStep binds them: images N, rows B, the
+    caches' capacities St and Sd, the body length L, the neighbor table's width Kn and the streams'
+    table (steps per upload, uniforms per step)."""
+    images, tree = plan.images, plan.tree
+    block = tree.num_nodes * (1 + (manifest.candidates if tree.depth else 0))  # RandomStreams.block
+    dims = {"N": images, "B": plan.rows, "St": plan.target_cache.capacity, "L": len(plan.prefix.forced), "Kn": width,
+            "block": block, "steps": table_steps(images, max(plan.image_tokens - 1, 1), block)}
+    if plan.drafter_cache is not None:
+        dims["Sd"] = plan.drafter_cache.capacity
+    return dims
+
+
+def graph_input_shapes(path):
+    """{input: [int or dim name]} of an ONNX graph's inputs, read without its weights."""
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    return {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+
+
+def step_jobs(directory, manifest, batches, cfgs, trees, kinds=STEP_KINDS):
+    """[(step graph file, profiles)] for the step graphs (Manifest.step_graphs) of the given trees
+    and AR, in graph_profiles' form: one exact profile per (batch, CFG) shape of the step plans,
+    every dynamic axis of a graph's inputs set as the step plan sets it (step_plan_dims), twice:
+    GraphStep binds each phase twice (even and odd steps, with the two state buffers swapped) and
+    a TensorRT context holds one set of addresses, a profile one context at a time, so each
+    parity gets a profile (and context) of its own. Each file is its plan's label. kinds: the
+    step graphs' kinds to build ("greedy", "sampling")."""
+    adapter = condition_adapter(manifest, np.float32, directory=None)
+    backend = _ShapesOnly(np.float32)
+    settings = dict(cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0)
+    width = manifest.neighbors.k if manifest.neighbors is not None else 1  # an exact-only engine feeds one column
+    grouped = {}  # file -> {shapes: [labels]}
+    for tree in [root_only()] + [t for t in trees if t.depth]:
+        entry = manifest.step_graphs_for(tree)
+        if entry is None:
+            continue
+        files = sorted(f for kind in kinds for f in getattr(entry, kind).values())
+        inputs = {f: graph_input_shapes(os.path.join(directory, f)) for f in files}
+        for images in batches:
+            for cfg in cfgs:
+                plan = StepPlan(manifest, backend, tree, _prefix(manifest, images, cfg, adapter), settings, True)
+                dims = step_plan_dims(manifest, plan, width)
+                for f in files:
+                    shapes = {n: tuple(dims[d] if isinstance(d, str) else d for d in shape)
+                              for n, shape in inputs[f].items() if any(isinstance(d, str) for d in shape)}
+                    for parity in ("even", "odd"):
+                        grouped.setdefault(f, {}).setdefault((tuple(sorted(shapes.items())), parity), []).append(
+                            f"step n{images}{' cfg' if cfg else ''} {tree.name if tree.depth else 'ar'} {parity}")
+    return [(f, [(tuple(labels), tb.exact_profile(dict(key))) for (key, _), labels in profiles.items()])
+            for f, profiles in grouped.items()]
+
+
+def step_files(manifest):
+    """The step graph files of an engine (Manifest.step_graphs), each its plan's label."""
+    return {f for entry in manifest.step_graphs.values() for f in entry.files()}
+
+
 def plans_key(flavor, compute_capabilities):
     return f"{flavor}-{'_'.join(compute_capabilities)}"
 
@@ -242,8 +304,8 @@ def _cfgs(manifest, cfg):
 
 
 def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities=("current",), batches=(1,),
-                       trees=(), windows=(), cfg=None, timing_cache=None, workspace_bytes=None, tf32=False,
-                       force=False, progress=False):
+                       trees=(), windows=(), cfg=None, step_kinds=STEP_KINDS, timing_cache=None, workspace_bytes=None,
+                       tf32=False, force=False, progress=False):
     """Build the plans of every graph of an engine directory and record them in its manifest.
     Returns (key, TensorRTPlans, {graph: build record}). See the module docstring."""
     directory = os.path.abspath(os.fspath(directory))
@@ -273,18 +335,22 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
     calls = call_shapes(manifest, batches, cfgs, tree_list, windows)
     jobs = [(graph, graph_profiles(manifest, graph, calls[graph])) for graph in calls]
     jobs += acceptance_jobs(manifest, batches, cfgs, tree_list)
-    graphs = manifest.all_graphs()
+    if any(k not in STEP_KINDS for k in step_kinds):
+        raise LanternError(f"step graph kinds are {', '.join(STEP_KINDS)}, got {', '.join(step_kinds)}")
+    jobs += step_jobs(directory, manifest, batches, cfgs, tree_list, step_kinds)
+    files = {**{g: e.file for g, e in manifest.all_graphs().items()}, **{f: f for f in step_files(manifest)}}
     bar = _progress(jobs, progress)
     with enginedir.staging(directory, "trt") as stage:
         plans, records = {}, {}
         for graph, profiles in jobs:
             bar.set_description(f"{graph} ({len(profiles)} profile{'s' if len(profiles) > 1 else ''})")
             plan, record = tb.build_plan(
-                os.path.join(directory, graphs[graph].file), [p for _, p in profiles], flavor=flavor,
+                os.path.join(directory, files[graph]), [p for _, p in profiles], flavor=flavor,
                 compute_capabilities=None if flavor == "tensorrt" else ccs, timing_cache=timing_cache,
                 workspace_bytes=workspace_bytes, tf32=tf32, progress=lambda phase, done, total: bar.set_postfix_str(
                     f"{phase} {done}/{total}"[:40], refresh=False))
-            plan_name = f"{os.path.basename(graphs[graph].file)[:-len('.onnx')]}.plan"  # target.plan, accept/T-H.greedy.plan
+            # target.plan, T-H.greedy.plan (accept/T-H.greedy.onnx), step/T-H/greedy.begin.plan (step graphs share names)
+            plan_name = f"{(graph if graph == files[graph] else os.path.basename(files[graph]))[:-len('.onnx')]}.plan"
             enginedir.write_file(stage, plan_name, plan)
             records[graph] = record
             held = record["profiles"]  # the profiles as TensorRT holds them
@@ -294,7 +360,9 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
         entry = TensorRTPlans(
             flavor=flavor, version=trt.__version__, compute_capabilities=tuple(ccs), plans=plans, batches=batches,
             cfg=cfgs, trees=tuple(t.name for t in tree_list),
-            builder={**records[jobs[0][0]]["builder"], "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            builder={**records[jobs[0][0]]["builder"], "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     # what each step graph's plan was built from: the runtime refuses a plan of a re-exported one
+                     "step_files": {g: manifest.files[g].sha256 for g in plans if g in files and g == files[g]}})
         bar.close()
         _commit(directory, manifest, key, entry, stage, force)
     return key, entry, records
@@ -311,6 +379,8 @@ def _commit(directory, built_from, key, entry, stage, force):
         changed = sorted(g for g in set(now) | set(then)
                          if g not in now or now.get(g) != then.get(g)
                          or manifest.files.get(now[g].file) != built_from.files.get(now[g].file))
+        changed += sorted(f for f in step_files(manifest) ^ step_files(built_from) | {
+            f for f in step_files(manifest) if manifest.files.get(f) != built_from.files.get(f)})
         if changed:
             raise LanternError(f"{directory}: the graphs ({', '.join(changed)}) changed while the plans were built; "
                                f"run `lantern-export trt` again")
@@ -399,6 +469,9 @@ def add_parser(sub):
     cfg.add_argument("--cfg", dest="cfg", action="store_true", default=None,
                      help="only with classifier-free guidance (default: with and without, where the engine can)")
     cfg.add_argument("--no-cfg", dest="cfg", action="store_false", help="only without classifier-free guidance")
+    p.add_argument("--step-graphs", nargs="*", default=list(STEP_KINDS), choices=STEP_KINDS, metavar="KIND",
+                   help="the kinds of step graphs (lantern-export accept) to build plans of, for the tensorrt "
+                        "backend's device step: greedy, sampling (default both; none: no step plans)")
     p.add_argument("--timing-cache", help="full TensorRT: a timing cache file, read if present and saved after")
     p.add_argument("--workspace-mib", type=int, help="the builder's workspace limit (default TensorRT's)")
     p.add_argument("--tf32", action="store_true", help="let fp32 products run in TF32 (off: fp32 graphs compute in fp32)")
@@ -413,13 +486,20 @@ def run(args):
         raise LanternError(f"--workspace-mib must be a positive integer, got {args.workspace_mib}")
     key, entry, records = build_engine_plans(
         args.engine, flavor=args.flavor, compute_capabilities=args.compute_capability, batches=args.batch,
-        trees=args.tree, windows=args.window, cfg=args.cfg, timing_cache=args.timing_cache,
+        trees=args.tree, windows=args.window, cfg=args.cfg, step_kinds=tuple(args.step_graphs),
+        timing_cache=args.timing_cache,
         workspace_bytes=None if args.workspace_mib is None else args.workspace_mib * 2**20, tf32=args.tf32,
         force=args.force,
         progress=not args.no_progress)
+    steps = {g: r for g, r in records.items() if g.startswith("step/")}
     for graph, record in records.items():
-        print(f"{graph:<11} {len(entry.plans[graph].profiles):>3} profile(s) {record['plan_bytes'] / 2**20:8.1f} MiB "
-              f"{record['build_seconds']:7.1f} s")
+        if graph not in steps:
+            print(f"{graph:<11} {len(entry.plans[graph].profiles):>3} profile(s) {record['plan_bytes'] / 2**20:8.1f} "
+                  f"MiB {record['build_seconds']:7.1f} s")
+    if steps:
+        print(f"{len(steps)} step graphs {sum(len(entry.plans[g].profiles) for g in steps):>3} profile(s) "
+              f"{sum(r['plan_bytes'] for r in steps.values()) / 2**20:8.1f} MiB "
+              f"{sum(r['build_seconds'] for r in steps.values()):7.1f} s")
     cfg = {(False,): "no CFG", (True,): "CFG", (False, True): "with and without CFG"}[entry.cfg]
     print(f"plans/{key}: {entry.flavor} {entry.version} for {', '.join(entry.compute_capabilities)}; batch "
           f"{', '.join(map(str, entry.batches))}, {cfg}, trees {', '.join(('ar',) + entry.trees)}; "

@@ -245,22 +245,60 @@ def _generation_calls(directory, kind, **kwargs):
     return engine.backend.calls
 
 
+def _step_calls(directory, **kwargs):
+    """The phase calls (both parities) of the GraphStep a real generation binds (ONNX Runtime's
+    device step on the engine's step graphs), labelled by their files as the plans are."""
+    from lantern.runtime.plan import Call
+
+    engine = Engine(directory, threads=2)
+    n = kwargs.pop("n", 1)
+    result = engine.generate(classes=list(range(n)), k=4, seed=0, greedy=True, **kwargs)
+    assert result.stats["step"] == "device"
+    [step] = engine.backend._steps.values()
+    return [Call(graph=c.graph[len("file:"):], regime=c.regime, feeds=c.feeds) for calls in step.calls
+            for c in calls if c.graph.startswith("file:")]
+
+
 def test_trt_command_builds_every_graph_and_records_it(c2i_engine, tmp_path, capsys):
+    """Every graph's plan, and the greedy step graphs' (the sampling ones build as they do, in
+    minutes for top-p's: left out here), recorded; every call of real generations covered."""
     d = _copy(c2i_engine, tmp_path)
-    assert cli.main(["trt", str(d), "--compute-capability", "89,120", "--batch", "1", "2", "--no-progress"]) == 0
+    assert cli.main(["trt", str(d), "--compute-capability", "89,120", "--batch", "1", "2", "--step-graphs", "greedy",
+                     "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "plans/tensorrt-rtx-SM89_SM120: tensorrt-rtx 1.7" in printed
     m = read_manifest(d, verify=True)  # sizes and sha256 of the plans as listed
-    entry = m.tensorrt["tensorrt-rtx-SM89_SM120"]
+    key = "tensorrt-rtx-SM89_SM120"
+    entry = m.tensorrt[key]
     assert (entry.flavor, entry.compute_capabilities, entry.batches, entry.cfg, entry.trees) == (
         "tensorrt-rtx", ("SM89", "SM120"), (1, 2), (False, True), ("mc_sim_7b_63",))
     import tensorrt_rtx
 
     assert entry.version == tensorrt_rtx.__version__ and entry.builder["strongly_typed"] is True
-    assert sorted(entry.plans) == ["condition", "drafter", "target", "vq_decoder"]
+    steps = sorted(f for e in m.step_graphs.values() for f in e.greedy.values())
+    assert len(steps) == 2 + 7  # AR's begin and accept; the tree's begin, level1..level5 and accept
+    assert sorted(entry.plans) == sorted(["condition", "drafter", "target", "vq_decoder"] + steps)
+    assert entry.builder["step_files"] == {f: m.files[f].sha256 for f in steps}  # what the runtime checks
     for graph, plan in entry.plans.items():
-        assert plan.file == f"plans/tensorrt-rtx-SM89_SM120/{graph}.plan" and plan.file in m.files
+        name = graph[:-len(".onnx")] if graph in steps else graph
+        assert plan.file == f"plans/{key}/{name}.plan" and plan.file in m.files
         assert m.files[plan.file].size == os.path.getsize(d / plan.file) > 0
+    # a step graph's plan: per batch and CFG setting one exact profile for even and one for odd steps
+    begin = entry.plans[m.step_graphs_for(build_tree(m.tree)).greedy["begin"]]
+    assert [p.serves for p in begin.profiles] == [(f"step n{n}{c} mc_sim_7b_63 {parity}",) for n in (1, 2)
+                                                  for c in ("", " cfg") for parity in ("even", "odd")]
+    # the GraphStep of real generations (its phases' calls as ONNX Runtime binds them): every call an
+    # exact profile of its own, the two parities of a phase two profiles of the plan
+    from lantern.runtime.backends.tensorrt_plans import step_profiles
+
+    for kwargs in (dict(mode="exact", cfg_scale=4.0, n=2), dict(mode="lantern++", lam=3.0), dict(mode="ar")):
+        calls = _step_calls(d, **kwargs)
+        profiles = step_profiles(str(d), key, entry, calls, "SM89")
+        assert len(set(zip([c.graph for c in calls], profiles))) == len(calls) == 2 * len(set(c.graph for c in calls))
+        for call, index in zip(calls, profiles):
+            shapes = {n: tuple(np.shape(v)) for n, v in call.feeds.items()}
+            held = entry.plans[call.graph].profiles[index].shapes
+            assert held and all(r["min"] == r["max"] == list(shapes[n]) for n, r in held.items()), call.graph
     # every call of real generations (ONNX Runtime, recorded) finds an exact profile
     for kwargs in (dict(mode="exact", cfg_scale=4.0, n=2), dict(mode="lantern++", lam=3.0), dict(mode="ar", n=2)):
         for graph, regime, shapes in _generation_calls(d, "c2i", **kwargs):
@@ -278,7 +316,8 @@ def test_trt_command_builds_every_graph_and_records_it(c2i_engine, tmp_path, cap
 
 def test_trt_command_for_a_t2i_engine_without_cfg(t2i_engine, tmp_path):
     d = _copy(t2i_engine, tmp_path)
-    key, entry, records = trt_export.build_engine_plans(d, compute_capabilities=["120"], batches=[3], cfg=False)
+    key, entry, records = trt_export.build_engine_plans(d, compute_capabilities=["120"], batches=[3], cfg=False,
+                                                        step_kinds=())
     assert key == "tensorrt-rtx-SM120" and entry.cfg == (False,) and entry.batches == (3,)
     for graph, regime, shapes in _generation_calls(d, "t2i", mode="exact", n=3):
         assert find_profile(entry.plans[graph], shapes) is not None, (graph, regime)
@@ -289,7 +328,8 @@ def test_trt_command_for_a_t2i_engine_without_cfg(t2i_engine, tmp_path):
 
 def test_trt_command_fp16_engine(fp16_engine, tmp_path):
     d = _copy(fp16_engine, tmp_path)
-    _, entry, records = trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=True)
+    _, entry, records = trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=True,
+                                                      step_kinds=())
     assert records["target"]["io"]["inputs"]["past_keys_0"]["dtype"] == "float16"
     assert records["drafter"]["io"]["outputs"]["topk_probs"]["dtype"] == "float32"
     assert set(entry.plans) == {"condition", "target", "drafter"}  # no VQ decoder in this engine
@@ -332,12 +372,12 @@ def test_trt_builds_are_atomic_and_keyed(c2i_engine, tmp_path):
     # one build per key; a second key is added beside the first; --force replaces one (on the
     # engine's AR graphs: the keys are what is tested, and each build is then two graphs, not four)
     strike_drafter(d)
-    trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=False)
+    trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=False, step_kinds=())
     with pytest.raises(LanternError, match="already has plans/tensorrt-rtx-SM89; pass --force"):
         trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[2])
-    trt_export.build_engine_plans(d, compute_capabilities=["120"], batches=[1], cfg=False)
+    trt_export.build_engine_plans(d, compute_capabilities=["120"], batches=[1], cfg=False, step_kinds=())
     first = (d / "plans/tensorrt-rtx-SM89/target.plan").read_bytes()
-    trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[2], cfg=False, force=True)
+    trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[2], cfg=False, force=True, step_kinds=())
     m = read_manifest(d, verify=True)
     assert sorted(m.tensorrt) == ["tensorrt-rtx-SM120", "tensorrt-rtx-SM89"]
     assert m.tensorrt["tensorrt-rtx-SM89"].batches == (2,) and m.tensorrt["tensorrt-rtx-SM120"].batches == (1,)
@@ -353,7 +393,8 @@ def test_ar_engine_builds_ar_plans(c2i_engine, tmp_path, monkeypatch):
     A plan changed in place after the build (same size) is refused by its sha256."""
     d = _copy(c2i_engine, tmp_path)
     strike_drafter(d)
-    _, entry, _ = trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=False)
+    _, entry, _ = trt_export.build_engine_plans(d, compute_capabilities=["89"], batches=[1], cfg=False,
+                                                step_kinds=())
     assert entry.trees == () and set(entry.plans) == {"condition", "target"}
     assert [p.serves for p in entry.plans["target"].profiles] == [("prefill n1",), ("verify n1 ar",)]
     with pytest.raises(LanternError, match="--tree needs an engine with a drafter"):

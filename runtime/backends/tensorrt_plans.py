@@ -8,7 +8,13 @@ import importlib
 import numpy as np
 
 from lantern.runtime.backends.cuda import DeviceArray
+from lantern.runtime.backends.graph_acceptance import top_k_refusal
+from lantern.runtime.contracts import STEP_VERSION
 from lantern.runtime.errors import LanternError
+from lantern.runtime.graph_step import accept_variant
+from lantern.runtime.sampling import Greedy
+from lantern.runtime.tree import build_tree
+from lantern.runtime.vocabulary import VocabularyView
 
 FLAVOR_MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}
 _INSTALL = {"tensorrt": "pip install 'lantern[tensorrt]'", "tensorrt-rtx": "pip install 'lantern[tensorrt-rtx]'"}
@@ -112,6 +118,62 @@ def assign_profiles(directory, key, entry, plan, gpu):
         taken[call.graph].add(index)
         out[regime] = index
     return out
+
+
+def step_profiles(directory, key, entry, calls, gpu):
+    """[profile index] for a GraphStep's phase calls (both parities, in order): each call the
+    first profile of its plan that covers its shapes and no earlier call of the same plan took.
+    `lantern-export trt` builds two equal profiles per shape of a step graph (even and odd
+    steps): a phase's two calls bind the two state buffers the other way round, and a TensorRT
+    context holds one set of addresses, a profile one context at a time."""
+    taken, out = {}, []
+    for call in calls:
+        if call.graph not in entry.plans:
+            raise LanternError(f"plans/{key} have no plan of {call.graph}; rebuild them with "
+                               f"`{rebuild_command(directory, entry.flavor, gpu)}`")
+        shapes = call_shapes(call)
+        index = find_profile(entry.plans[call.graph], shapes, taken.setdefault(call.graph, set()))
+        if index is None:
+            raise uncovered_call(directory, key, entry, call.graph, call.regime, shapes, gpu)
+        taken[call.graph].add(index)
+        out.append(index)
+    return out
+
+
+def step_plan_refusal(manifest, directory, key, entry, plan, sampler, gpu):
+    """Why the plans of build `entry` (plans/KEY) cannot run the device step (GraphStep on the
+    step graphs' plans) of a generation of this plan and sampler, or None: the engine's step
+    graphs for the tree, of this STEP_VERSION and forced ids, a top_k the graphs filter, and a
+    plan of each step graph the generation runs (`lantern-export trt` builds them after
+    `lantern-export accept`)."""
+    tree = plan.tree
+    name = tree.name if tree.depth else "ar"
+    graphs = manifest.step_graphs_for(tree)
+    if graphs is None:
+        default = not tree.depth or (manifest.tree is not None and build_tree(manifest.tree).paths == tree.paths)
+        return (f"the engine has no step graphs for tree {name}; add them with `lantern-export accept "
+                f"{directory}{'' if default else ' --tree ...'}`, then rebuild the plans with "
+                f"`{rebuild_command(directory, entry.flavor, gpu)}`")
+    if graphs.version != STEP_VERSION:
+        return (f"the engine's step graphs are version {graphs.version}, this lantern runs {STEP_VERSION}: re-export "
+                f"them with `lantern-export accept {directory} --force`, then rebuild the plans")
+    forced = [int(i) for i in VocabularyView(manifest.vocabulary, plan.prefix.forced).extra]
+    if list(graphs.forced_ids) != forced:
+        return f"the step graphs of tree {name} serve forced ids {list(graphs.forced_ids)}, this generation forces {forced}"
+    columns = manifest.vocabulary.codes + len(graphs.forced_ids)
+    why = top_k_refusal(sampler, columns)
+    if why is not None:
+        return why
+    files = graphs.greedy if isinstance(sampler, Greedy) else graphs.sampling
+    variant = accept_variant(sampler, columns)
+    needed = [f for phase, f in files.items() if not phase.startswith("accept") or phase == variant]
+    missing = [f for f in needed if f not in entry.plans]
+    if missing:
+        trees = list(entry.trees) + ([name] if tree.depth and name not in entry.trees else [])
+        return (f"plans/{key} have no plans of the step graphs of tree {name} ({missing[0]}"
+                f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); rebuild them with "
+                f"`{rebuild_command(directory, entry.flavor, gpu, entry.batches, trees or None, entry.cfg)}`")
+    return None
 
 
 def call_shapes(call):
