@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -35,29 +36,34 @@ def _one_line(err):
     return text
 
 
-def _with_plans(engine, directory, builds):
+def _with_plans(engine, directory, builds, step_kinds=()):
     """A copy of an engine whose manifest records plan builds {key: (flavor, version, ccs, batches,
-    cfgs)} with the profiles `lantern-export trt` makes. The plan files hold placeholder bytes:
-    choosing plans reads only the manifest (a plan's bytes need a GPU to be read at all)."""
+    cfgs)} with the profiles `lantern-export trt` makes (and its step graphs' of step_kinds). The
+    plan files hold placeholder bytes: choosing plans reads only the manifest (a plan's bytes need
+    a GPU to be read at all)."""
     shutil.copytree(engine, directory)
     m = read_manifest(directory)
     entries, files = {}, []
     for key, (flavor, version, ccs, batches, cfgs) in builds.items():
         trees = [build_tree(m.tree)] if m.tree else []
         calls = trt_export.call_shapes(m, batches, cfgs, trees)
+        jobs = [(graph, trt_export.graph_profiles(m, graph, calls[graph])) for graph in calls]
+        jobs += trt_export.step_jobs(str(directory), m, batches, cfgs, trees, step_kinds)
         os.makedirs(os.path.join(directory, "plans", key))
         plans = {}
-        for graph in calls:
-            file = f"plans/{key}/{graph}.plan"
+        for graph, graph_profiles in jobs:
+            file = f"plans/{key}/{graph.replace('/', '_')}.plan"
             with open(os.path.join(directory, file), "wb") as f:
                 f.write(b"placeholder")
             files.append(file)
             profiles = [PlanProfile(serves=labels, shapes={n: dict(zip(("min", "opt", "max"), map(list, t)))
                                                            for n, t in p.items()})
-                        for labels, p in trt_export.graph_profiles(m, graph, calls[graph])]
+                        for labels, p in graph_profiles]
             plans[graph] = PlanFile(file=file, profiles=tuple(profiles))
+        steps = {g: m.files[g].sha256 for g in plans if g.startswith("step/")}
         entries[key] = TensorRTPlans(flavor=flavor, version=version, compute_capabilities=tuple(ccs), plans=plans,
-                                     batches=tuple(batches), cfg=tuple(cfgs), trees=tuple(t.name for t in trees))
+                                     batches=tuple(batches), cfg=tuple(cfgs), trees=tuple(t.name for t in trees),
+                                     builder={"step_files": steps} if steps else {})
     m.replace(tensorrt=entries, files={**m.files, **describe_files(directory, files)}).write(directory)
     return directory
 
@@ -371,6 +377,105 @@ def test_check_runs_in_the_shapes_a_fixed_shape_backend_serves(planned, monkeypa
 
 
 # ---------------------------------------------------------------------------------------------
+# The device step: GraphStep on the step graphs' plans (what can be checked without a GPU)
+
+
+@pytest.fixture(scope="module")
+def step_planned(c2i_engine, tmp_path_factory):
+    """The c2i fixture with SM89 TensorRT-RTX plans for 1 image with CFG, its greedy step graphs' included."""
+    return _with_plans(c2i_engine, tmp_path_factory.mktemp("step-planned") / "engine",
+                       {"tensorrt-rtx-SM89": ("tensorrt-rtx", VERSION, ["SM89"], [1], [True])}, step_kinds=("greedy",))
+
+
+def _step_of(directory, **kwargs):
+    """(plan, GraphStep) of a real generation on ONNX Runtime's device step over the same step graphs."""
+    engine = Engine(directory, threads=2)
+    assert engine.generate(seed=0, **kwargs).stats["step"] == "device"
+    [step] = engine.backend._steps.values()
+    return engine._plan, step
+
+
+def test_the_device_step_needs_step_plans_and_says_how_to_build_them(planned, step_planned, monkeypatch):
+    from lantern.runtime.sampling import Greedy, Sampling
+
+    key = "tensorrt-rtx-SM89"
+    m, bare = read_manifest(step_planned), read_manifest(planned)
+    entry = m.tensorrt[key]
+    plan, _ = _step_of(step_planned, classes=[1], greedy=True, mode="exact", cfg_scale=3.0)
+    assert trt_plans.step_plan_refusal(m, step_planned, key, entry, plan, Greedy(), "SM89") is None
+    # plans built before the step graphs had plans (or with --step-graphs greedy): the rebuild line
+    why = missing = trt_plans.step_plan_refusal(bare, planned, key, bare.tensorrt[key], plan, Greedy(), "SM89")
+    assert why.startswith(f"plans/{key} have no plans of the step graphs of tree mc_sim_7b_63 (step/mc_sim_7b_63-")
+    assert why.endswith(f"and 6 more); rebuild them with `lantern-export trt {planned} --flavor tensorrt-rtx "
+                        f"--compute-capability 89 --batch 1 --tree mc_sim_7b_63 --force`")
+    why = trt_plans.step_plan_refusal(m, step_planned, key, entry, plan, Sampling(top_k=10), "SM89")
+    assert "/sampling.begin.onnx and 6 more); rebuild them with `lantern-export trt" in why  # begin, 5 levels, accept+top_k
+    old = m.replace(step_graphs={n: dataclasses.replace(e, version=0) for n, e in m.step_graphs.items()})
+    assert trt_plans.step_plan_refusal(old, step_planned, key, entry, plan, Greedy(), "SM89").startswith(
+        "the engine's step graphs are version 0")
+    assert trt_plans.step_plan_refusal(m.replace(step_graphs={}), step_planned, key, entry, plan, Greedy(), "SM89") == (
+        f"the engine has no step graphs for tree mc_sim_7b_63; add them with `lantern-export accept {step_planned}`, "
+        f"then rebuild the plans with `lantern-export trt {step_planned} --flavor tensorrt-rtx --compute-capability 89 "
+        f"--force`")
+    # the backend's own refusal is this one (its plans' key, flavor and GPU)
+    backend = types.SimpleNamespace(manifest=bare, directory=planned, key=key, plans=bare.tensorrt[key], gpu="SM89")
+    assert tb.TensorRTBackend.device_step_refusal(backend, plan, Greedy()) == missing
+
+
+def test_a_graph_steps_calls_get_a_profile_each(step_planned):
+    """GraphStep binds every phase twice (even and odd steps, the state buffers swapped): each of
+    its calls gets an exact profile of its own; a batch the plans were not built for is refused
+    with the rebuild line."""
+    from lantern.runtime.plan import Call
+
+    key = "tensorrt-rtx-SM89"
+    entry = read_manifest(step_planned).tensorrt[key]
+    for kwargs in (dict(mode="exact", cfg_scale=3.0), dict(mode="ar", cfg_scale=3.0)):
+        _, step = _step_of(step_planned, classes=[1], greedy=True, **kwargs)
+        calls = [Call(graph=c.graph[len("file:"):], regime=c.regime, feeds=c.feeds) for parity in step.calls
+                 for c in parity if c.graph.startswith("file:")]
+        profiles = trt_plans.step_profiles(step_planned, key, entry, calls, "SM89")
+        assert len(set(zip((c.graph for c in calls), profiles))) == len(calls)
+        for call, index in zip(calls, profiles):
+            profile = entry.plans[call.graph].profiles[index]
+            assert profile.covers(trt_plans.call_shapes(call)) and profile.serves[0].startswith("step n1 cfg")
+        half = len(calls) // 2  # the even steps' calls, then the odd steps'
+        assert [entry.plans[c.graph].profiles[i].serves[0].endswith(" even") for c, i in zip(calls, profiles)] == \
+            [True] * half + [False] * half
+    _, step = _step_of(step_planned, classes=[1, 2], greedy=True, mode="exact", cfg_scale=3.0)
+    calls = [Call(graph=c.graph[len("file:"):], regime=c.regime, feeds=c.feeds) for c in step.calls[0]
+             if c.graph.startswith("file:")]
+    with pytest.raises(LanternError) as err:
+        trt_plans.step_profiles(step_planned, key, entry, calls, "SM89")
+    assert f"is not covered by plans/{key} (built for step n1 cfg" in _one_line(err)
+    assert "rebuild them with `lantern-export trt" in str(err.value)
+
+
+def test_step_plans_are_recorded_by_their_files(step_planned, tmp_path):
+    """A step graph's plan is keyed by its file, which the engine must have; the backend refuses
+    a plan built from another version of that file (lantern-export accept --force since)."""
+    m = read_manifest(step_planned, verify=True)
+    entry = m.tensorrt["tensorrt-rtx-SM89"]
+    begin = m.step_graphs_for(build_tree(m.tree)).greedy["begin"]
+    assert begin in entry.plans and entry.builder["step_files"][begin] == m.files[begin].sha256
+    d = _edit(step_planned, tmp_path, lambda t, _: t["plans"].update({"step/gone/greedy.begin.onnx": t["plans"][begin]}))
+    with pytest.raises(LanternError) as err:
+        read_manifest(d)
+    assert "plans.step/gone/greedy.begin.onnx is a plan for a graph the engine does not have" in _one_line(err)
+    stale = dataclasses.replace(entry, builder={"step_files": {begin: "0" * 64}})
+    backend = types.SimpleNamespace(directory=step_planned, manifest=m, key="tensorrt-rtx-SM89", plans=stale,
+                                    gpu="SM89", engines={})
+    with pytest.raises(LanternError) as err:
+        tb.TensorRTBackend.open_graphs(backend, {"begin": begin})
+    assert _one_line(err) == (f"plans/tensorrt-rtx-SM89: the plan of {begin} was built from another version of the "
+                              f"step graph; rebuild them with `lantern-export trt {step_planned} --flavor tensorrt-rtx "
+                              f"--compute-capability 89 --force`")
+    backend.plans = dataclasses.replace(entry, plans={"target": entry.plans["target"]})
+    with pytest.raises(LanternError, match=f"have no plan of {begin[:-5]}"):
+        tb.TensorRTBackend.open_graphs(backend, {"begin": begin})
+
+
+# ---------------------------------------------------------------------------------------------
 # On a GPU
 
 
@@ -424,7 +529,8 @@ def _flavor_for_gpu():
                            "on an RTX-class GPU)")
 def test_tensorrt_generates_what_onnxruntime_generates(c2i_engine, tmp_path):
     d = shutil.copytree(c2i_engine, tmp_path / "engine")
-    trt_export.build_engine_plans(d, flavor=_flavor_for_gpu(), compute_capabilities=["current"], batches=[2])
+    trt_export.build_engine_plans(d, flavor=_flavor_for_gpu(), compute_capabilities=["current"], batches=[2],
+                                  step_kinds=())
     reference = Engine(d, threads=2)
     for graphs in (True, False):
         engine = Engine(d, backend="tensorrt", device="cuda", cuda_graphs=graphs)
@@ -445,7 +551,8 @@ def test_tensorrt_generates_what_onnxruntime_generates(c2i_engine, tmp_path):
 @pytest.mark.skipif(GPU is None or _flavor_for_gpu() is None, reason="needs an NVIDIA GPU and a TensorRT flavor for it")
 def test_tensorrt_t2i(t2i_engine, tmp_path):
     d = shutil.copytree(t2i_engine, tmp_path / "engine")
-    trt_export.build_engine_plans(d, flavor=_flavor_for_gpu(), compute_capabilities=["current"], batches=[2])
+    trt_export.build_engine_plans(d, flavor=_flavor_for_gpu(), compute_capabilities=["current"], batches=[2],
+                                  step_kinds=())
     caption, mask = captions(2)
     kw = dict(caption=caption, caption_mask=mask, greedy=True, mode="exact", cfg_scale=2.0)
     got = Engine(d, backend="tensorrt", device="cuda").generate(**kw)
@@ -455,25 +562,29 @@ def test_tensorrt_t2i(t2i_engine, tmp_path):
 @pytest.mark.skipif(GPU is None or _flavor_for_gpu() is None,
                     reason="needs an NVIDIA GPU and a TensorRT flavor that targets it (full TensorRT, or TensorRT-RTX "
                            "on an RTX-class GPU)")
-def test_tensorrt_device_step_equals_the_host_step(c2i_accept_engine, tmp_path):
-    """The acceptance plans on the logits where verification left them (step='device'): the
-    host step's tokens, greedy, CFG on and off, batch 1 and 3; sampling on most images (float32
-    acceptance against numpy's float64)."""
-    d = shutil.copytree(c2i_accept_engine, tmp_path / "engine")
-    trt_export.build_engine_plans(d, flavor=_flavor_for_gpu(), compute_capabilities=["current"], batches=[1, 3])
+def test_tensorrt_device_step_equals_the_host_step(c2i_engine, tmp_path):
+    """The whole step on the greedy step graphs' plans (GraphStep, step='device'), with and
+    without CUDA graphs: the host step's tokens, CFG on and off, batch 1 and 3; greedy exact
+    gives AR's tokens token for token. Sampling has no plans in this build: refused in one line."""
+    d = shutil.copytree(c2i_engine, tmp_path / "engine")
+    trt_export.build_engine_plans(d, flavor=_flavor_for_gpu(), compute_capabilities=["current"], batches=[1, 3],
+                                  step_kinds=("greedy",))
     host = Engine(d, backend="tensorrt", device="cuda", step="host")
-    device = Engine(d, backend="tensorrt", device="cuda", step="device")
-    for images in (1, 3):
-        for kw in (dict(mode="exact", cfg_scale=3.0), dict(mode="lantern++", lam=3.0, k=4),
-                   dict(mode="lantern++", lam=3.0, k=4, cfg_scale=4.0, cfg_interval=5)):
-            kw = dict(classes=list(range(1, images + 1)), greedy=True, **kw)
-            got, want = device.generate(**kw), host.generate(**kw)
-            assert (got.stats["step"], want.stats["step"]) == ("device", "host")
-            np.testing.assert_array_equal(got.tokens, want.tokens)
-    kw = dict(classes=[1, 2, 3], mode="lantern++", lam=3.0, k=4, cfg_scale=4.0, temperature=1.0, top_k=20,
-              seed=[4, 5, 6])
-    got, want = device.generate(**kw), host.generate(**kw)
-    assert (got.tokens == want.tokens).all(axis=1).sum() >= 2
+    for graphs in (True, False):
+        device = Engine(d, backend="tensorrt", device="cuda", step="device", cuda_graphs=graphs)
+        for images in (1, 3):
+            classes = list(range(1, images + 1))
+            for kw in (dict(mode="exact", cfg_scale=3.0), dict(mode="exact"), dict(mode="lantern++", lam=3.0, k=4),
+                       dict(mode="lantern++", lam=3.0, k=4, cfg_scale=4.0, cfg_interval=5), dict(mode="ar")):
+                got, want = device.generate(classes=classes, greedy=True, **kw), host.generate(classes=classes,
+                                                                                               greedy=True, **kw)
+                assert (got.stats["step"], want.stats["step"]) == ("device", "host")
+                np.testing.assert_array_equal(got.tokens, want.tokens)
+            exact = device.generate(classes=classes, greedy=True, mode="exact", cfg_scale=3.0)
+            ar = device.generate(classes=classes, greedy=True, mode="ar", cfg_scale=3.0)
+            np.testing.assert_array_equal(exact.tokens, ar.tokens)
+        with pytest.raises(LanternError, match=r"have no plans of the step graphs of tree mc_sim_7b_63 .*--force`"):
+            device.generate(classes=[1], mode="exact", temperature=1.0, seed=[4])
 
 
 # -- TensorRT plans inside the torch backend (runtime/backends/tensorrt_torch.py) ---------------
@@ -505,7 +616,8 @@ def test_tensorrt_torch_generates_what_onnxruntime_generates(c2i_engine, tmp_pat
     from lantern.export.torch_backend import open_tensorrt_torch_backend
 
     d = shutil.copytree(c2i_engine, tmp_path / "engine")
-    trt_export.build_engine_plans(d, flavor=_flavor_for_gpu(), compute_capabilities=["current"], batches=[2])
+    trt_export.build_engine_plans(d, flavor=_flavor_for_gpu(), compute_capabilities=["current"], batches=[2],
+                                  step_kinds=())
     reference = Engine(d, threads=2)
     backend = open_tensorrt_torch_backend(d)
     for step in ("host", "device"):

@@ -1,6 +1,7 @@
 """TensorRT backend: the plans `lantern-export trt` built, run on an NVIDIA GPU (full TensorRT or
 TensorRT for RTX; no torch). Which plans and profiles run is tensorrt_plans.py; device memory,
-streams and CUDA graphs are cuda.py; this module binds step plans to them and runs calls.
+streams and CUDA graphs are cuda.py; this module binds step plans to them and runs calls; the
+device step (GraphStep over the step graphs' plans) is tensorrt_step.py.
 
 Opening: the manifest's plan builds (`Manifest.tensorrt`) are matched against what is here — the
 installed flavor and its exact version, the GPU's compute capability — and a plan built for
@@ -34,24 +35,23 @@ On the device, without kernels of our own:
           in one call (pitches: a slot row; slices: a layer), so a step's commit is 2 to
           2 x (depth + 1) x rows copy calls and never leaves the GPU.
   numpy   a device-to-host copy and a stream synchronize (logits, top-K).
-Device step (step="device"; the default stays the host step until a GPU measures both: tools/
-gpu_check's step_paths): the engine's acceptance plan (`lantern-export accept`, then `trt`) runs
-as one more bound call on the verification logits where the verify call left them, and only the
-outcome comes back (TensorRTGraphAcceptance); drafting, masks and commits stay the host loop's.
 The price of copies over kernels is API calls: a few microseconds each on the host. In-place
 engines (--attention inplace) commit with their commit graph instead, one launch, and their
 present_* outputs are bound to the past_* cache buffers they update (untested on a GPU so far).
+Device step (step="device"; the default stays the host step until a GPU measures both: tools/
+gpu_check's tensorrt graph-step sections): the whole step on the plans of the engine's step graphs
+(`lantern-export accept`, then `trt`) through lantern.runtime.graph_step, tensorrt_step.py.
 """
 import importlib
 import os
 
-from lantern.runtime.backends import TENSORRT, graph_acceptance
+from lantern.runtime.backends import TENSORRT
 from lantern.runtime.backends.cuda import CudaArrays, DeviceArray, _host_values
 from lantern.runtime.backends.tensorrt_plans import (FLAVOR_MODULES, assign_profiles, call_shapes, find_profile,
                                                      installed_versions, rebuild_command, select_plans, uncovered_call)
+from lantern.runtime.backends.tensorrt_step import TensorRTGraphStep
 from lantern.runtime.contracts import graph_io
 from lantern.runtime.errors import LanternError
-from lantern.runtime.sampling import Greedy
 
 TRT_DTYPES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
                "BOOL": "bool", "INT8": "int8", "UINT8": "uint8"}
@@ -83,9 +83,12 @@ class _Bound:
         self.done = None  # event recorded after the last launch: staging is reused after it
 
 
-class TensorRTBackend(CudaArrays):
+class TensorRTBackend(TensorRTGraphStep, CudaArrays):
     name = TENSORRT.name
-    default_step = "host"  # the device step (acceptance plans) has not yet run on a GPU: no measurement says faster
+    # the device step (the step graphs' plans, GraphStep) has not yet run on a GPU: no measurement
+    # says it is faster than the host step, so a generation runs the host step unless it asks
+    # (tools/gpu_check's tensorrt_graph_step section measures both)
+    default_step = "host"
 
     def __init__(self, directory, manifest, threads=None, device="cuda", flavor=None, plans=None, cuda_graphs=True):
         """threads: unused (the GPU runs the graphs). device: cuda or cuda:N. flavor / plans:
@@ -102,23 +105,39 @@ class TensorRTBackend(CudaArrays):
         self.cuda_graphs = bool(cuda_graphs)
         self.logger = error_logger(trt)
         self.runtime = trt.Runtime(self.logger)
-        self.graph_entries = manifest.all_graphs()  # the engine's graphs and its acceptance graphs
-        self.engines = {}
+        self.graph_entries = dict(manifest.graphs)
+        self.engines = {}  # the engine's graphs' plans now; the step graphs' when a GraphStep opens them
         for graph, plan_file in self.plans.plans.items():
-            self.engines[graph] = self._deserialize(graph, plan_file)
-        scratch = max(e.device_memory_size_v2 for e in self.engines.values())
-        self.scratch = self.cuda.malloc(scratch)
-        self.scratch_bytes = scratch
+            if graph in self.graph_entries:
+                self.engines[graph] = self._deserialize(graph, plan_file)
+        self.scratch, self.scratch_bytes = None, 0
+        self._grow_scratch(max(e.device_memory_size_v2 for e in self.engines.values()))
         self.contexts = {}  # (graph, profile) -> execution context
         self.owner = {}  # (graph, profile) -> the _Bound whose addresses the context holds
         self._bound = {}  # id(call) -> _Bound
-        self._acceptance = {}  # id(plan) -> its last generation's TensorRTGraphAcceptance
+        self._steps = {}  # id(plan) -> its GraphStep, reused (refilled) by the plan's next generations
+        self._sequences = {}  # id(call list) -> _Sequence (the call list kept in it: ids are reused)
 
     # -- opening ---------------------------------------------------------------------------------
     def _deserialize(self, graph, plan_file):
         return load_plan(self.trt, self.runtime, self.logger, self.directory, self.plans.flavor, plan_file,
-                         self.graph_entries[graph],  # acceptance plans too (accept_<kind>@TREE)
-                         rebuild_command(self.directory, self.plans.flavor, self.gpu))
+                         self.graph_entries.get(graph), rebuild_command(self.directory, self.plans.flavor, self.gpu))
+
+    def _grow_scratch(self, nbytes):
+        """One scratch allocation (TensorRT's activation memory) for every context, at least
+        nbytes: a step plan opened later may need more; every context then moves to the new one
+        (and captured graphs, which hold the old addresses, go)."""
+        if nbytes <= self.scratch_bytes:
+            return
+        if self.scratch is not None:
+            self.synchronize()
+        self.scratch, self.scratch_bytes = self.cuda.malloc(nbytes), nbytes
+        for context in getattr(self, "contexts", {}).values():
+            context.set_device_memory(self.scratch.ptr, self.scratch_bytes)
+        for bound in getattr(self, "_bound", {}).values():
+            bound.graph, bound.runs = None, 0
+        for sequence in getattr(self, "_sequences", {}).values():
+            sequence.graph, sequence.runs = None, 0
 
     def _context(self, graph, profile):
         key = (graph, profile)
@@ -150,9 +169,10 @@ class TensorRTBackend(CudaArrays):
         return TRT_DTYPES.get(trt_dtype.name, trt_dtype.name.lower())
 
     # -- binding ---------------------------------------------------------------------------------
-    def _prepare(self, call, profile):
+    def _prepare(self, call, profile, given=None):
         """A _Bound for a call in a profile: its context with the input shapes set, device buffers
-        for its host feeds (pinned staging beside them) and for its outputs, every tensor address."""
+        for its host feeds (pinned staging beside them) and for its outputs (or the `given` device
+        buffers: a step graph writing the next call's feeds), every tensor address."""
         shapes = call_shapes(call)
         context = self._context(call.graph, profile)
         self._forget_context((call.graph, profile))  # its shapes and addresses change here
@@ -171,10 +191,10 @@ class TensorRTBackend(CudaArrays):
             if not context.set_input_shape(name, shapes[name]):
                 raise LanternError(f"{call.graph} input {name}: TensorRT refuses shape {list(shapes[name])} "
                                    f"({self.logger.first_error()})")
-        outputs = {}
-        entry = self.graph_entries[call.graph]
-        aliases = graph_io(entry.contract, max(entry.layers, 1))["aliases"]
-        for name in entry.outputs:
+        outputs, given = {}, given or {}
+        entry = self.graph_entries.get(call.graph)  # None: a step graph (no aliases; the engine names its outputs)
+        aliases = graph_io(entry.contract, max(entry.layers, 1))["aliases"] if entry is not None else {}
+        for name, _ in (self.graph_outputs(call.graph) if entry is None else [(n, None) for n in entry.outputs]):
             shape = tuple(context.get_tensor_shape(name))
             if name in aliases:  # IKVCacheUpdateLayer writes into its cache input: one buffer
                 feed = call.feeds[aliases[name]]
@@ -185,7 +205,14 @@ class TensorRTBackend(CudaArrays):
             if want is not None and tuple(want) != shape:
                 raise LanternError(f"{call.graph} output {name}: the plan gives {list(shape)}, the step plan expects "
                                    f"{list(want)}; rebuild the plans")
-            outputs[name] = self._empty(shape, self._tensor_dtype(call.graph, name))
+            dtype = self._tensor_dtype(call.graph, name)
+            if name in given:
+                if not isinstance(given[name], DeviceArray) or (given[name].shape, given[name].dtype) != (shape, dtype):
+                    raise LanternError(f"{call.graph} output {name}: the plan gives {dtype} {list(shape)}, the step binds "
+                                       f"{given[name]!r}; rebuild the plans")
+                outputs[name] = given[name]
+            else:
+                outputs[name] = self._empty(shape, dtype)
             addresses[name] = outputs[name].ptr
         return _Bound(call, (call.graph, profile), shapes, host, addresses), outputs
 
@@ -193,6 +220,7 @@ class TensorRTBackend(CudaArrays):
         """Give the call's context this call's shapes and addresses, unless it holds them already."""
         context = self.contexts[bound.context_key]
         if self.owner.get(bound.context_key) is not bound:
+            self._forget_context(bound.context_key)  # another call's (a plan's call and its step's device call)
             for name, shape in bound.shapes.items():
                 context.set_input_shape(name, shape)
             for name, ptr in bound.addresses.items():
@@ -207,35 +235,16 @@ class TensorRTBackend(CudaArrays):
         if bound is not None and bound.graph is not None:
             self.synchronize()  # no launch of the graph may be in flight when it goes
             bound.graph, bound.runs = None, 0
+        for sequence in self._sequences.values():  # a step graph holding the context's old addresses
+            if key in sequence.keys and sequence.graph is not None:
+                self.synchronize()
+                sequence.graph, sequence.runs = None, 0
 
     def bind(self, plan):
         profiles = assign_profiles(self.directory, self.key, self.plans, plan, self.gpu)
         for regime, call in plan.calls.items():
             bound, call.outputs = self._prepare(call, profiles[regime])
             self._bound[id(call)] = bound
-
-    def device_step_refusal(self, plan, sampler):
-        """Why this backend's device step (the engine's acceptance plan fed the verification
-        logits where they are) cannot run a generation of this plan and sampler, or None."""
-        why = graph_acceptance.refusal(self.manifest, self.directory, plan, sampler)
-        if why is not None:
-            return why
-        label = graph_acceptance.graph_label(self.manifest, plan.tree, not isinstance(sampler, Greedy))
-        if label not in self.plans.plans:
-            return (f"plans/{self.key} have no {label} plan; rebuild them with "
-                    f"`{rebuild_command(self.directory, self.plans.flavor, self.gpu)}`")
-        return None
-
-    def device_step(self, decoding):
-        """The acceptance of each step run by the engine's acceptance plan on the verification
-        logits in their device buffer; the rest of the step stays the host's."""
-        plan = decoding.plan
-        previous = self._acceptance.pop(id(plan), None)
-        if previous is not None:  # the plan's last generation's: its buffers go, its context is reused
-            self._unbind(previous.call)
-        acceptor = TensorRTGraphAcceptance(self, decoding)
-        self._acceptance[id(plan)] = acceptor
-        return acceptor
 
     def _unbind(self, call):
         bound = self._bound.pop(id(call), None)
@@ -245,9 +254,9 @@ class TensorRTBackend(CudaArrays):
     def release(self, plan):
         """Forget a plan's bindings and graphs (the engine keeps one plan at a time)."""
         self.synchronize()
-        acceptor = self._acceptance.pop(id(plan), None)
-        if acceptor is not None:
-            self._unbind(acceptor.call)
+        step = self._steps.pop(id(plan), None)
+        if step is not None:
+            self._drop_step(step)
         for call in plan.calls.values():
             self._unbind(call)
 
@@ -324,59 +333,11 @@ class TensorRTBackend(CudaArrays):
         return cases
 
 
-class TensorRTGraphAcceptance:
-    """One generation's acceptance on the engine's acceptance plan (graph_acceptance; built by
-    `lantern-export trt` beside the step's plans, one exact profile per batch and CFG setting),
-    bound once as one more call of the step: its logits input is the verify call's logits output
-    buffer (the same device address: nothing copied); the generation's constants (the neighbor
-    table, the rule's and filters' numbers, the forced columns) are uploaded once into device
-    buffers; the inputs AcceptanceIO refills each step (counts, node tokens; sampling: the
-    drafts' candidates and the step's uniforms) are staged from the host inside the call's CUDA
-    graph, as every call's host feeds are; its outputs come back into pinned buffers with one
-    synchronisation: a few integers per image where the host step copies [rows, nodes,
-    vocabulary] logits. Drafting,
-    masks and commits stay on the host (whole_step False). Not yet run on a GPU: no machine
-    here has full TensorRT, and TensorRT for RTX runs plans only on a GPU."""
-
-    whole_step = False
-
-    def __init__(self, backend, decoding):
-        self.backend = backend
-        self.io = io = graph_acceptance.AcceptanceIO(backend.manifest, decoding)
-        verify = decoding.plan.calls["verify"]
-        self.constants = {}  # name -> its device buffer, uploaded once
-        for name, value in io.constants().items():
-            self.constants[name] = device = backend._empty(value.shape, backend._tensor_dtype(io.label, name))
-            backend.copy(value, device)
-        self.call = call = graph_acceptance.acceptance_call(io, verify.outputs["logits"], self.constants)
-        shapes = call_shapes(call)
-        profile = find_profile(backend.plans.plans[io.label], shapes)
-        if profile is None:
-            raise uncovered_call(backend.directory, backend.key, backend.plans, io.label, "accept", shapes, backend.gpu,
-                                 decoding.plan)
-        bound, call.outputs = backend._prepare(call, profile)
-        backend._bound[id(call)] = bound
-        # name -> (pinned host array, its allocation: kept alive with it)
-        self.read_back = {name: backend._pinned(array.shape, array.dtype) for name, array in call.outputs.items()}
-
-    def accept(self, decoding, active, uniforms):
-        """The Outcome of the active images (as lantern.runtime.accept's)."""
-        b = self.backend
-        self.io.refill(decoding, uniforms)
-        b.run(self.call)
-        for name, (host, _) in self.read_back.items():
-            device = self.call.outputs[name]
-            b.cuda.memcpy(host.ctypes.data, device.ptr, device.nbytes, "cudaMemcpyDeviceToHost")
-        b.synchronize()
-        for name, (host, _) in self.read_back.items():
-            self.io.outputs[name][...] = host
-        return self.io.outcome(active, "acceptance plan")
-
-
 def load_plan(trt, runtime, logger, directory, flavor, plan_file, entry, rebuild):
     """A plan file deserialized and checked against its manifest entry (inputs, outputs, one
-    optimization profile per recorded one); a LanternError with the rebuild line otherwise.
-    TensorRTBackend and tensorrt-torch open their plans with it."""
+    optimization profile per recorded one; a step graph's plan has no entry: its profiles only);
+    a LanternError with the rebuild line otherwise. TensorRTBackend and tensorrt-torch open their
+    plans with it."""
     path = os.path.join(directory, plan_file.file)
     logger.clear()
     with open(path, "rb") as f:
@@ -386,7 +347,7 @@ def load_plan(trt, runtime, logger, directory, flavor, plan_file, entry, rebuild
                            f"`{rebuild}`")
     names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
     inputs = {n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT}
-    if inputs != set(entry.inputs) or set(names) - inputs != set(entry.outputs) \
+    if (entry is not None and (inputs != set(entry.inputs) or set(names) - inputs != set(entry.outputs))) \
             or engine.num_optimization_profiles != len(plan_file.profiles):
         raise LanternError(f"{path}: the plan's inputs, outputs or profiles differ from the manifest's; rebuild it "
                            f"with `{rebuild}`")
