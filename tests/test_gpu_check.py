@@ -42,12 +42,14 @@ def test_without_a_gpu_the_runbook_builds_rtx_plans_and_lists_what_it_skipped(c2
     label = "engine-c2i"
     assert data["environment"]["gpu"] is None and data["environment"]["tensorrt_rtx"]
     for backend in ("torch-cuda-graphs", "torch-cuda-eager", "torch-cuda-step-graph", "torch-cuda-step-eager",
-                    "onnxruntime-cuda", "onnxruntime-torch-cuda"):
+                    "onnxruntime-cuda", "onnxruntime-torch-cuda", "tensorrt-rtx-graph-step"):
         assert data[f"{label}/{backend}"]["skipped"], backend
     rtx = data[f"{label}/tensorrt-rtx"]
-    # the engine's graphs and the greedy acceptance plan the device step runs (added to the copy)
-    assert rtx["plans"] == "tensorrt-rtx-SM89" and set(rtx["plan_bytes"]) == {
-        "condition", "target", "drafter", "vq_decoder", "accept_greedy@mc_sim_7b_63"}
+    # the engine's graphs and the greedy step graphs' plans the device step runs (AR's and the tree's)
+    steps = {g for g in rtx["plan_bytes"] if g.startswith("step/")}
+    assert rtx["plans"] == "tensorrt-rtx-SM89" and set(rtx["plan_bytes"]) - steps == {
+        "condition", "target", "drafter", "vq_decoder"}
+    assert len(steps) == 9 and all(g.split("/")[-1].startswith("greedy.") for g in steps)
     assert all(size > 0 for size in rtx["plan_bytes"].values())
     assert rtx["run"].startswith("skipped: no NVIDIA GPU")
     assert f"{label}/tensorrt-rtx/run" in data["skipped"] and f"{label}/torch-cuda-graphs" in data["skipped"]

@@ -16,6 +16,11 @@ what a short GPU window should measure before anything else):
                                          speculative step, host share, batch 1 and the batch;
                                          step-graph also counts the kernels one step's graph
                                          replays per mode, by part (kernels_per_step)
+  tensorrt-graph-step / tensorrt-rtx-graph-step
+                                         TensorRT's whole step (GraphStep on the greedy step
+                                         graphs' plans, one CUDA graph per step parity, or per-call
+                                         launches) against its host step: ms per step per mode and
+                                         batch, device over host, tokens_equal per row
   torch-cuda-graphs / torch-cuda-eager   the torch reference on CUDA, with and without CUDA graphs
   onnxruntime-cuda                       ONNX Runtime's CUDA execution provider
   onnxruntime-torch-cuda                 the same inside the torch backend: host step against the
@@ -24,10 +29,7 @@ what a short GPU window should measure before anything else):
                                          this GPU (`lantern-export trt`), run with CUDA graphs on
                                          and off, and checked by Polygraphy (`check --against
                                          polygraphy-trt`, in a process of its own per flavor);
-                                         step_paths: the host step against the device step (the
-                                         greedy acceptance plan on the logits where they are) per
-                                         mode and batch: ms, host ms, bytes each way, syncs, and
-                                         tokens_sha1 (equal on both paths); tensorrt_torch: the
+                                         tensorrt_torch: the
                                          same plans as the torch backend's modules (the whole
                                          step, TensorRT included, one CUDA graph), measured so
 each measuring
@@ -69,7 +71,7 @@ from lantern.runtime.manifest import read_manifest
 from lantern.tools.bench.device_step import export_gpt
 from lantern.tools.gpu_sections import (cuda_visible, device_acceptance_section, device_step_section, one_line,
                                         onnxruntime_cuda, onnxruntime_torch, Skip, torch_reference)
-from lantern.tools.gpu_tensorrt import tensorrt
+from lantern.tools.gpu_tensorrt import tensorrt, tensorrt_graph_step
 
 
 class Report:
@@ -150,8 +152,8 @@ def export_demo_shape(root, shape, dtype):
 def section_names(device):
     """Each engine's sections in the order they run, for `device` (cuda, or cpu's dry run)."""
     t = f"{TORCH.name}-{device}"
-    return [f"{t}-step-graph", f"{t}-step-eager", f"{t}-graphs", f"{t}-eager", f"{ONNXRUNTIME.name}-cuda",
-            f"{ONNXRUNTIME_TORCH.name}-{device}", *FLAVORS]
+    return [f"{t}-step-graph", f"{t}-step-eager", *(f"{f}-graph-step" for f in FLAVORS), f"{t}-graphs", f"{t}-eager",
+            f"{ONNXRUNTIME.name}-cuda", f"{ONNXRUNTIME_TORCH.name}-{device}", *FLAVORS]
 
 
 def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir, device="cuda", only=None):
@@ -166,9 +168,11 @@ def check_engine_dir(report, label, engine_dir, opts, cpu_threads, workdir, devi
                           else None)
         return opened[0]
 
-    step_graph, step_eager, graphs, eager, ort_cuda, ort_torch, trt, rtx = section_names(device)
+    step_graph, step_eager, trt_step, rtx_step, graphs, eager, ort_cuda, ort_torch, trt, rtx = section_names(device)
     sections = {step_graph: (device_step_section, engine_dir, opts[1], True, device),
                 step_eager: (device_step_section, engine_dir, opts[1], False, device),
+                trt_step: (tensorrt_graph_step, engine_dir, opts, trt, workdir),  # the plans built once (in
+                rtx_step: (tensorrt_graph_step, engine_dir, opts, rtx, workdir),  # workdir) for both sections
                 graphs: (torch_reference, engine_dir, cpu, opts, True, device),
                 eager: (torch_reference, engine_dir, cpu, opts, False, device),
                 ort_cuda: (onnxruntime_cuda, engine_dir, cpu, opts),

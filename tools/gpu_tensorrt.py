@@ -1,8 +1,9 @@
 """The GPU check's TensorRT sections (python -m lantern.tools.gpu_check; tensorrt and
 tensorrt-rtx): plans built for this GPU in a copy of the engine (`lantern-export trt`; TensorRT
-for RTX ahead of time for SM89 without one), run with CUDA graphs on and off, the host step
-against the device step on them, the same plans as the torch backend's modules, and checked and
-inspected by Polygraphy in processes of their own.
+for RTX ahead of time for SM89 without one), run with CUDA graphs on and off, the same plans as
+the torch backend's modules, and checked and inspected by Polygraphy in processes of their own;
+and (tensorrt-graph-step, tensorrt-rtx-graph-step) TensorRT's whole step on the step graphs'
+plans against its host step.
 """
 import json
 import os
@@ -36,9 +37,10 @@ def _plan_copy(engine_dir, flavor, workdir, batches):
         from lantern.export.accept_engine import add_acceptance_graphs  # torch: imported where it is needed
 
         shutil.copytree(engine_dir, copy)
-        add_acceptance_graphs(copy, kinds=("greedy",))  # the device step's plan (kept if the engine has its own)
+        add_acceptance_graphs(copy, acceptance=False)  # the device step's graphs (kept if the engine has them)
         start = time.perf_counter()
-        build_engine_plans(copy, flavor=flavor, compute_capabilities=cc, batches=tuple(batches))
+        # the greedy step graphs' plans (sampling's top-p accept takes minutes per plan to build)
+        build_engine_plans(copy, flavor=flavor, compute_capabilities=cc, batches=tuple(batches), step_kinds=("greedy",))
         seconds = time.perf_counter() - start
     else:
         seconds = None
@@ -66,11 +68,6 @@ def tensorrt(engine_dir, reference, opts, flavor, workdir):
             out[label] = measure(copy, engine, cpu, *opts, numerics_too=graphs)
         except Exception as e:
             out[label] = {"error": one_line(e)}
-    try:  # host step vs the acceptance plan on the logits where they are (greedy, CFG 4): same tokens_sha1
-        backend = Engine(copy, backend=TENSORRT.name, flavor=flavor).backend
-        out["step_paths"] = whole_step(copy, batches=opts[1], samplings=(False,), backends={flavor: backend})
-    except Exception as e:
-        out["step_paths"] = {"error": one_line(e)}
     try:  # the plans as the torch backend's modules: the whole step, enqueues included, one CUDA graph
         from lantern.export.torch_backend import open_tensorrt_torch_backend  # torch: imported where needed
 
@@ -83,6 +80,33 @@ def tensorrt(engine_dir, reference, opts, flavor, workdir):
         out["tensorrt_torch"] = {"error": one_line(e)}
     out["polygraphy"] = polygraphy_check(copy)
     out["polygraphy_inspect"] = inspect_plans(copy, flavor)
+    return out
+
+
+def tensorrt_graph_step(engine_dir, opts, flavor, workdir):
+    """TensorRT's whole step (GraphStep on the greedy step graphs' plans) against its host step,
+    with CUDA graphs (one per step parity) and without: per mode and batch, ms per step on each
+    path, the device's over the host's, and whether both paths gave the same tokens (greedy,
+    CFG 4). Plans as the tensorrt section builds them (the same copy, built once)."""
+    if flavor not in available_flavors():
+        raise Skip(f"{flavor} is not installed (pip install 'lantern[{flavor}]')")
+    if gpu_compute_capability() is None:
+        raise Skip("running TensorRT's step needs an NVIDIA GPU; none is visible here")
+    copy, out = _plan_copy(engine_dir, flavor, workdir, opts[1])
+    backends = {label: Engine(copy, backend=TENSORRT.name, flavor=flavor, cuda_graphs=graphs).backend
+                for label, graphs in (("cuda_graphs", True), ("no_cuda_graphs", False))}
+    rows = whole_step(copy, batches=opts[1], samplings=(False,), backends=backends)
+    keep = ("backend", "mode", "images", "step", "ms_per_step", "host_ms_per_step", "syncs_per_step", "tokens_sha1",
+            "skipped")
+    out["runs"] = [{k: r[k] for k in keep if k in r} for r in rows]
+    paths = {}
+    for r in rows:
+        paths.setdefault(f"{r['backend']} {r['mode']} n{r['images']}", {})[r["step"]] = r
+    out["tokens_equal"] = {k: "tokens_sha1" in p["device"] and p["host"].get("tokens_sha1") == p["device"]["tokens_sha1"]
+                           for k, p in paths.items() if {"host", "device"} <= set(p)}
+    out["device_over_host"] = {k: round(p["device"]["ms_per_step"] / p["host"]["ms_per_step"], 3)
+                               for k, p in paths.items() if "ms_per_step" in p.get("device", {})
+                               and "ms_per_step" in p.get("host", {})}
     return out
 
 
