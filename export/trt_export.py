@@ -30,6 +30,14 @@ makes TensorRT keep a second layout of the weights; any other extra profile cost
 (the GPT-B drafter: 10 exact profiles 91 MiB against 67 MiB spanning; the demo engine's target
 38 MiB for 6 against 13 MiB spanning).
 
+Step graphs (`lantern-export accept`: step/TREE-HASH/KIND.PHASE.onnx, the phases the tensorrt
+backend's device step runs between the engine calls) of the trees built for and AR get a plan
+each, keyed by their file and stored under plans/KEY/step/, with two exact profiles per batch and
+CFG setting (step_jobs: one per step parity). --step-graphs narrows the kinds: the sampling
+accepts with top-p took about 5 minutes each to build on this project's 2-core machine
+(TensorRT-RTX 1.7), the greedy phases under a second. TensorRT has no float64: its parser reads
+the sampling graphs' float64 tensors as float32.
+
 Full TensorRT builds for the GPU it runs on (`--compute-capability current`, the default); TensorRT
 for RTX builds ahead of time for named GPUs on any machine (`--compute-capability 86,89,120`).
 Networks are strongly typed: precision comes from the exported graphs (`lantern-export onnx
