@@ -165,7 +165,8 @@ class SamplingAcceptance(nn.Module):
     decisions; float32, what TensorRT runs, the same up to rounding).
 
     How (no loops, TensorRT-portable):
-    - every node's filtered target up front [N, M, S]: temperature, top-k as z >= the k-th value
+    - the filtered target of the node each image stands on, once per depth [N, S] (not every
+      node's up front): temperature, top-k as z >= the k-th value
       of one TopK of min(3840, S) values (TensorRT's limit; ties with it kept), top-p as the
       smallest kept probability found by bisection, ties at it kept in column order while the
       mass above them stays below top_p (the spec's stable sort);
@@ -197,8 +198,14 @@ class SamplingAcceptance(nn.Module):
         dt = logits.dtype
         l = _combined(self, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns)
         invalid = ~torch.isfinite(l.amax(dim=2)).all(dim=1)
-        target = self.filtered(l, temperature.to(dt), top_k, top_p)  # [N, M, S]
-        N = target.shape[0]
+        N = l.shape[0]
+        temperature = temperature.to(dt)
+
+        def target_at(node):
+            """The filtered target [N, S] of each image's node: only the depth + 1 nodes the walk
+            reaches, not all M (a CPU spent as long on top-p over every node as on the verification)."""
+            return self.filtered(l.gather(1, node[:, None, None].expand(N, 1, S)), temperature, top_k, top_p)[:, 0]
+
         K = draft_ids.shape[2]
         Kn = neighbors.shape[1]
         q_all = draft_probs.to(dt)
@@ -216,7 +223,7 @@ class SamplingAcceptance(nn.Module):
         trash_near = S + rank  # unique scatter targets past the token space
         trash_cand = S + Kn + cand
         node = torch.zeros(N, dtype=torch.int64, device=logits.device)
-        p = target[:, 0]
+        p = target_at(node)
         q = q_all[:, 0]
         ids = draft_ids[:, 0]
         going = torch.ones(N, dtype=torch.bool, device=logits.device)
@@ -267,7 +274,7 @@ class SamplingAcceptance(nn.Module):
             moved = going & (chosen >= 0)
             going = moved
             node = torch.where(moved, chosen, node)
-            p = torch.where(moved[:, None], target.gather(1, node[:, None, None].expand(N, 1, S))[:, 0], p)
+            p = torch.where(moved[:, None], target_at(node), p)
             q = torch.where(moved[:, None], q_all.gather(1, node[:, None, None].expand(N, 1, K))[:, 0], q)
             ids = torch.where(moved[:, None], draft_ids.gather(1, node[:, None, None].expand(N, 1, K))[:, 0], ids)
 
