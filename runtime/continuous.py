@@ -264,7 +264,7 @@ class ContinuousBatch:
                 return False
             n = self.owner.index(tag)
             self.owner[n] = None
-            self.decoding.count[n] = self.decoding.length
+            self.decoding.count[n] = self.decoding.length  # a graph step's copy runs on, never read, until a joiner
             return True
 
     def close(self):
