@@ -33,9 +33,9 @@ makes TensorRT keep a second layout of the weights; any other extra profile cost
 Step graphs (`lantern-export accept`: step/TREE-HASH/KIND.PHASE.onnx, the phases the tensorrt
 backend's device step runs between the engine calls) of the trees built for and AR get a plan
 each, keyed by their file and stored under plans/KEY/step/, with two exact profiles per batch and
-CFG setting (step_jobs: one per step parity). --step-graphs narrows the kinds: the sampling
-accepts with top-p took about 5 minutes each to build on this project's 2-core machine
-(TensorRT-RTX 1.7), the greedy phases under a second. TensorRT has no float64: its parser reads
+CFG setting (step_jobs: one per step parity). Greedy's by default; `--step-graphs greedy
+sampling` adds sampling's, whose accepts with top-p took about 5 minutes each to build on this
+project's 2-core machine (TensorRT-RTX 1.7; the greedy phases under a second each). TensorRT has no float64: its parser reads
 the sampling graphs' float64 tensors as float32.
 
 Full TensorRT builds for the GPU it runs on (`--compute-capability current`, the default); TensorRT
@@ -312,7 +312,7 @@ def _cfgs(manifest, cfg):
 
 
 def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities=("current",), batches=(1,),
-                       trees=(), windows=(), cfg=None, step_kinds=STEP_KINDS, timing_cache=None, workspace_bytes=None,
+                       trees=(), windows=(), cfg=None, step_kinds=("greedy",), timing_cache=None, workspace_bytes=None,
                        tf32=False, force=False, progress=False):
     """Build the plans of every graph of an engine directory and record them in its manifest.
     Returns (key, TensorRTPlans, {graph: build record}). See the module docstring."""
@@ -477,9 +477,10 @@ def add_parser(sub):
     cfg.add_argument("--cfg", dest="cfg", action="store_true", default=None,
                      help="only with classifier-free guidance (default: with and without, where the engine can)")
     cfg.add_argument("--no-cfg", dest="cfg", action="store_false", help="only without classifier-free guidance")
-    p.add_argument("--step-graphs", nargs="*", default=list(STEP_KINDS), choices=STEP_KINDS, metavar="KIND",
+    p.add_argument("--step-graphs", nargs="*", default=["greedy"], choices=STEP_KINDS, metavar="KIND",
                    help="the kinds of step graphs (lantern-export accept) to build plans of, for the tensorrt "
-                        "backend's device step: greedy, sampling (default both; none: no step plans)")
+                        "backend's device step: greedy, sampling (default greedy: sampling's top-p accepts take "
+                        "minutes each to build; none given: no step plans)")
     p.add_argument("--timing-cache", help="full TensorRT: a timing cache file, read if present and saved after")
     p.add_argument("--workspace-mib", type=int, help="the builder's workspace limit (default TensorRT's)")
     p.add_argument("--tf32", action="store_true", help="let fp32 products run in TF32 (off: fp32 graphs compute in fp32)")

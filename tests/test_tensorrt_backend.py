@@ -410,6 +410,7 @@ def test_the_device_step_needs_step_plans_and_says_how_to_build_them(planned, st
                         f"--compute-capability 89 --batch 1 --tree mc_sim_7b_63 --force`")
     why = trt_plans.step_plan_refusal(m, step_planned, key, entry, plan, Sampling(top_k=10), "SM89")
     assert "/sampling.begin.onnx and 6 more); rebuild them with `lantern-export trt" in why  # begin, 5 levels, accept+top_k
+    assert why.endswith(" --cfg --step-graphs greedy sampling --force`")
     old = m.replace(step_graphs={n: dataclasses.replace(e, version=0) for n, e in m.step_graphs.items()})
     assert trt_plans.step_plan_refusal(old, step_planned, key, entry, plan, Greedy(), "SM89").startswith(
         "the engine's step graphs are version 0")

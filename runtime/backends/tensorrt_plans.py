@@ -35,8 +35,9 @@ def installed_versions():
     return found
 
 
-def rebuild_command(directory, flavor, compute_capability, batches=None, trees=None, cfg=None):
-    """The `lantern-export trt` line that builds plans for this GPU (and these calls)."""
+def rebuild_command(directory, flavor, compute_capability, batches=None, trees=None, cfg=None, step_graphs=None):
+    """The `lantern-export trt` line that builds plans for this GPU (and these calls, and the step
+    graphs of these kinds where the default, greedy's, is not enough)."""
     cc = compute_capability[2:] if flavor == "tensorrt-rtx" and compute_capability else "current"
     line = f"lantern-export trt {directory} --flavor {flavor} --compute-capability {cc}"
     if batches:
@@ -45,6 +46,8 @@ def rebuild_command(directory, flavor, compute_capability, batches=None, trees=N
         line += " --tree " + " ".join(trees)
     if cfg is not None and len(cfg) == 1:
         line += " --cfg" if cfg[0] else " --no-cfg"
+    if step_graphs:
+        line += " --step-graphs " + " ".join(step_graphs)
     return line + " --force"
 
 
@@ -170,9 +173,10 @@ def step_plan_refusal(manifest, directory, key, entry, plan, sampler, gpu):
     missing = [f for f in needed if f not in entry.plans]
     if missing:
         trees = list(entry.trees) + ([name] if tree.depth and name not in entry.trees else [])
+        kinds = None if isinstance(sampler, Greedy) else ("greedy", "sampling")  # greedy's alone by default
         return (f"plans/{key} have no plans of the step graphs of tree {name} ({missing[0]}"
                 f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); rebuild them with "
-                f"`{rebuild_command(directory, entry.flavor, gpu, entry.batches, trees or None, entry.cfg)}`")
+                f"`{rebuild_command(directory, entry.flavor, gpu, entry.batches, trees or None, entry.cfg, kinds)}`")
     return None
 
 
