@@ -2,12 +2,11 @@
 (GreedyAcceptance) and sampling with temperature / top-k / top-p (SamplingAcceptance), with the
 CFG combination and forced tokens in front, written as torch modules so every backend can run
 them where the target left the verification logits (ONNX Runtime, TensorRT, the torch backend),
-and only a few integers per image cross to the host. lantern.runtime.accept (numpy) is the
-specification; tests/test_accept_graphs.py holds the graphs to it, `lantern-export check` too
-(lantern.export.accept_engine.check_acceptance). Contracts accept_greedy / accept_sampling
-(lantern.runtime.contracts); export_acceptance writes one graph as ONNX, `lantern-export accept
-ENGINE` (lantern.export.accept_engine) writes them into accept/ per draft tree
-(Manifest.acceptance), `lantern-export trt` builds their plans.
+and only a few integers per image cross to the host. They are the accept phase of the step graphs
+(lantern.export.step_graphs, which `lantern-export accept` writes and every runner runs); their
+I/O follows the contracts accept_greedy / accept_sampling (lantern.runtime.contracts).
+lantern.runtime.accept (numpy) is the specification; tests/test_accept_graphs.py holds the
+modules to it, in torch and exported to ONNX on ONNX Runtime.
 
 Greedy. One graph serves every rule and setting: the rule parameters are inputs and the bound on the
 neighbor mass is delta * Z + (lam - 1) * w(x) (exact: delta 0, lam 1; LANTERN: lam 1; LANTERN++:
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT, GRAPHS, resolved_io
+from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT, GRAPHS
 from lantern.runtime.errors import LanternError
 
 # float64's rounding limits around 1: 1 + e rounds above 1 iff e > 2^-53 (2^-53 itself ties to
@@ -317,88 +316,10 @@ class SamplingAcceptance(nn.Module):
         return p / p.sum(dim=2, keepdim=True)
 
 
-KINDS = {"greedy": GreedyAcceptance, "sampling": SamplingAcceptance}  # kind -> module; contract accept_<kind>
-_TRACE = {"B": 4, "N": 2, "F": 7, "Kn": 3}  # tracing sizes of the dynamic dims (distinct, > 1)
-
-
-def acceptance_io(kind, tree, width, vocab, candidates=None):
-    """The contract accept_<kind> resolved for a tree, a token space of `width` columns, the
-    vocabulary and (sampling) the drafter's candidates: {"inputs", "outputs"} of {"dtype", "shape"}."""
-    dims = {"M": tree.num_nodes, "V": vocab, "W": width, "depth+1": tree.depth + 1, "K": candidates}
-    return resolved_io(f"accept_{kind}", dims, "float32")
-
-
 def contract_inputs(kind):
+    """The input names, in order, of the module of `kind` (greedy, sampling): contract accept_<kind>."""
     return tuple(GRAPHS[f"accept_{kind}"]["inputs"])
 
 
 INPUTS = contract_inputs("greedy")
 OUTPUTS = tuple(GRAPHS["accept_greedy"]["outputs"])
-
-
-def acceptance_contract(tree, size):
-    """The greedy graph's I/O with the vocabulary left open (V): see acceptance_io."""
-    return acceptance_io("greedy", tree, size, "V")
-
-
-def export_acceptance(tree, columns, codes, vocab, path, opset=18, kind="greedy", candidates=None):
-    """Write the acceptance graph of `kind` for this tree and token space to `path` (ONNX);
-    returns its resolved I/O.
-
-    These graphs go through torch's TorchScript exporter, not dynamo as the model graphs do: they
-    hold no weights and no attention, so dynamo's reasons (dtypes kept through SDPA, weights
-    streamed to a data file) do not apply, and on this project's 2-core machines it took
-    166-465 s for the sampling graph (15 unrolled steps, ~2000 nodes) against ~10 s."""
-    import io
-    import warnings
-
-    import onnx
-
-    module = KINDS[kind](tree, columns, codes).eval()
-    io_spec = acceptance_io(kind, tree, len(columns), vocab, candidates)
-    trace, dynamic = [], {}
-    for name, entry in io_spec["inputs"].items():
-        shape = [_TRACE[d] if isinstance(d, str) else d for d in entry["shape"]]
-        value = torch.zeros(shape, dtype=getattr(torch, entry["dtype"]))
-        if name in ("cfg_interval", "forced_columns"):
-            value -= 1
-        if name in ("temperature", "top_p", "cfg_scale", "lam"):
-            value += 1
-        trace.append(value)
-        dims = {i: d for i, d in enumerate(entry["shape"]) if isinstance(d, str)}
-        if dims:
-            dynamic[name] = dims
-    buffer = io.BytesIO()
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(module, tuple(trace), buffer, input_names=list(io_spec["inputs"]),
-                          output_names=list(io_spec["outputs"]), dynamic_axes=dynamic, opset_version=opset,
-                          dynamo=False)
-    model = onnx.load_from_string(buffer.getvalue())
-    _name_io(model, io_spec, path)
-    onnx.save(model, path)
-    return io_spec
-
-
-_ONNX_TYPES = {"float32": 1, "int64": 7, "bool": 9}
-
-
-def _name_io(model, io_spec, where):
-    """Check the graph's I/O names and dtypes against the contract and write its dims as the
-    contract names them."""
-    for kind, values in (("inputs", model.graph.input), ("outputs", model.graph.output)):
-        expected = io_spec[kind]
-        if [v.name for v in values] != list(expected):
-            raise RuntimeError(f"{where}: exported {kind} {[v.name for v in values]} differ from {list(expected)}")
-        for value in values:
-            entry = expected[value.name]
-            tensor = value.type.tensor_type
-            if tensor.elem_type != _ONNX_TYPES[entry["dtype"]]:
-                raise RuntimeError(f"{where}: {value.name} has type {tensor.elem_type}, the contract says {entry['dtype']}")
-            del tensor.shape.dim[:]
-            for d in entry["shape"]:
-                dim = tensor.shape.dim.add()
-                if isinstance(d, str):
-                    dim.dim_param = d
-                else:
-                    dim.dim_value = d

@@ -1,7 +1,7 @@
 """The step's phases (lantern.export.step_graphs) exported to ONNX for one engine and tree:
 example inputs at distinct sizes for every dynamic dimension (images, rows, the caches'
-capacities, the body length, the streams' table), traced by torch's TorchScript exporter (as the
-acceptance graphs are: no weights, no attention, seconds instead of minutes), written beside the
+capacities, the body length, the streams' table), traced by torch's TorchScript exporter (no
+weights, no attention: seconds instead of dynamo's minutes), written beside the
 engine's graphs."""
 import io
 import os

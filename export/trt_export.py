@@ -145,38 +145,6 @@ def graph_profiles(manifest, graph, calls):
     return [(tuple(labels), tb.exact_profile(dict(key[0]))) for key, labels in grouped.items()]
 
 
-def acceptance_jobs(manifest, batches, cfgs, trees):
-    """[(graph label, profiles)] for the acceptance graphs of the given trees (those the engine
-    has graphs for: Manifest.acceptance), in graph_profiles' form: one exact profile per
-    (batch, CFG) shape of the step plans: logits [rows, M, V] as the verification returns them,
-    N images, the body's forced-column length, the neighbor table's width."""
-    adapter = condition_adapter(manifest, np.float32, directory=None)
-    width = manifest.neighbors.k if manifest.neighbors is not None else 1  # exact-only engines feed one column
-    graphs = manifest.all_graphs()
-    jobs = []
-    for tree in trees:
-        entry = manifest.acceptance_for(tree)
-        if entry is None:
-            continue
-        name = next(n for n, e in manifest.acceptance.items() if e is entry)
-        for kind in ("greedy", "sampling"):
-            label = f"accept_{kind}@{name}"
-            if label not in graphs:
-                continue
-            spec = graphs[label]
-            dynamic = [n for n, t in spec.inputs.items() if any(isinstance(d, str) for d in t.shape)]
-            grouped = {}
-            for images in batches:
-                for cfg in cfgs:
-                    body = len(_prefix(manifest, images, cfg, adapter).forced)
-                    dims = {"B": 2 * images if cfg else images, "N": images, "F": body, "Kn": width}
-                    shapes = {n: tuple(dims[d] if isinstance(d, str) else d for d in spec.inputs[n].shape) for n in dynamic}
-                    grouped.setdefault(tuple(sorted(shapes.items())), []).append(
-                        f"accept n{images}{' cfg' if cfg else ''} {tree.name}")
-            jobs.append((label, [(tuple(labels), tb.exact_profile(dict(key))) for key, labels in grouped.items()]))
-    return jobs
-
-
 def step_plan_dims(manifest, plan, width):
     """{dim name: size} of the step graphs' dynamic axes (lantern.export.step_export._example names
     them) for the generations of one step plan, as GraphStep binds them: images N, rows B, the
@@ -342,7 +310,6 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
 
     calls = call_shapes(manifest, batches, cfgs, tree_list, windows)
     jobs = [(graph, graph_profiles(manifest, graph, calls[graph])) for graph in calls]
-    jobs += acceptance_jobs(manifest, batches, cfgs, tree_list)
     if any(k not in STEP_KINDS for k in step_kinds):
         raise LanternError(f"step graph kinds are {', '.join(STEP_KINDS)}, got {', '.join(step_kinds)}")
     jobs += step_jobs(directory, manifest, batches, cfgs, tree_list, step_kinds)
@@ -357,7 +324,7 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
                 compute_capabilities=None if flavor == "tensorrt" else ccs, timing_cache=timing_cache,
                 workspace_bytes=workspace_bytes, tf32=tf32, progress=lambda phase, done, total: bar.set_postfix_str(
                     f"{phase} {done}/{total}"[:40], refresh=False))
-            # target.plan, T-H.greedy.plan (accept/T-H.greedy.onnx), step/T-H/greedy.begin.plan (step graphs share names)
+            # target.plan, step/T-H/greedy.begin.plan (a step graph's plan keeps its file's path: they share names)
             plan_name = f"{(graph if graph == files[graph] else os.path.basename(files[graph]))[:-len('.onnx')]}.plan"
             enginedir.write_file(stage, plan_name, plan)
             records[graph] = record

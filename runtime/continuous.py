@@ -227,7 +227,7 @@ class ContinuousBatch:
     @property
     def _whole(self):
         """Whether the batch runs the whole step on the backend's device (a GraphStep)."""
-        return self.device is not None and self.device.whole_step
+        return self.device is not None
 
     # -- running -----------------------------------------------------------------------------------
     def step(self):
@@ -240,8 +240,8 @@ class ContinuousBatch:
             start = time.perf_counter()
             if self._whole:
                 d.device_step(self.device, active)
-            else:  # the host step (with the backend's acceptance where its device step is not whole)
-                d.host_step(active, self.device)
+            else:
+                d.host_step(active)
             self.steps[active] += 1
             self.engine_seconds[active] += time.perf_counter() - start
             self.shared[active] += active.sum()

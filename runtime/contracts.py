@@ -119,10 +119,11 @@ GRAPHS["commit"] = {
     "aliases": _CACHE_ALIASES,
 }
 
-# Acceptance as graphs (lantern.export.accept_graphs; lantern.runtime.accept is their
-# specification): the verification logits in, the step's outcome out. One pair of graphs per
-# draft tree (the tree is a constant of each), in the engine's token space of W columns: the
-# image codes, then the ids the prompt style forces (Manifest.acceptance records them). Dims:
+# Acceptance as modules (lantern.export.accept_graphs, the step graphs' accept rule;
+# lantern.runtime.accept is their specification): the verification logits in, the step's outcome
+# out. The tree is a constant of each, in the engine's token space of W columns: the image codes,
+# then the ids the prompt style forces (StepGraphs.forced_ids records them; an older engine's
+# acceptance-only graphs, Manifest.acceptance, follow these contracts too). Dims:
 # B target rows as the target returned them, N images, M tree nodes, V vocabulary, F body length
 # (forced_columns), Kn neighbor table width, K drafter candidates, depth+1 path length. Tokens,
 # draft ids, neighbors and next_token are columns of the token space, not vocabulary ids. Rule

@@ -164,27 +164,18 @@ class Decoding:
         return emit
 
     # -- the loop ------------------------------------------------------------------------------
-    def host_step(self, active, acceptor=None):
-        """One step on the host: draft, verify, accept, commit; returns the Outcome of the
-        active images. acceptor: a backend's acceptance where the logits are (a device step
-        that is not whole: ONNX Runtime's acceptance graph, TensorRT's acceptance plan), else
-        numpy's."""
+    def host_step(self, active):
+        """One step on the host: draft, verify, accept (numpy's), commit; returns the Outcome of
+        the active images."""
         t0 = time.perf_counter()
         draws = self.streams.step()
         self.proposer.propose(self, active, draws.race)
         t1 = time.perf_counter()
         out = self.verify()
         t2 = time.perf_counter()
-        logits = None
-        if acceptor is None:
-            logits = self.combined_logits(out["logits"], self.count[:, None] + self.tree.depths[None, :])
-            outcome = self.accept(active, logits, draws.accept)
-        else:
-            outcome = acceptor.accept(self, active, draws.accept)
+        logits = self.combined_logits(out["logits"], self.count[:, None] + self.tree.depths[None, :])
+        outcome = self.accept(active, logits, draws.accept)
         t3 = time.perf_counter()
-        if acceptor is not None:  # the acceptance graph's call is engine work, as the other graphs' are
-            self.times["engine"] += t3 - t2
-            self.engine_calls += 1
         self.commit(active, outcome, out, logits)
         t4 = time.perf_counter()
         for key, dt in zip(("draft", "verify", "accept", "commit"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
@@ -216,10 +207,9 @@ class Decoding:
         steps = np.zeros(self.N, dtype=np.int64)
         step, prefill_calls = 0, self.engine_calls
         device = self.backend.device_step(self) if self.step_path == "device" else None
-        whole = device is not None and device.whole_step  # else the backend accepts, the host does the rest
         while (active := self.count < self.length).any():
             steps[active] += 1
-            outcome = self.device_step(device, active) if whole else self.host_step(active, device)
+            outcome = self.device_step(device, active) if device is not None else self.host_step(active)
             if self.observer is not None:
                 self.observer(self.record(step, active, outcome))
             step += 1

@@ -1,6 +1,6 @@
 """The target distribution a sampler draws from, the one definition for every step (the host's
 acceptance, the jacobi window's re-drafts, the samplers of lantern.runtime.sampling) and what the
-acceptance graphs' filters are tested against.
+step graphs' acceptance filters are tested against.
 
 filtered_probs(logits, temperature, top_k, top_p): logits / T, keep the top-k (ties with the
 k-th value kept, as LlamaGen does), keep the nucleus (the smallest set, by decreasing

@@ -23,6 +23,7 @@ CUDA graph) stay valid.
 """
 import numpy as np
 
+from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT
 from lantern.runtime.plan import Call
 from lantern.runtime.sampling import Greedy
 
@@ -46,6 +47,15 @@ def accept_variant(sampler, columns):
                     (("top_p",) if sampler.top_p < 1.0 else ()))
 
 
+def top_k_refusal(sampler, columns):
+    """Why the step graphs' sampling accept (over `columns` token-space columns) cannot filter
+    this sampler's top_k, or None: its TopK serves top_k up to ACCEPT_TOP_K_LIMIT, or none."""
+    if not isinstance(sampler, Greedy) and ACCEPT_TOP_K_LIMIT < sampler.top_k < columns:
+        return (f"its sampling acceptance graph serves top_k up to {ACCEPT_TOP_K_LIMIT} (or none), not "
+                f"{sampler.top_k}")
+    return None
+
+
 def step_key(decoding):
     """What fixes a step's graphs and buffers beyond its plan: a generation with another key needs
     a GraphStep of its own."""
@@ -58,8 +68,6 @@ class GraphStep:
     """One plan's step on the engine's step graphs. decoding: the loop's Decoding after prefill
     (its plan's buffers hold the state the first step starts from); graphs: {phase: label} of
     the graphs (or modules) the backend opened for this tree, proposer and kind."""
-
-    whole_step = True
 
     def __init__(self, backend, decoding, graphs):
         d, plan = decoding, decoding.plan

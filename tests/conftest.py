@@ -81,22 +81,6 @@ def c2i_engine(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def c2i_accept_engine(c2i_engine, tmp_path_factory):
-    """A copy of the c2i engine with its default tree's acceptance graphs, greedy and sampling
-    (`lantern-export accept`): what ONNX Runtime's device step runs."""
-    import shutil
-
-    from lantern.export.accept_engine import add_acceptance_graphs
-
-    def build(root):
-        out = shutil.copytree(c2i_engine, root / "engine")
-        add_acceptance_graphs(out)
-        return str(out)
-
-    return built_once(tmp_path_factory, "c2i-accept", build)
-
-
-@pytest.fixture(scope="session")
 def t2i_engine(tmp_path_factory):
     """A tiny text-conditional engine (naive_extend_57 tree)."""
     from engines import build_engine

@@ -54,11 +54,11 @@ def build_engine(root, model_type="c2i", tree="mc_sim_7b_63", drafter=True, with
 
 
 def add_step_graphs(directory):
-    """The step graphs of the engine's default tree and AR (`lantern-export accept`'s, without
-    its acceptance graphs), as the demo has them: ONNX Runtime's default step runs them."""
-    from lantern.export.accept_engine import add_acceptance_graphs
+    """The step graphs of the engine's default tree and AR (`lantern-export accept`), as the
+    demo has them: ONNX Runtime's default step runs them."""
+    from lantern.export import accept_engine
 
-    add_acceptance_graphs(directory, acceptance=False)
+    accept_engine.add_step_graphs(directory)
 
 
 def export_like(engine, out, *extra):

@@ -1,6 +1,8 @@
-"""The greedy acceptance graph (lantern.export.accept_graphs) against the numpy specification
-(lantern.runtime.accept.accept_greedy_batch) on random cases with ties, -inf entries, forced
-tokens, CFG and every rule; the same module exported to ONNX and run on ONNX Runtime."""
+"""The acceptance modules (lantern.export.accept_graphs, the step graphs' accept rule) against the
+numpy specification (lantern.runtime.accept) on random cases with ties, -inf entries, forced
+tokens, CFG and every rule; the same modules exported to ONNX (export_rule, as the step graphs
+are: TorchScript, opset 18) and run on ONNX Runtime in float32, as a runner runs them."""
+import warnings
 import zlib
 from types import SimpleNamespace
 
@@ -9,8 +11,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from lantern.export.accept_graphs import (INPUTS, OUTPUTS, GreedyAcceptance, SamplingAcceptance, contract_inputs,
-                                          export_acceptance)
+from lantern.export.accept_graphs import INPUTS, OUTPUTS, GreedyAcceptance, SamplingAcceptance, contract_inputs
+from lantern.runtime.contracts import resolved_io
 from lantern.runtime import accept as acceptance, filtering
 from lantern.runtime.sampling import Sampling
 from lantern.runtime.tree import build_tree, root_only
@@ -21,6 +23,29 @@ torch.set_num_threads(1)  # tiny tensors: more threads only contend for the shar
 
 START, CODES, VOCAB = 3, 40, 48  # ids 0..2 and 43..47 are not image codes; 44 and 46 can be forced
 FORCED_IDS = (44, 46)
+
+
+def export_rule(kind, tree, columns, path, candidates=None):
+    """One acceptance module of `kind` alone as an ONNX graph at `path`, its I/O the contract
+    accept_<kind>'s: images, rows, body length and neighbor width dynamic, traced at distinct
+    sizes above 1 (so none is taken for another or for a constant)."""
+    module = (GreedyAcceptance if kind == "greedy" else SamplingAcceptance)(tree, columns, CODES).eval()
+    io = resolved_io(f"accept_{kind}", {"M": tree.num_nodes, "V": VOCAB, "W": len(columns), "depth+1": tree.depth + 1,
+                                        "K": candidates}, "float32")
+    trace_dims = {"B": 4, "N": 2, "F": 7, "Kn": 3}
+    args, dynamic = [], {}
+    for name, entry in io["inputs"].items():
+        value = torch.zeros([trace_dims.get(d, d) for d in entry["shape"]], dtype=getattr(torch, entry["dtype"]))
+        if name in ("cfg_interval", "forced_columns"):  # off, as a generation without them feeds them
+            value -= 1
+        if name in ("temperature", "top_p", "cfg_scale", "lam"):
+            value += 1
+        args.append(value)
+        dynamic[name] = {i: d for i, d in enumerate(entry["shape"]) if isinstance(d, str)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's notes on the tree's Python constants
+        torch.onnx.export(module, tuple(args), path, input_names=list(io["inputs"]), output_names=list(io["outputs"]),
+                          dynamic_axes={n: d for n, d in dynamic.items() if d}, opset_version=18, dynamo=False)
 
 
 def stable_seed(*parts):
@@ -195,7 +220,7 @@ def onnx_graph(tmp_path_factory):
     tree = build_tree("mc_sim_7b_63")
     columns = np.concatenate([np.arange(START, START + CODES), FORCED_IDS])
     path = str(tmp_path_factory.mktemp("accept") / "accept_greedy.onnx")
-    export_acceptance(tree, columns, CODES, VOCAB, path)
+    export_rule("greedy", tree, columns, path)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     return tree, columns, ort.InferenceSession(path, options, providers=["CPUExecutionProvider"]), path
@@ -367,7 +392,7 @@ def sampling_graph(tmp_path_factory):
     tree = build_tree("mc_sim_7b_63")
     columns = np.concatenate([np.arange(START, START + CODES), FORCED_IDS])
     path = str(tmp_path_factory.mktemp("accept") / "accept_sampling.onnx")
-    export_acceptance(tree, columns, CODES, VOCAB, path, kind="sampling", candidates=CANDIDATES)
+    export_rule("sampling", tree, columns, path, candidates=CANDIDATES)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     return tree, ort.InferenceSession(path, options, providers=["CPUExecutionProvider"]), path

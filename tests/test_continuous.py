@@ -78,8 +78,8 @@ GRAPH_SETTINGS = {
 
 
 @pytest.fixture(scope="module")
-def c2i_graphs(c2i_accept_engine):
-    return Engine(c2i_accept_engine, threads=1)
+def c2i_graphs(c2i_engine):
+    return Engine(c2i_engine, threads=1)
 
 
 @pytest.mark.parametrize("name", list(GRAPH_SETTINGS))

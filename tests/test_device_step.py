@@ -191,17 +191,17 @@ def test_step_choice_and_refusals(torch_c2i, c2i_engine, tmp_path, capsys):
 
 @pytest.mark.parametrize("mode, cfg, images, extra", [("exact", 4.0, 3, {"cfg_interval": 5}),
                                                       ("lantern++", 1.0, 1, {"lam": 3.0, "k": 8})])
-def test_onnxruntime_graph_step_equals_host_and_keeps_the_logits(c2i_accept_engine, mode, cfg, images, extra):
+def test_onnxruntime_graph_step_equals_host_and_keeps_the_logits(c2i_engine, mode, cfg, images, extra):
     from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
     from lantern.runtime.graph_step import GraphStep
     from lantern.runtime.manifest import read_manifest
 
-    manifest = read_manifest(c2i_accept_engine)
-    backend = RecordingBackend(OnnxRuntimeBackend(c2i_accept_engine, manifest, threads=2))
+    manifest = read_manifest(c2i_engine)
+    backend = RecordingBackend(OnnxRuntimeBackend(c2i_engine, manifest, threads=2))
     kw = dict(mode=mode, greedy=True, cfg_scale=cfg, classes=list(range(1, images + 1)), **extra)
-    host = Engine(c2i_accept_engine, backend=backend, step="host").generate(**kw)
+    host = Engine(c2i_engine, backend=backend, step="host").generate(**kw)
     host_reads = max(size for kind, size in backend.events if kind == "to_host")
-    device_engine = Engine(c2i_accept_engine, backend=backend, step="device")
+    device_engine = Engine(c2i_engine, backend=backend, step="device")
     device = device_engine.generate(**kw)
     assert (host.stats["step"], device.stats["step"]) == ("host", "device")
     assert isinstance(backend.last_step, GraphStep)  # the whole step on the engine's step graphs
@@ -214,13 +214,13 @@ def test_onnxruntime_graph_step_equals_host_and_keeps_the_logits(c2i_accept_engi
 
 # -- ONNX Runtime's sampling step graphs ---------------------------------------------------------
 @pytest.fixture(scope="module")
-def ort_sampling(c2i_accept_engine):
-    """A recording ONNX Runtime backend over the engine with its step graphs and acceptance
-    graphs, and one host and one device engine on it."""
+def ort_sampling(c2i_engine):
+    """A recording ONNX Runtime backend over the engine with its step graphs, and one host and
+    one device engine on it."""
     from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
     from lantern.runtime.manifest import read_manifest
 
-    directory = c2i_accept_engine
+    directory = c2i_engine
     backend = RecordingBackend(OnnxRuntimeBackend(directory, read_manifest(directory), threads=2))
     return backend, Engine(directory, backend=backend, step="host"), Engine(directory, backend=backend, step="device")
 
@@ -261,11 +261,11 @@ def test_onnxruntime_sampling_graph_step_equals_host(ort_sampling):
     assert min(drafts) > 0  # every case accepted drafts: the children's draw and acceptance really ran
 
 
-def test_onnxruntime_sampling_refusals(ort_sampling, c2i_accept_engine, monkeypatch):
+def test_onnxruntime_sampling_refusals(ort_sampling, c2i_engine, monkeypatch):
     """What the ONNX Runtime device step still refuses, in one line each; AR runs on its graphs."""
     import dataclasses
 
-    from lantern.runtime.backends import graph_acceptance
+    from lantern.runtime import graph_step
     from lantern.runtime.manifest import read_manifest
     from lantern.runtime.sampling import Greedy, Sampling
 
@@ -273,7 +273,7 @@ def test_onnxruntime_sampling_refusals(ort_sampling, c2i_accept_engine, monkeypa
     directory = device_engine.directory
     kw = dict(greedy=False, cfg_scale=4.0, classes=[1], seed=[3])
     assert device_engine.generate(mode="ar", **kw).stats["step"] == "device"  # AR has step graphs
-    monkeypatch.setattr(graph_acceptance, "ACCEPT_TOP_K_LIMIT", 10)  # the tiny model's 64 codes are under the real one
+    monkeypatch.setattr(graph_step, "ACCEPT_TOP_K_LIMIT", 10)  # the tiny model's 64 codes are under the real one
     with pytest.raises(LanternError, match=r"serves top_k up to 10 \(or none\), not 20; use step='host'"):
         device_engine.generate(mode="exact", top_k=20, **kw)
     plan = device_engine._plan
@@ -287,37 +287,6 @@ def test_onnxruntime_sampling_refusals(ort_sampling, c2i_accept_engine, monkeypa
     monkeypatch.setattr(backend.inner, "manifest", manifest.replace(step_graphs={}))
     assert backend.device_step_refusal(plan, Sampling()) == (
         f"the engine has no step graphs for tree mc_sim_7b_63; add them with `lantern-export accept {directory}`")
-
-
-def test_tensorrt_acceptance_call_is_what_trt_builds_for(ort_sampling):
-    """TensorRT's device step binds the acceptance graph as one more call (graph_acceptance.
-    acceptance_call: the inputs as a generation feeds them, the verify call's logits buffer):
-    its inputs and shapes are those of the exact profile `lantern-export trt` lays out for the
-    generation's batch and CFG, greedy and sampling, so the plans built on a CPU serve it on a
-    GPU (where the TensorRT backend itself runs: no GPU here)."""
-    from lantern.export import trt_export
-    from lantern.runtime.backends import graph_acceptance
-    from lantern.runtime.backends.tensorrt_plans import call_shapes
-    from lantern.runtime.settings import GenerationSettings
-
-    _, _, device_engine = ort_sampling
-    m = device_engine.manifest
-    for greedy, images, cfg in [(True, 1, 1.0), (False, 3, 4.0)]:
-        settings = GenerationSettings(mode="lantern++", greedy=greedy, cfg_scale=cfg, lam=3.0, k=8)
-        condition = dict(classes=list(range(images)), caption=None, caption_mask=None, prompt=None, prompt_ids=None,
-                         grid=None)
-        setup = device_engine.prepare(settings, condition, list(range(images)))
-        plan = device_engine._plan_for(setup.proposer.tree, setup.prefix, setup.feeds, setup.proposer.drafter)
-        io = graph_acceptance.AcceptanceIO(m, setup.decoding(device_engine, plan))  # what TensorRT's step binds
-        assert io.label == f"accept_{'greedy' if greedy else 'sampling'}@{plan.tree.name}"
-        shapes = call_shapes(graph_acceptance.acceptance_call(io, plan.calls["verify"].outputs["logits"]))
-        assert set(shapes) == set(m.all_graphs()[io.label].inputs)
-        jobs = dict(trt_export.acceptance_jobs(m, (images,), (cfg > 1,), [plan.tree]))
-        [(labels, profile)] = jobs[io.label]
-        assert labels == (f"accept n{images}{' cfg' if cfg > 1 else ''} {plan.tree.name}",)
-        for name, (low, opt, high) in profile.items():
-            assert low == opt == high == shapes[name], name
-        assert shapes["logits"] == (2 * images if cfg > 1 else images, plan.tree.num_nodes, m.vocabulary.size)
 
 
 # -- sampling on the device step: the host path is the specification --------------------------
@@ -404,23 +373,22 @@ def test_float32_sampling_acceptance_distribution(torch_c2i):
     assert chi_square_p(device.tokens.ravel(), host.tokens.ravel()) > 1e-3
 
 
-# -- ONNX Runtime's acceptance graphs with forced tokens (Lumina-mGPT) --------------------------
+# -- ONNX Runtime's step graphs with forced tokens (Lumina-mGPT) --------------------------------
 @pytest.fixture(scope="module")
 def ort_lumina(chameleon_engines, tmp_path_factory):
-    """A copy of the tiny Lumina-mGPT engine with its tree's step graphs and acceptance graphs
-    (their token space holds the forced line-break and end-of-image ids as extra columns), on a
-    recording ONNX Runtime backend."""
+    """A copy of the tiny Lumina-mGPT engine with its tree's step graphs (their token space holds
+    the forced line-break and end-of-image ids as extra columns), on a recording ONNX Runtime
+    backend."""
     import shutil
 
-    from lantern.export.accept_engine import add_acceptance_graphs
+    from lantern.export.accept_engine import add_step_graphs
     from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
     from lantern.runtime.manifest import read_manifest
 
     directory = shutil.copytree(chameleon_engines["lumina_mgpt"], tmp_path_factory.mktemp("ort-lumina") / "engine")
-    add_acceptance_graphs(directory)
+    add_step_graphs(directory)
     manifest = read_manifest(directory)
-    assert all(e.forced_ids for e in manifest.acceptance.values())  # the graphs carry the forced ids
-    assert all(e.forced_ids for e in manifest.step_graphs.values())
+    assert all(e.forced_ids for e in manifest.step_graphs.values())  # the graphs carry the forced ids
     return directory, RecordingBackend(OnnxRuntimeBackend(directory, manifest, threads=2))
 
 

@@ -80,7 +80,7 @@ def test_cfg_interval_switches_to_conditional_logits_at_its_index(request, step)
         directory = request.getfixturevalue("c2i")
         engine = Engine(directory, backend=open_torch_backend(directory, threads=2), step="device")
     else:
-        directory = request.getfixturevalue("c2i_accept_engine")
+        directory = request.getfixturevalue("c2i")
         engine = Engine(directory, threads=2, step="device")
     for mode in ("ar", "exact"):  # AR runs on its own step graphs on ONNX Runtime's device step
         out = engine.generate(mode=mode, greedy=True, cfg_scale=4.0, cfg_interval=I, **cond)

@@ -68,7 +68,7 @@ def test_the_device_step_section_measures_both_paths_on_the_cpu(c2i_engine):
     assert runs["device", "lantern++"]["step_in_ar_steps"] > 0
 
 
-def test_step_paths_table_on_the_cpu_backends(c2i_accept_engine):
+def test_step_paths_table_on_the_cpu_backends(c2i_engine):
     """tools/bench/device_step.whole_step (gpu_check's step_paths for TensorRT, the bench's
     default table): host and device rows per backend, the same tokens on both paths (greedy),
     AR on ONNX Runtime's step graphs too, and the device path reading the outcome where the host
@@ -76,9 +76,9 @@ def test_step_paths_table_on_the_cpu_backends(c2i_accept_engine):
     from lantern.runtime.backends.onnxruntime import OnnxRuntimeBackend
     from lantern.tools.bench.device_step import whole_step
 
-    manifest = read_manifest(c2i_accept_engine)
-    backends = {"ort": OnnxRuntimeBackend(c2i_accept_engine, manifest, threads=2)}
-    rows = whole_step(c2i_accept_engine, modes=("ar", "lantern++"), batches=(1,), samplings=(False,), backends=backends)
+    manifest = read_manifest(c2i_engine)
+    backends = {"ort": OnnxRuntimeBackend(c2i_engine, manifest, threads=2)}
+    rows = whole_step(c2i_engine, modes=("ar", "lantern++"), batches=(1,), samplings=(False,), backends=backends)
     by = {(r["mode"], r["step"]): r for r in rows}
     assert set(by) == {(m, p) for m in ("ar", "lantern++") for p in ("host", "device")}
     assert by["ar", "host"]["tokens_sha1"] == by["ar", "device"]["tokens_sha1"]

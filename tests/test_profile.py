@@ -84,18 +84,18 @@ def test_profile_refuses_up_front_in_one_line(c2i_engine, tmp_path, monkeypatch,
     assert captured.out == "" and list(tmp_path.iterdir()) == []
 
 
-def test_profile_of_a_device_step_traces_its_phases(c2i_accept_engine, tmp_path):
+def test_profile_of_a_device_step_traces_its_phases(c2i_engine, tmp_path):
     """ONNX Runtime's device step: the step graphs' phases between the engine calls, each in the
     trace by name, for the tree and for AR; the host step, asked for, reads the logits back."""
     from lantern.tools import run_cli
 
     out = tmp_path / "profile"
-    argv = ["profile", c2i_accept_engine, "--images", "2", "--threads", "1", "--greedy", "--step", "device",
+    argv = ["profile", c2i_engine, "--images", "2", "--threads", "1", "--greedy", "--step", "device",
             "--repeats", "1", "--out", str(out)]
     assert run_cli.main(argv) == 0
     (result,) = json.loads((out / "profile.json").read_text())["runners"]
     spec, ar = result["runs"]["lantern++"], result["runs"]["ar"]
-    depth = build_tree(read_manifest(c2i_accept_engine).tree).depth
+    depth = build_tree(read_manifest(c2i_engine).tree).depth
     assert (spec["step"], ar["step"]) == ("device", "device")
     assert spec["engine_calls_per_step"] == depth + 1 and ar["engine_calls_per_step"] == 1
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
@@ -109,7 +109,7 @@ def test_profile_of_a_device_step_traces_its_phases(c2i_accept_engine, tmp_path)
     assert run_cli.main(argv[:-1] + [str(host)]) == 0
     (result,) = json.loads((host / "profile.json").read_text())["runners"]
     spec = result["runs"]["lantern++"]
-    vocab = read_manifest(c2i_accept_engine).vocabulary.size
+    vocab = read_manifest(c2i_engine).vocabulary.size
     assert spec["step"] == "host" and spec["bytes_to_host_per_step_per_image"] > vocab * 4  # the logits
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from engines import flip_a_bit, manifest as manifest_json
 from lantern.export import cli
-from lantern.runtime.backends import graph_acceptance
+from lantern.runtime import graph_step
 from lantern.runtime.contracts import ACCEPT_PHASES, STEP_VERSION
 from lantern.runtime.errors import LanternError
 from lantern.runtime.generator import Engine
@@ -39,7 +39,7 @@ def _edit(directory, change):
 @pytest.fixture(scope="module")
 def step_engine(c2i_engine, tmp_path_factory):
     """A copy of the session's c2i engine stripped of its step graphs, then given them again by
-    `lantern-export accept` (which adds the acceptance graphs too)."""
+    `lantern-export accept`."""
     out = str(shutil.copytree(c2i_engine, tmp_path_factory.mktemp("step") / "engine"))
     _strip_step_graphs(out)
     assert read_manifest(out).step_graphs == {}
@@ -69,7 +69,7 @@ def test_accept_writes_the_default_trees_and_ars_step_graphs(step_engine):
                 assert name in m.files and os.path.getsize(os.path.join(step_engine, name)) == m.files[name].size
     assert m.step_graphs["ar"].tree == {"name": "ar", "paths": []}
     assert m.step_graphs_for(build_tree("chain-4")) is None
-    assert m.acceptance_for(tree) is not None  # the acceptance graphs beside them
+    assert m.acceptance == {} and not os.path.exists(os.path.join(step_engine, "accept"))  # step graphs only
 
 
 def test_the_manifest_round_trips(copy):
@@ -78,6 +78,48 @@ def test_the_manifest_round_trips(copy):
     again = read_manifest(copy)
     assert again.step_graphs == m.step_graphs and again.files == m.files
     assert manifest_json(copy)["step_graphs"]["ar"]["version"] == STEP_VERSION
+
+
+def _add_legacy_acceptance(directory):
+    """What an engine from before the step graphs also held: an acceptance-only graph of its
+    default tree (accept/, Manifest.acceptance). Its file here is a copy of the tree's greedy
+    accept phase (any ONNX file: nothing runs it), recorded with the accept_greedy contract's I/O."""
+    from lantern.runtime.contracts import resolved_io
+    from lantern.runtime.manifest import AcceptanceGraphs, Graph, TensorSpec, describe_files
+
+    m = read_manifest(directory)
+    tree = build_tree(m.tree)
+    name = f"accept/{tree.name}-legacy.greedy.onnx"
+    os.makedirs(os.path.join(directory, "accept"))
+    shutil.copyfile(os.path.join(directory, m.step_graphs_for(tree).greedy["accept"]), os.path.join(directory, name))
+    io = resolved_io("accept_greedy", {"M": tree.num_nodes, "V": m.vocabulary.size, "W": m.vocabulary.codes,
+                                       "depth+1": tree.depth + 1}, "float32")
+    specs = {kind: {k: TensorSpec(v["dtype"], tuple(v["shape"])) for k, v in io[kind].items()}
+             for kind in ("inputs", "outputs")}
+    entry = AcceptanceGraphs(tree=tree.to_json(), forced_ids=(), greedy=Graph(
+        file=name, contract="accept_greedy", dtype="fp32", **specs))
+    m.replace(acceptance={tree.name: entry}, files={**m.files, **describe_files(directory, [name])}).write(directory)
+    return name
+
+
+def test_an_engine_with_legacy_acceptance_graphs_reads_verifies_and_runs(copy):
+    """An older engine's acceptance-only graphs: its manifest reads and verifies (their files are
+    hashed like any other), it runs on its step graphs, `accept --force` leaves them as they are,
+    and a changed one is refused."""
+    name = _add_legacy_acceptance(copy)
+    m = read_manifest(copy, verify=True)
+    assert list(m.acceptance) == [build_tree(m.tree).name] and name in m.files
+    device = Engine(copy, threads=2, step="device").generate(mode="lantern++", greedy=True, classes=[1], lam=3.0, k=8)
+    host = Engine(copy, threads=2, step="host").generate(mode="lantern++", greedy=True, classes=[1], lam=3.0, k=8)
+    assert device.stats["step"] == "device"
+    np.testing.assert_array_equal(device.tokens, host.tokens)
+    assert cli.main(["accept", copy, "--force", "--no-progress"]) == 0  # the step graphs written again
+    again = read_manifest(copy, verify=True)
+    assert again.acceptance == m.acceptance and again.files[name] == m.files[name]  # left alone
+    assert set(again.step_graphs) == set(m.step_graphs)
+    flip_a_bit(os.path.join(copy, name), 50)
+    with pytest.raises(LanternError, match="accept/"):
+        read_manifest(copy, verify=True)
 
 
 def test_a_changed_step_graph_is_refused(copy):
@@ -155,8 +197,8 @@ def test_what_the_graphs_cannot_serve_is_one_line(copy, monkeypatch):
         **m.step_graphs, tree.name: dataclasses.replace(entry, forced_ids=(70,))}))
     assert "serve forced ids [70], this generation forces []" in backend.device_step_refusal(plan, sampler)
     monkeypatch.setattr(backend, "manifest", m)
-    # a top-k the sampling acceptance cannot filter: the acceptance graphs' line
-    monkeypatch.setattr(graph_acceptance, "ACCEPT_TOP_K_LIMIT", 10)
+    # a top-k the sampling acceptance cannot filter: the step graphs' TopK limit
+    monkeypatch.setattr(graph_step, "ACCEPT_TOP_K_LIMIT", 10)
     assert backend.device_step_refusal(plan, sampler) == "its sampling acceptance graph serves top_k up to 10 (or " \
                                                          "none), not 20"
     with pytest.raises(LanternError, match="serves top_k up to 10"):

@@ -410,16 +410,15 @@ def test_ar_engine_builds_ar_plans(c2i_engine, tmp_path, monkeypatch):
     assert "rebuild the plans with `lantern-export trt ENGINE --force`" in _one_line(err)
 
 
-def test_no_graph_the_backend_binds_has_a_shape_tensor_input(c2i_accept_engine):
+def test_no_graph_the_backend_binds_has_a_shape_tensor_input(c2i_engine):
     """The TensorRT backend gives every input a device address (runtime/backends/tensorrt.py);
     TensorRT reads a shape-tensor input from host memory instead. None of the engine's graphs,
-    acceptance graphs and step graphs included (k, top_k and cfg_interval are [1] int64 inputs),
-    parses to one."""
+    step graphs included (k, top_k and cfg_interval are [1] int64 inputs), parses to one."""
     import tensorrt_rtx as trt
 
-    m = read_manifest(c2i_accept_engine)
+    m = read_manifest(c2i_engine)
     logger = trt.Logger(trt.Logger.ERROR)
-    steps = {f: set(trt_export.graph_input_shapes(os.path.join(c2i_accept_engine, f)))
+    steps = {f: set(trt_export.graph_input_shapes(os.path.join(c2i_engine, f)))
              for e in m.step_graphs.values() for f in e.files()}
     # AR: greedy's begin and accept, sampling's begin and 4 accepts (one per filter set); the tree of
     # depth 5: the same with 5 levels each
@@ -427,7 +426,7 @@ def test_no_graph_the_backend_binds_has_a_shape_tensor_input(c2i_accept_engine):
     files = {label: (graph.file, set(graph.inputs)) for label, graph in m.all_graphs().items()}
     for label, (file, names) in {**files, **{f: (f, names) for f, names in steps.items()}}.items():
         network = trt.Builder(logger).create_network(0)
-        assert trt.OnnxParser(network, logger).parse_from_file(os.path.join(c2i_accept_engine, file)), label
+        assert trt.OnnxParser(network, logger).parse_from_file(os.path.join(c2i_engine, file)), label
         inputs = [network.get_input(i) for i in range(network.num_inputs)]
         assert {i.name for i in inputs} == names, label
         assert [i.name for i in inputs if i.is_shape_tensor] == [], label

@@ -156,7 +156,7 @@ def test_a_failed_accept_changes_nothing(copy, monkeypatch):
 
     monkeypatch.setattr(accept_engine, "write_step_graphs", broken)
     with pytest.raises(RuntimeError, match="export failed"):
-        accept_engine.add_acceptance_graphs(copy, acceptance=False, windows=[8], inits=("uniform",))
+        accept_engine.add_step_graphs(copy, windows=[8], inits=("uniform",))
     assert manifest_json(copy) == before and sorted(os.listdir(os.path.join(copy, "step"))) == listing
     assert not [n for n in os.listdir(copy) if n.startswith(".lantern-stage")]
 

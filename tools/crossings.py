@@ -3,8 +3,6 @@ and counts every crossing as events (kind, bytes), for `lantern-run profile` and
 benchmarks (lantern.tools.bench.device_step)."""
 import numpy as np
 
-from lantern.runtime.backends.graph_acceptance import STEP_INPUTS
-
 OWN_BUFFERS = ("target_hidden", "cond_embeds")
 
 
@@ -98,8 +96,6 @@ class RecordingBackend:
 
     def device_step(self, decoding):
         step = self.inner.device_step(decoding)
-        if not step.whole_step:  # the backend's acceptance call: its crossings are counted too
-            step = _RecordedAcceptance(step, self.events)
         self.last_step = step
         self.start = len(self.events)
         return step
@@ -111,20 +107,3 @@ class RecordingBackend:
             out[kind] += size if kind.startswith("to_") else 1
         return out
 
-
-class _RecordedAcceptance:
-    """A backend's acceptance graph call (graph_acceptance) as RecordingBackend counts it: the
-    inputs refilled each step go up, one launch, the outcome comes back after one sync (the
-    generation's constants go up once, at setup: not counted)."""
-
-    whole_step = False
-
-    def __init__(self, inner, events):
-        self.inner, self.events, self.io = inner, events, inner.io
-
-    def accept(self, decoding, active, uniforms):
-        out = self.inner.accept(decoding, active, uniforms)
-        io = self.io
-        self.events += [("to_device", sum(io.feeds[n].nbytes for n in STEP_INPUTS if n in io.feeds)),
-                        ("launch", 0), ("to_host", sum(a.nbytes for a in io.outputs.values())), ("sync", 0)]
-        return out

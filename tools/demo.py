@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from lantern.export.accept_engine import add_acceptance_graphs
+from lantern.export.accept_engine import add_step_graphs
 from lantern.export.check import check_engine
 from lantern.export.checkpoints import load_target
 from lantern.export.embed import DEMO_DIR, demo_sources, embedded_config, write_embedded  # noqa: F401 (gpu_check)
@@ -141,10 +141,10 @@ def run(args):
     export_engine(out, src["target"], target_options={"config_file": src["target_config"]}, drafter=src["drafter"],
                   vq=src["vq"], tree=args.tree, force=True, progress=True,
                   graph_cache=os.environ.get("LANTERN_GRAPH_CACHE") or None)  # as `lantern-export onnx` does
-    # the step graphs of the demo's tree and of AR (`lantern-export accept`, step graphs only): ONNX
+    # the step graphs of the demo's tree and of AR (`lantern-export accept`): ONNX
     # Runtime's default device step runs them from the first generation on
     t = time.perf_counter()
-    add_acceptance_graphs(out, acceptance=False, progress=True)
+    add_step_graphs(out, progress=True)
     print(f"      step graphs of {args.tree} and ar added in {time.perf_counter() - t:.1f} s")
     print(f"[{first + 1}/{steps}] checking every graph on ONNX Runtime against PyTorch")
     report = check_engine(out)

@@ -34,10 +34,10 @@ def _plan_copy(engine_dir, flavor, workdir, batches):
     cc = ["current"] if gpu is not None else ["89"]
     copy = os.path.join(workdir, f"{os.path.basename(os.path.normpath(engine_dir))}-{flavor}")
     if not os.path.isdir(copy):
-        from lantern.export.accept_engine import add_acceptance_graphs  # torch: imported where it is needed
+        from lantern.export.accept_engine import add_step_graphs  # torch: imported where it is needed
 
         shutil.copytree(engine_dir, copy)
-        add_acceptance_graphs(copy, acceptance=False)  # the device step's graphs (kept if the engine has them)
+        add_step_graphs(copy)  # the device step's graphs (kept if the engine has them)
         start = time.perf_counter()
         # the greedy step graphs' plans (sampling's top-p accept takes minutes per plan to build)
         build_engine_plans(copy, flavor=flavor, compute_capabilities=cc, batches=tuple(batches), step_kinds=("greedy",))

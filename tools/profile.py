@@ -160,7 +160,7 @@ def profile_runner(engine, name, args, settings):
         except LanternError:
             if mode != "ar" or args.step != "device":
                 raise
-            # a device step without AR (ONNX Runtime's acceptance graphs): AR runs on the host
+            # a device step that refuses AR (its step graphs or plans missing): AR runs on the host
             # step, as generate runs it; the table's step path row says so
             engine.release()
             host = Engine(args.engine, backend=engine.backend, step="host", verify=False)

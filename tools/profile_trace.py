@@ -23,8 +23,8 @@ from lantern.runtime.errors import LanternError
 class TracedBackend:
     """A backend whose engine calls are timed as the loop makes them: each run() (through the
     synchronize that follows it, where the work of an asynchronous device ends), each call of a
-    device step's run_all (its phases too; a step replayed as one CUDA graph is one "step" span),
-    or the device step's acceptance call. spans: [regime, start, end] (perf_counter).
+    device step's run_all (its phases too; a step replayed as one CUDA graph is one "step" span).
+    spans: [regime, start, end] (perf_counter).
     ranges: None, or an NVTX-like recorder (range_push(name), range_pop()) given a range per call
     and, through mark_step, per step."""
 
@@ -68,9 +68,6 @@ class TracedBackend:
             self._open = None
         return out
 
-    def device_step(self, decoding):
-        return _TracedStep(self.inner.device_step(decoding), self)
-
     @contextlib.contextmanager
     def range(self, name):
         if self.ranges is None:
@@ -91,28 +88,6 @@ class TracedBackend:
         self._step_open = name is not None
         if name is not None:
             self.ranges.range_push(name)
-
-
-class _TracedStep:
-    """A backend's device step with its acceptance call timed (accept(): TensorRT's acceptance
-    plan); a whole device step's calls are timed by TracedBackend.run_all."""
-
-    def __init__(self, inner, traced):
-        self.inner, self.traced = inner, traced
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def _timed(self, name, fn, *args, **kw):
-        with self.traced.range(name):
-            start = time.perf_counter()
-            out = fn(*args, **kw)
-        self.traced.spans.append([name, start, time.perf_counter()])
-        return out
-
-    def accept(self, *args, **kw):
-        return self._timed("accept", self.inner.accept, *args, **kw)
-
 
 
 def nvtx_ranges(device):

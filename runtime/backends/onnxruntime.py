@@ -22,10 +22,10 @@ import os
 
 import numpy as np
 
-from lantern.runtime.backends import ONNXRUNTIME, graph_acceptance
+from lantern.runtime.backends import ONNXRUNTIME
 from lantern.runtime.contracts import STEP_VERSION, graph_io
 from lantern.runtime.errors import LanternError
-from lantern.runtime.graph_step import GraphStep, accept_variant, step_key
+from lantern.runtime.graph_step import GraphStep, accept_variant, step_key, top_k_refusal
 from lantern.runtime.manifest import window_name
 from lantern.runtime.sampling import Greedy
 from lantern.runtime.tree import build_tree
@@ -184,7 +184,7 @@ class OnnxRuntimeBackend:
         if list(entry.forced_ids) != forced:
             return (f"the step graphs of {name} serve forced ids {list(entry.forced_ids)}, this generation "
                     f"forces {forced}")
-        return graph_acceptance.top_k_refusal(sampler, m.vocabulary.codes + len(entry.forced_ids))
+        return top_k_refusal(sampler, m.vocabulary.codes + len(entry.forced_ids))
 
     def device_step(self, decoding):
         """The generation's whole step on the engine's step graphs of its tree or jacobi window (greedy or

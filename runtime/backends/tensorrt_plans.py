@@ -8,10 +8,9 @@ import importlib
 import numpy as np
 
 from lantern.runtime.backends.cuda import DeviceArray
-from lantern.runtime.backends.graph_acceptance import top_k_refusal
 from lantern.runtime.contracts import STEP_VERSION
 from lantern.runtime.errors import LanternError
-from lantern.runtime.graph_step import accept_variant
+from lantern.runtime.graph_step import accept_variant, top_k_refusal
 from lantern.runtime.sampling import Greedy
 from lantern.runtime.tree import build_tree
 from lantern.runtime.vocabulary import VocabularyView

@@ -9,8 +9,8 @@ engines/NAME/
   vq_decoder.onnx   code grid -> RGB in [-1, 1] (optional)
   neighbors.npy     latent neighbors [codes, k] of every code, nearest first (optional)
   *.onnx.data       external weights of a graph
-  accept/*.onnx     acceptance graphs per draft tree (`Manifest.acceptance`; optional: a tree
-                    without them runs acceptance on the host)
+  accept/*.onnx     older engines only: acceptance-only graphs (`Manifest.acceptance`, legacy: read
+                    and verified, never written or run; the step graphs hold acceptance)
   step/TREE-HASH/*.onnx  the step graphs per draft tree and AR (`Manifest.step_graphs`, a
                     STEP_VERSION each; optional: a tree without them runs the host step)
   step/jacobiW-INIT/*.onnx  the step graphs of a Jacobi window of W slots and fresh drafts INIT

@@ -100,7 +100,8 @@ def _check_cache_budget(s, r):
 
 @record_check(AcceptanceGraphs)
 def _check_acceptance(a, r):
-    """A draft tree keyed by its name, and graphs of the acceptance contracts without weights."""
+    """Legacy acceptance-only graphs (an older engine's; see AcceptanceGraphs): a draft tree keyed
+    by its name, and graphs of the acceptance contracts without weights."""
     try:
         tree = build_tree(a.tree)
     except LanternError as err:
@@ -208,7 +209,7 @@ def _check_plans(m, t, r):
     their ranks. A step graph's plan is keyed by its file (step/TREE-HASH/KIND.PHASE.onnx); the
     manifest records no inputs of those, so only its label is checked (TensorRT's load checks the
     plan itself against the graph's file)."""
-    graphs = m.all_graphs()  # the acceptance graphs' plans are keyed accept_<kind>@TREE
+    graphs = m.all_graphs()  # an older engine's plans of its acceptance-only graphs: accept_<kind>@TREE
     steps = {f for entry in m.step_graphs.values() for f in entry.files()}
     for graph, plan in t.plans.items():
         if graph in steps:
@@ -274,8 +275,8 @@ def _check_step_entries(m, r, entries):
 
 
 def _check_acceptance_dims(m, r):
-    """The acceptance graphs' fixed dims fit their tree, the vocabulary and the token space
-    (the codes, then the forced ids, which are no image tokens)."""
+    """An older engine's acceptance-only graphs: their fixed dims fit their tree, the vocabulary
+    and the token space (the codes, then the forced ids, which are no image tokens)."""
     for name, a in m.acceptance.items():
         v = m.vocabulary
         if any(v.image_start <= i < v.image_end or i >= v.size for i in a.forced_ids):

@@ -27,7 +27,8 @@ GRAPH_FILES = {"condition": "condition.onnx", "target": "target.onnx", "drafter"
 
 RETUNE = "run `lantern-run tune` again (or delete the entry)"
 REBUILD_PLANS = "rebuild the plans with `lantern-export trt ENGINE --force`"
-READD_ACCEPTANCE = "add them again with `lantern-export accept ENGINE --force`"
+# a legacy acceptance entry (AcceptanceGraphs) that no longer checks: nothing writes them any more
+READD_ACCEPTANCE = "re-export the engine with `lantern-export onnx` (acceptance-only graphs are no longer written)"
 READD_STEP = "export them again with `lantern-export accept ENGINE --force`"
 READD_WINDOW = "export them again with `lantern-export accept ENGINE --window W --init INIT --force`"
 
@@ -285,10 +286,12 @@ class TunedSettings:
 
 @dataclass(frozen=True)
 class AcceptanceGraphs:
-    """The acceptance graphs of one draft tree (lantern.export.accept_graphs; contracts
-    accept_greedy / accept_sampling). They work in the token space of the image codes followed
-    by `forced_ids` (the ids the prompt style forces, ascending; none for LlamaGen and Anole),
-    which must equal the generation's VocabularyView.extra for the graphs to serve it."""
+    """Legacy, read only: the acceptance-only graphs of one draft tree (accept/TREE-HASH.KIND.onnx;
+    contracts accept_greedy / accept_sampling) that `lantern-export accept` wrote before the step
+    graphs held acceptance. Nothing writes or runs them any more; the record stays so an older
+    engine's manifest still reads and verifies (its files stay listed and hashed, and TensorRT
+    plans built of them stay keyed by all_graphs' labels) and still runs on its step graphs.
+    They worked in the token space of the image codes followed by `forced_ids`."""
 
     tree: dict  # {"name", "paths"}, as Manifest.tree
     forced_ids: tuple = rule(lambda v: all(is_int(i) and i >= 0 for i in v) and list(v) == sorted(set(v)),
@@ -317,8 +320,9 @@ class StepGraphs:
     """The step graphs of one draft tree (lantern.export.step_graphs, written by `lantern-export
     accept`): the phases a step runs between the engine calls (begin, level1..level{depth},
     accept), one file each, for greedy and for sampling generations. AR is the root-only tree
-    (name 'ar', no paths). Like the acceptance graphs they work in the token space of the image
-    codes followed by `forced_ids`. `version` is the STEP_VERSION (lantern.runtime.contracts)
+    (name 'ar', no paths). They work in the token space of the image codes followed by
+    `forced_ids` (the ids the prompt style forces, ascending; none for LlamaGen and Anole), which
+    must equal the generation's VocabularyView.extra for the graphs to serve it. `version` is the STEP_VERSION (lantern.runtime.contracts)
     of the lantern that wrote them; a runner refuses other versions."""
 
     tree: dict  # {"name", "paths"}, as Manifest.tree
@@ -386,20 +390,13 @@ class Manifest:
     tuned_trees: dict = rule(of=TunedSettings, fix=RETUNE, optional=True,
                              default_factory=dict)  # settings key -> TunedSettings (lantern-run tune)
     inplace_cache: Optional[CacheBudget] = rule(was="static_cache", default=None)  # in-place engines only
-    acceptance: dict = rule(of=AcceptanceGraphs, fix=READD_ACCEPTANCE, optional=True,
-                            default_factory=dict)  # tree name -> AcceptanceGraphs (`lantern-export accept`)
+    # legacy, read only (see AcceptanceGraphs): tree name -> AcceptanceGraphs of an older engine
+    acceptance: dict = rule(of=AcceptanceGraphs, fix=READD_ACCEPTANCE, optional=True, default_factory=dict)
     step_graphs: dict = rule(of=StepGraphs, fix=READD_STEP, optional=True,
                              default_factory=dict)  # tree name -> StepGraphs (`lantern-export accept`)
     window_graphs: dict = rule(of=WindowGraphs, fix=READD_WINDOW, optional=True,
                                default_factory=dict)  # window_name -> WindowGraphs (`accept --window`)
     schema: int = SCHEMA_VERSION
-
-    def acceptance_for(self, tree):
-        """The AcceptanceGraphs of a runtime Tree (matched by its paths, whatever its name), or None."""
-        for entry in self.acceptance.values():
-            if [list(p) for p in tree.paths[1:]] == entry.tree["paths"]:
-                return entry
-        return None
 
     def step_graphs_for(self, tree):
         """The StepGraphs of a runtime Tree (matched by its paths; AR: the root-only tree), or None."""
@@ -413,7 +410,8 @@ class Manifest:
         return self.window_graphs.get(window_name(window, init))
 
     def all_graphs(self):
-        """{label: Graph} of the engine graphs and the acceptance graphs ("accept_greedy@TREE")."""
+        """{label: Graph} of the engine graphs and an older engine's acceptance-only graphs
+        ("accept_greedy@TREE": kept so their files' external data and their plans still check)."""
         out = dict(self.graphs)
         for name, entry in self.acceptance.items():
             for kind in ("greedy", "sampling"):

@@ -1,6 +1,5 @@
-"""What only this measures: kernels per torch device step by part (--kernels), acceptance graphs
-alone on GPT-B's vocabulary (--acceptance), and host vs device step paths over batch sizes and
-sampling (bytes each way, launches, syncs). Prints JSON. One engine's phases, L(T) and speed-up
+"""What only this measures: kernels per torch device step by part (--kernels), and host vs device
+step paths over batch sizes and sampling (bytes each way, launches, syncs). Prints JSON. One engine's phases, L(T) and speed-up
 on one runner are `lantern-run profile`'s.
 
 Whole step (--engine DIR or --gpt GPT-B; the default section): real generations on one engine,
@@ -17,15 +16,14 @@ a GPU would move. DIR may be an in-place engine (`lantern-export onnx --attentio
 torch device step runs it as it runs a plain one (ONNX Runtime's device step needs the step
 graphs `lantern-export accept` adds; without them its rows say skipped).
 
-Acceptance only (--acceptance): on GPT-B shapes (vocabulary 16384, a 1000-wide neighbor table):
-the host path copies the verification logits ([rows, nodes, V] float32) to the host and runs the
-numpy rules there (CFG combination included, as the loop does it); the device path runs the
-greedy acceptance graph (lantern.export.accept_graphs) where the logits are, and only the
-outcome crosses back (ONNX Runtime CPU here).
+Acceptance alone (device_acceptance, tools/gpu_check.py's device-path section): on GPT-B shapes
+(vocabulary 16384, a 1000-wide neighbor table) the host path copies the verification logits
+([rows, nodes, V] float32) to the host and runs the numpy rules there (CFG combination included,
+as the loop does it); the device path runs the greedy acceptance module (the step graphs' accept
+rule, lantern.export.accept_graphs) where the logits are, and only the outcome crosses back.
 
     python -m lantern.tools.bench.device_step [--gpt GPT-B | --engine DIR] [--cfg-scale 4]
         [--batch 1 8] [--threads 2] [--modes ar exact lantern++]
-    python -m lantern.tools.bench.device_step --acceptance [--tree mc_sim_7b_63] [--repeats 30]
     python -m lantern.tools.bench.device_step --kernels [--gpt GPT-B | --engine DIR] [--batch 1]
 
 Kernels (--kernels): per mode, the ops one device step of the torch backend dispatches that
@@ -80,7 +78,7 @@ def host_accept(tree, raw, images, scale, tokens, rule, neighbors):
 
 def make_case(tree, images, cfg, rule, rng, vocab=VOCAB, table=TABLE):
     """Random verification logits [rows, nodes, vocab] with drafts that are often the parent's
-    argmax, a neighbor table, and the acceptance graph's feeds (numpy)."""
+    argmax, a neighbor table, and the acceptance module's feeds (numpy)."""
     rows = 2 * images if cfg > 1 else images
     M = tree.num_nodes
     raw = rng.normal(size=(rows, M, vocab)).astype(np.float32) * 3
@@ -115,16 +113,6 @@ def _record(tree, images, cfg, rule, feeds, host_ms, device_ms, same):
 
 def _host(tree, images, cfg, rule, feeds):
     return host_accept(tree, feeds["logits"], images, cfg, feeds["tokens"], rule, feeds["neighbors"])
-
-
-def bench(tree, images, cfg, rule, session, repeats, rng):
-    feeds = make_case(tree, images, cfg, rule, rng)
-    outputs = ["accepted", "next_token", "path"]
-    host = median_ms(lambda: _host(tree, images, cfg, rule, feeds), repeats)
-    device = median_ms(lambda: session.run(outputs, feeds), repeats)
-    want, got = _host(tree, images, cfg, rule, feeds), session.run(outputs, feeds)
-    same = bool(np.array_equal(got[0], want.accepted) and np.array_equal(got[1], want.next_token))
-    return _record(tree, images, cfg, rule, feeds, host, device, same)
 
 
 def device_acceptance(device, batches=(1, 8), repeats=10, cfg=4.0, tree_name="mc_sim_7b_63", vocab=VOCAB,
@@ -271,7 +259,7 @@ def whole_step(engine_dir, modes=("ar", "exact", "lantern++"), batches=(1, 8), c
                     for path in ("host", "device"):
                         try:
                             record = step_record(engine, recorder, path, mode, images, cfg, classes, sampling, top_k)
-                        except LanternError as e:  # e.g. ONNX Runtime's AR or sampling, no acceptance graph
+                        except LanternError as e:  # e.g. no step graphs (or plans) for this tree or kind
                             record = {"mode": mode, "sampling": sampling, "step": path, "images": images,
                                       "skipped": str(e)}
                         results.append(dict(record, backend=name))
@@ -421,31 +409,26 @@ def step_kernels(engine_dir, backend, modes=("ar", "exact", "lantern++"), images
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--acceptance", action="store_true", help="acceptance only, on GPT-B's vocabulary")
     p.add_argument("--engine", help="whole step on this c2i engine directory")
     p.add_argument("--gpt", default="GPT-B", help="whole step on a random-weight LlamaGen of this shape (fp32)")
     p.add_argument("--modes", nargs="+", default=["ar", "exact", "lantern++"])
-    p.add_argument("--tree", default="mc_sim_7b_63")
     p.add_argument("--cfg-scale", type=float, default=4.0)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--sampling", choices=["both", "greedy", "only"], default="both",
                    help="whole step: greedy rows, sampling rows, or both")
     p.add_argument("--top-k", type=int, default=0, help="whole step's sampling rows: top-k (0 = off)")
     p.add_argument("--kernels", action="store_true",
                    help="kernels per device step by part (what one CUDA graph replays), per mode, batch --batch's first")
     args = p.parse_args(argv)
-    if args.acceptance:
-        return acceptance_main(args)
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = args.engine
         if engine_dir is None:
-            from lantern.export.accept_engine import add_acceptance_graphs
+            from lantern.export.accept_engine import add_step_graphs
 
             engine_dir = export_gpt(tmp, args.gpt, "fp32", with_vq="lantern++" in args.modes or "lantern" in args.modes)
             if not args.kernels:
-                add_acceptance_graphs(engine_dir)  # ONNX Runtime's device step, greedy and sampling
+                add_step_graphs(engine_dir)  # ONNX Runtime's device step, greedy and sampling
         if args.kernels:
             from lantern.export.torch_backend import open_torch_backend
 
@@ -459,30 +442,6 @@ def main(argv=None):
     print(json.dumps({"benchmark": "device_step_whole", "engine": args.engine or f"{args.gpt} random fp32",
                       "cfg": args.cfg_scale, "threads": args.threads, "results": results}, indent=1))
     return 0
-
-
-def acceptance_main(args):
-    import onnxruntime as ort
-
-    from lantern.export.accept_graphs import export_acceptance
-
-    rng = np.random.default_rng(0)
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for tree in (root_only(), build_tree(args.tree)):
-            path = os.path.join(tmp, f"accept-{tree.num_nodes}.onnx")
-            export_acceptance(tree, np.arange(VOCAB), VOCAB, VOCAB, path)
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = args.threads
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-            session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-            rules = [acceptance.Exact()] if not tree.depth else [acceptance.Exact(),
-                                                                 acceptance.LanternPP(k=100, lam=2.0)]
-            for rule in rules:
-                for images in args.batch:
-                    results.append(bench(tree, images, args.cfg_scale, rule, session, args.repeats, rng))
-    print(json.dumps({"benchmark": "device_step_acceptance", "vocab": VOCAB, "neighbor_table": TABLE,
-                      "threads": args.threads, "backend": "onnxruntime-cpu", "results": results}, indent=1))
 
 
 if __name__ == "__main__":
