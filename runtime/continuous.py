@@ -221,13 +221,8 @@ class ContinuousBatch:
         d.tokens[n], d.count[n] = joiner.tokens[i], joiner.count[i]
         d.streams.generators[n] = joiner.streams.generators[i]
         d.proposer.adopt(joiner.proposer, i, n)
-        if self._whole:  # the same rows of the running graph step's buffers, from the host state just written
+        if self.device is not None:  # the running graph step's rows, from the host state just written
             self.device.take(d, n, rows, CARRIED)
-
-    @property
-    def _whole(self):
-        """Whether the batch runs the whole step on the backend's device (a GraphStep)."""
-        return self.device is not None
 
     # -- running -----------------------------------------------------------------------------------
     def step(self):
@@ -238,7 +233,7 @@ class ContinuousBatch:
                 return []
             active = d.count < d.length
             start = time.perf_counter()
-            if self._whole:
+            if self.device is not None:  # the backend's GraphStep
                 d.device_step(self.device, active)
             else:
                 d.host_step(active)
