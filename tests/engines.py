@@ -125,6 +125,15 @@ def manifest(directory):
         return json.load(f)
 
 
+def edit_manifest(directory, change):
+    """Rewrite an engine's manifest.json through change(data) (hashes not updated: what a hand or
+    an attacker would do)."""
+    data = manifest(directory)
+    change(data)
+    with open(os.path.join(directory, "manifest.json"), "w") as f:
+        json.dump(data, f)
+
+
 def strike_drafter(directory):
     """Make an engine copy AR-only in place: its drafter, tree, neighbors and VQ decoder struck
     from the manifest and their files removed (the engine an AR-only export gives, without an

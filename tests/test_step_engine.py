@@ -3,14 +3,13 @@ and AR (Manifest.step_graphs, STEP_VERSION each), the manifest confines and hash
 ONNX Runtime's device step runs them token for token as the host step, refusing in one line what
 they cannot serve."""
 import dataclasses
-import json
 import os
 import shutil
 
 import numpy as np
 import pytest
 
-from engines import flip_a_bit, manifest as manifest_json
+from engines import edit_manifest, flip_a_bit, manifest as manifest_json
 from lantern.export import cli
 from lantern.runtime import graph_step
 from lantern.runtime.contracts import ACCEPT_PHASES, STEP_VERSION
@@ -27,13 +26,6 @@ def _strip_step_graphs(directory):
     gone = {f for e in m.step_graphs.values() for f in e.files()}
     m.replace(step_graphs={}, files={k: v for k, v in m.files.items() if k not in gone}).write(directory)
     shutil.rmtree(os.path.join(directory, "step"), ignore_errors=True)
-
-
-def _edit(directory, change):
-    data = manifest_json(directory)
-    change(data)
-    with open(os.path.join(directory, "manifest.json"), "w") as f:
-        json.dump(data, f)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +131,7 @@ def test_a_changed_step_graph_is_refused(copy):
     (lambda e: e.update(extra=1), "unknown field"),
 ])
 def test_a_malformed_step_entry_is_one_line(copy, damage, match):
-    _edit(copy, lambda data: damage(data["step_graphs"]["ar"]))
+    edit_manifest(copy, lambda data: damage(data["step_graphs"]["ar"]))
     with pytest.raises(LanternError, match=match) as e:
         read_manifest(copy, verify=False)
     assert "\n" not in str(e.value) and "lantern-export accept" in str(e.value)
@@ -151,7 +143,7 @@ def _generate(engine, mode="exact", greedy=True, **extra):
 
 def test_a_missing_entry_is_refused_and_the_default_falls_back_to_the_host(copy):
     tree = read_manifest(copy).tree["name"]
-    _edit(copy, lambda data: data["step_graphs"].pop(tree))
+    edit_manifest(copy, lambda data: data["step_graphs"].pop(tree))
     engine = Engine(copy, backend="onnxruntime", threads=2, step="device")
     with pytest.raises(LanternError, match=rf"no step graphs for tree {tree}; add them with "
                                            rf"`lantern-export accept {copy}`"):
@@ -165,7 +157,7 @@ def test_a_missing_entry_is_refused_and_the_default_falls_back_to_the_host(copy)
 
 def test_another_version_is_refused_and_accept_upgrades_it(copy):
     tree = read_manifest(copy).tree["name"]
-    _edit(copy, lambda data: data["step_graphs"][tree].update(version=0))
+    edit_manifest(copy, lambda data: data["step_graphs"][tree].update(version=0))
     engine = Engine(copy, backend="onnxruntime", threads=2, step="device")
     with pytest.raises(LanternError, match=rf"step graphs are version 0, this lantern runs {STEP_VERSION}: re-export "
                                            rf"them with `lantern-export accept {copy} --force`"):
@@ -175,7 +167,7 @@ def test_another_version_is_refused_and_accept_upgrades_it(copy):
     before = manifest_json(copy)
     assert cli.main(["accept", copy, "--no-progress"]) == 0  # nothing to do: unchanged
     assert manifest_json(copy) == before
-    _edit(copy, lambda data: data["step_graphs"]["ar"].update(version=0))
+    edit_manifest(copy, lambda data: data["step_graphs"]["ar"].update(version=0))
     assert cli.main(["accept", copy, "--force", "--no-progress"]) == 0
     m = read_manifest(copy, verify=True)
     assert {e.version for e in m.step_graphs.values()} == {STEP_VERSION}

@@ -4,14 +4,13 @@ the graphs), the manifest reads them back, confines their files and refuses a ba
 line, and ONNX Runtime's device step runs a jacobi generation on them token for token as the host
 step; without them it refuses in one line naming the command that adds them, and its default
 step gives way to the host."""
-import json
 import os
 import shutil
 
 import numpy as np
 import pytest
 
-from engines import manifest as manifest_json
+from engines import edit_manifest, manifest as manifest_json
 from lantern.export import accept_engine, cli
 from lantern.runtime.contracts import ACCEPT_PHASES, STEP_VERSION
 from lantern.runtime.errors import LanternError
@@ -19,13 +18,6 @@ from lantern.runtime.generator import Engine
 from lantern.runtime.manifest import read_manifest
 
 CLASSES = [1, 2, 3]
-
-
-def _edit(directory, change):
-    data = manifest_json(directory)
-    change(data)
-    with open(os.path.join(directory, "manifest.json"), "w") as f:
-        json.dump(data, f)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +73,7 @@ def test_the_manifest_round_trips(copy):
     (lambda e: e.update(extra=1), "unknown field"),
 ])
 def test_a_malformed_window_entry_is_one_line(copy, damage, match):
-    _edit(copy, lambda data: damage(data["window_graphs"]["jacobi4-random"]))
+    edit_manifest(copy, lambda data: damage(data["window_graphs"]["jacobi4-random"]))
     with pytest.raises(LanternError, match=match) as e:
         read_manifest(copy, verify=False)
     assert "\n" not in str(e.value) and "window_graphs" in str(e.value) and "lantern-export accept" in str(e.value)
@@ -134,7 +126,7 @@ def test_a_window_without_graphs_is_refused_in_one_line_and_the_default_gives_wa
 
 
 def test_another_version_is_refused_and_accept_exports_it_again(copy):
-    _edit(copy, lambda data: data["window_graphs"]["jacobi4-spatial"].update(version=0))
+    edit_manifest(copy, lambda data: data["window_graphs"]["jacobi4-spatial"].update(version=0))
     kw = dict(proposer="jacobi", mode="exact", greedy=True, cfg_scale=3.0, classes=CLASSES[:1], window=4)
     with pytest.raises(LanternError, match=rf"version 0, this lantern runs {STEP_VERSION}: re-export them with "
                                            rf"`lantern-export accept {copy} --window 4 --init spatial`"):

@@ -108,26 +108,15 @@ def assign_profiles(directory, key, entry, plan, gpu):
     """{regime: profile index} for every call of a StepPlan, each call a profile of its own
     (TensorRT lets one execution context hold a profile at a time, and every regime gets its own
     context and CUDA graph); a LanternError with the rebuild line for a call none covers."""
-    taken, out = {}, {}
-    for regime, call in plan.calls.items():
-        if call.graph not in entry.plans:
-            raise LanternError(f"plans/{key} have no {call.graph} plan; rebuild them with "
-                               f"`{rebuild_command(directory, entry.flavor, gpu)}`")
-        shapes = call_shapes(call)
-        index = find_profile(entry.plans[call.graph], shapes, taken.setdefault(call.graph, set()))
-        if index is None:
-            raise uncovered_call(directory, key, entry, call.graph, regime, shapes, gpu, plan)
-        taken[call.graph].add(index)
-        out[regime] = index
-    return out
+    return dict(zip(plan.calls, step_profiles(directory, key, entry, plan.calls.values(), gpu, plan)))
 
 
-def step_profiles(directory, key, entry, calls, gpu):
-    """[profile index] for a GraphStep's phase calls (both parities, in order): each call the
-    first profile of its plan that covers its shapes and no earlier call of the same plan took.
-    `lantern-export trt` builds two equal profiles per shape of a step graph (even and odd
-    steps): a phase's two calls bind the two state buffers the other way round, and a TensorRT
-    context holds one set of addresses, a profile one context at a time."""
+def step_profiles(directory, key, entry, calls, gpu, plan=None):
+    """[profile index] for calls in order (a StepPlan's, or a GraphStep's phase calls of both
+    parities): each call the first profile of its plan that covers its shapes and no earlier call
+    of the same plan took. `lantern-export trt` builds two equal profiles per shape of a step
+    graph (even and odd steps): a phase's two calls bind the two state buffers the other way
+    round, and a TensorRT context holds one set of addresses, a profile one context at a time."""
     taken, out = {}, []
     for call in calls:
         if call.graph not in entry.plans:
@@ -136,7 +125,7 @@ def step_profiles(directory, key, entry, calls, gpu):
         shapes = call_shapes(call)
         index = find_profile(entry.plans[call.graph], shapes, taken.setdefault(call.graph, set()))
         if index is None:
-            raise uncovered_call(directory, key, entry, call.graph, call.regime, shapes, gpu)
+            raise uncovered_call(directory, key, entry, call.graph, call.regime, shapes, gpu, plan)
         taken[call.graph].add(index)
         out.append(index)
     return out

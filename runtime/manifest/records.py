@@ -316,16 +316,10 @@ def _phase_files(value, r):
 
 
 @dataclass(frozen=True)
-class StepGraphs:
-    """The step graphs of one draft tree (lantern.export.step_graphs, written by `lantern-export
-    accept`): the phases a step runs between the engine calls (begin, level1..level{depth},
-    accept), one file each, for greedy and for sampling generations. AR is the root-only tree
-    (name 'ar', no paths). They work in the token space of the image codes followed by
-    `forced_ids` (the ids the prompt style forces, ascending; none for LlamaGen and Anole), which
-    must equal the generation's VocabularyView.extra for the graphs to serve it. `version` is the STEP_VERSION (lantern.runtime.contracts)
-    of the lantern that wrote them; a runner refuses other versions."""
+class _PhaseFiles:
+    """What a tree's and a window's step graphs record alike: the token space's forced ids, the
+    STEP_VERSION that wrote them, and one file per phase for greedy and for sampling generations."""
 
-    tree: dict  # {"name", "paths"}, as Manifest.tree
     forced_ids: tuple = rule(lambda v: all(is_int(i) and i >= 0 for i in v) and list(v) == sorted(set(v)),
                              "ascending distinct vocabulary ids")
     version: int = rule(AT_LEAST_0)
@@ -336,13 +330,27 @@ class StepGraphs:
         return set(self.greedy.values()) | set(self.sampling.values())
 
 
+@dataclass(frozen=True)
+class StepGraphs(_PhaseFiles):
+    """The step graphs of one draft tree (lantern.export.step_graphs, written by `lantern-export
+    accept`): the phases a step runs between the engine calls (begin, level1..level{depth},
+    accept), one file each, for greedy and for sampling generations. AR is the root-only tree
+    (name 'ar', no paths). They work in the token space of the image codes followed by
+    `forced_ids` (the ids the prompt style forces, ascending; none for LlamaGen and Anole), which
+    must equal the generation's VocabularyView.extra for the graphs to serve it. `version` is the
+    STEP_VERSION (lantern.runtime.contracts) of the lantern that wrote them; a runner refuses other
+    versions."""
+
+    tree: dict  # {"name", "paths"}, as Manifest.tree
+
+
 def window_name(window, init):
     """A Jacobi window's key in Manifest.window_graphs (and its folder under step/)."""
     return f"jacobi{int(window)}-{init}"
 
 
 @dataclass(frozen=True)
-class WindowGraphs:
+class WindowGraphs(_PhaseFiles):
     """The step graphs of one Jacobi window (lantern.export.step_jacobi, written by `lantern-export
     accept --window W --init INIT`), keyed window_name(window, init): the phases begin and
     accept, for greedy and for sampling generations. The window fixes the graphs' block (a chain
@@ -352,14 +360,6 @@ class WindowGraphs:
 
     window: int = rule(lambda v: MIN_WINDOW <= v <= MAX_WINDOW, f"an integer in [{MIN_WINDOW}, {MAX_WINDOW}]")
     init: str = rule(one_of(INITS))
-    forced_ids: tuple = rule(lambda v: all(is_int(i) and i >= 0 for i in v) and list(v) == sorted(set(v)),
-                             "ascending distinct vocabulary ids")
-    version: int = rule(AT_LEAST_0)
-    greedy: dict = rule(read=lambda r, name: _phase_files(r.get(name, dict), r.obj(name)))  # phase -> file
-    sampling: dict = rule(read=lambda r, name: _phase_files(r.get(name, dict), r.obj(name)))
-
-    def files(self):
-        return set(self.greedy.values()) | set(self.sampling.values())
 
 
 @dataclass(frozen=True)
