@@ -56,6 +56,14 @@ def top_k_refusal(sampler, columns):
     return None
 
 
+def phase_files(entry, sampler, columns):
+    """{phase: file} of a step-graphs entry (a tree's or a window's) that a generation runs: its
+    kind's phases with the one accept it picks (accept_variant): a runner loads no other."""
+    files = entry.greedy if isinstance(sampler, Greedy) else entry.sampling
+    variant = accept_variant(sampler, columns)
+    return {phase: f for phase, f in files.items() if not phase.startswith("accept") or phase == variant}
+
+
 def step_key(decoding):
     """What fixes a step's graphs and buffers beyond its plan: a generation with another key needs
     a GraphStep of its own."""
@@ -116,6 +124,11 @@ class GraphStep:
         self.report = self.values["report"]
         self.steps_run = 0
         self.streams = d.streams
+
+    def serves(self, decoding):
+        """Whether a new generation runs on this step as it is (the same plan, key and backend):
+        then load refills it instead of a new GraphStep binding everything again."""
+        return self.plan is decoding.plan and self.key == step_key(decoding) and self.backend is decoding.backend
 
     def load(self, decoding):
         """A new generation of the same plan and key (after its prefill) into the same buffers."""

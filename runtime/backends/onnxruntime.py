@@ -25,9 +25,8 @@ import numpy as np
 from lantern.runtime.backends import ONNXRUNTIME
 from lantern.runtime.contracts import STEP_VERSION, graph_io
 from lantern.runtime.errors import LanternError
-from lantern.runtime.graph_step import GraphStep, accept_variant, step_key, top_k_refusal
+from lantern.runtime.graph_step import GraphStep, phase_files, top_k_refusal
 from lantern.runtime.manifest import window_name
-from lantern.runtime.sampling import Greedy
 from lantern.runtime.tree import build_tree
 from lantern.runtime.vocabulary import VocabularyView
 
@@ -191,17 +190,13 @@ class OnnxRuntimeBackend:
         sampling; lantern.runtime.graph_step): engine calls and phases bound once, the host reads
         back a few integers per image."""
         step = self._steps.get(id(decoding.plan))
-        if step is not None and step.plan is decoding.plan and step.key == step_key(decoding) \
-                and step.backend is decoding.backend:
+        if step is not None and step.serves(decoding):
             step.load(decoding)  # the plan's next generation: the same buffers and bindings, refilled
             return step
         p = decoding.proposer
         entry = self.manifest.window_graphs_for(p.window, p.init) if _window(p) else \
             self.manifest.step_graphs_for(decoding.plan.tree)
-        files = entry.greedy if isinstance(decoding.sampler, Greedy) else entry.sampling
-        accept = accept_variant(decoding.sampler, decoding.view.size)  # the one accept phase this generation runs:
-        files = {n: f for n, f in files.items() if n == accept or not n.startswith("accept")}  # a session costs its load
-        graphs = self.open_graphs(files)
+        graphs = self.open_graphs(phase_files(entry, decoding.sampler, decoding.view.size))  # a session costs its load
         step = self._steps[id(decoding.plan)] = GraphStep(decoding.backend, decoding, graphs)
         return step
 

@@ -10,7 +10,7 @@ import numpy as np
 from lantern.runtime.backends.cuda import DeviceArray
 from lantern.runtime.contracts import STEP_VERSION
 from lantern.runtime.errors import LanternError
-from lantern.runtime.graph_step import accept_variant, top_k_refusal
+from lantern.runtime.graph_step import phase_files, top_k_refusal
 from lantern.runtime.sampling import Greedy
 from lantern.runtime.tree import build_tree
 from lantern.runtime.vocabulary import VocabularyView
@@ -155,10 +155,7 @@ def step_plan_refusal(manifest, directory, key, entry, plan, sampler, gpu):
     why = top_k_refusal(sampler, columns)
     if why is not None:
         return why
-    files = graphs.greedy if isinstance(sampler, Greedy) else graphs.sampling
-    variant = accept_variant(sampler, columns)
-    needed = [f for phase, f in files.items() if not phase.startswith("accept") or phase == variant]
-    missing = [f for f in needed if f not in entry.plans]
+    missing = [f for f in phase_files(graphs, sampler, columns).values() if f not in entry.plans]
     if missing:
         trees = list(entry.trees) + ([name] if tree.depth and name not in entry.trees else [])
         kinds = None if isinstance(sampler, Greedy) else ("greedy", "sampling")  # greedy's alone by default

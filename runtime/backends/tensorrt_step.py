@@ -24,9 +24,8 @@ import numpy as np
 from lantern.runtime.backends.cuda import DeviceArray, _host_values
 from lantern.runtime.backends.tensorrt_plans import rebuild_command, step_plan_refusal, step_profiles
 from lantern.runtime.errors import LanternError
-from lantern.runtime.graph_step import GraphStep, step_key
+from lantern.runtime.graph_step import GraphStep, phase_files
 from lantern.runtime.plan import Call
-from lantern.runtime.sampling import Greedy
 
 
 class _Sequence:
@@ -53,14 +52,13 @@ class TensorRTGraphStep:
         engine calls and phases bound once, one CUDA graph per parity, a few integers read back."""
         plan = decoding.plan
         step = self._steps.get(id(plan))
-        if step is not None and step.plan is plan and step.key == step_key(decoding) \
-                and step.backend is decoding.backend:
+        if step is not None and step.serves(decoding):
             step.load(decoding)  # the plan's next generation: the same buffers and bindings, refilled
             return step
         if step is not None:
             self._drop_step(step)
         entry = self.manifest.step_graphs_for(plan.tree)
-        graphs = self.open_graphs(entry.greedy if isinstance(decoding.sampler, Greedy) else entry.sampling)
+        graphs = self.open_graphs(phase_files(entry, decoding.sampler, decoding.view.size))
         step = self._steps[id(plan)] = GraphStep(decoding.backend, decoding, graphs)  # a recording wrapper too
         return step
 

@@ -29,7 +29,7 @@ from lantern.runtime.backends import TORCH
 from lantern.runtime.errors import LanternError
 from lantern.runtime.contracts import graph_io
 from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT
-from lantern.runtime.graph_step import GraphStep, step_key
+from lantern.runtime.graph_step import GraphStep
 from lantern.runtime.plan import Call
 from lantern.runtime.kvcache import InPlaceKVCache
 from lantern.runtime.sampling import Greedy
@@ -237,8 +237,7 @@ class TorchBackend:
         the same key refills the same buffers. Its host crossings go through decoding.backend
         (this backend, or a wrapper that records them)."""
         step = self._steps.get(id(decoding.plan))
-        if step is not None and step.plan is decoding.plan and step.key == step_key(decoding) \
-                and step.backend is decoding.backend:
+        if step is not None and step.serves(decoding):
             step.load(decoding)
             return step
         if step is not None:  # another key on this plan: the old step's graphs go with it
