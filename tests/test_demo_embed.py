@@ -56,7 +56,12 @@ def test_gpt_b_computes_what_the_demo_computes(demo):
     assert torch.allclose(got[1][..., :192], hidden, atol=1e-4, rtol=1e-4)
     assert torch.all(got[1][..., 192:] == 0)
     assert torch.allclose(got[2][..., :256], draft, atol=1e-4, rtol=1e-4)
-    assert torch.equal(got[2][..., :256].topk(20).indices, draft.topk(20).indices)
+    # the same top-20 candidates up to near-ties: matmuls of other widths round differently, so
+    # two drafts within rounding of each other may swap ranks (seen on a CI run), never more
+    top = draft.topk(20)
+    picked = draft.gather(-1, got[2][..., :256].topk(20).indices)
+    assert torch.allclose(picked, top.values, atol=1e-4, rtol=1e-4)
+    assert (got[2][..., :256].topk(20).indices == top.indices).float().mean() > 0.99
 
 
 def test_rope_pairs_move_to_the_pairs_of_equal_frequency(demo):
