@@ -41,6 +41,10 @@ def _register_tree(module, tree, columns, codes):
     """The tree and the token space as buffers: constants of the exported graph."""
     module.codes = int(codes)
     module.depth = tree.depth
+    columns = np.array(columns, dtype=np.int64)
+    # a token space that is one run of ids (a c2i model's codes) is a slice of the logits, cheaper than a gather
+    run = len(columns) > 0 and bool((columns == columns[0] + np.arange(len(columns))).all())
+    module.first_column = int(columns[0]) if run else None
     parents = np.maximum(tree.parents, 0)  # the root is its own parent; its decision is fixed
     module.register_buffer("columns", torch.as_tensor(np.array(columns, dtype=np.int64)))
     module.register_buffer("parents", torch.as_tensor(parents.astype(np.int64)))
@@ -53,8 +57,10 @@ def _register_tree(module, tree, columns, codes):
 def _combined(module, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns):
     """The CFG combination and forced tokens, as the host loop's combined_logits: [N, M, S] in
     the logits' dtype, -inf outside what may be emitted at each node's body index."""
-    column = torch.arange(module.columns.shape[0], device=logits.device)
-    view = logits.index_select(2, module.columns)
+    S = module.columns.shape[0]
+    column = torch.arange(S, device=logits.device)
+    c0 = module.first_column
+    view = logits[:, :, c0:c0 + S] if c0 is not None else logits.index_select(2, module.columns)
     cond, uncond = view[cond_rows], view[uncond_rows]
     body = count[:, None] + module.depths[None, :]  # [N, M]
     plain = (cond_rows == uncond_rows)[:, None] | ((cfg_interval >= 0) & (body >= cfg_interval))
@@ -160,8 +166,9 @@ class SamplingAcceptance(nn.Module):
         uniforms [N, M]               the step's acceptance uniforms (uniforms[:, i] decides node
                                       i, uniforms[:, 0] draws the final token)
         temperature [1], top_k [1] int64 (0 = off), top_p [1] (1 = off)
-    and the same outputs. Works in the dtype of `logits` (float64 gives the specification's
-    decisions; float32, what TensorRT runs, the same up to rounding).
+    and the same outputs. The CFG combination is made in the dtype of `logits` (float32: the
+    numbers the host loop combines), the acceptance in the dtype of `temperature` (float64 gives
+    the specification's decisions; float32, what TensorRT runs, the same up to rounding).
 
     How (no loops, TensorRT-portable):
     - the filtered target of the node each image stands on, once per depth [N, S] (not every
@@ -194,7 +201,7 @@ class SamplingAcceptance(nn.Module):
                 draft_ids, draft_probs, uniforms, neighbors, k, lam, delta, temperature, top_k, top_p):
         M = self.depths.shape[0]
         S = self.columns.shape[0]
-        dt = logits.dtype
+        dt = temperature.dtype  # the acceptance's; the CFG combination stays in the logits' (the host's float32)
         l = _combined(self, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns)
         invalid = ~torch.isfinite(l.amax(dim=2)).all(dim=1)
         N = l.shape[0]
@@ -203,7 +210,8 @@ class SamplingAcceptance(nn.Module):
         def target_at(node):
             """The filtered target [N, S] of each image's node: only the depth + 1 nodes the walk
             reaches, not all M (a CPU spent as long on top-p over every node as on the verification)."""
-            return self.filtered(l.gather(1, node[:, None, None].expand(N, 1, S)), temperature, top_k, top_p)[:, 0]
+            return self.filtered(l.gather(1, node[:, None, None].expand(N, 1, S)).to(dt), temperature, top_k,
+                                 top_p)[:, 0]
 
         K = draft_ids.shape[2]
         Kn = neighbors.shape[1]

@@ -324,15 +324,12 @@ class Accept(Phase):
             one = torch.ones(1, device=count.device)
             a.update(neighbors=torch.zeros((1, 1), dtype=torch.int64, device=count.device),
                      k=torch.zeros(1, dtype=torch.int64, device=count.device), lam=one, delta=one * 0)
-        combined = None
-        if self.sampling:
+        if self.sampling:  # the rule combines in float32 as the host loop does, accepts in temperature's dtype
             uniforms = self.block_of_draws(x)[:, :M]
-            combined = self.combined(logits, count, a)
-            plain = torch.arange(N, device=count.device)
             accepted, next_column, path, decisions, invalid = self.rule(
-                combined.to(self.accept_dtype), plain, plain, torch.ones_like(a["cfg_scale"]),
-                torch.full_like(a["cfg_interval"], -1), count, x["forced_columns"], tokens, cand_ids, cand_probs,
-                uniforms, a["neighbors"], a["k"], a["lam"], a["delta"], x["temperature"], x.get("top_k"), x.get("top_p"))
+                logits.float(), a["cond_rows"], a["uncond_rows"], a["cfg_scale"], a["cfg_interval"], count,
+                x["forced_columns"], tokens, cand_ids, cand_probs, uniforms, a["neighbors"], a["k"], a["lam"],
+                a["delta"], x["temperature"].to(self.accept_dtype), x.get("top_k"), x.get("top_p"))
         else:
             accepted, next_column, path, decisions, invalid = self.rule(
                 logits, a["cond_rows"], a["uncond_rows"], a["cfg_scale"], a["cfg_interval"], count,
@@ -350,24 +347,13 @@ class Accept(Phase):
         if self.inplace and not D:  # AR: the root is where it belongs; the plan has no commit call
             out = {k: v for k, v in out.items() if not k.startswith("commit.")}
         out.update(self.keep(x, dict(active=active, emit=emit, emitted=emitted, cols=cols, accepted=accepted,
-                                     target_length=target_length, combined=combined, logits=logits, a=a)))
+                                     target_length=target_length, logits=logits, a=a)))
         if self.draws:  # every image's stream advances every step
             out["next_draws_taken"] = x["draws_taken"] + 1
         zero = torch.zeros_like(accepted)
         out["report"] = torch.cat([torch.where(active, accepted, zero)[:, None], emitted,
                                    (invalid & active).long()[:, None], decisions, node_tokens], dim=1)
         return out
-
-    def combined(self, logits, count, a):
-        """The CFG-combined verification logits [N, M, V] in float32, as the host loop's
-        combined_logits makes them ((cond - uncond) * scale + uncond; the conditional alone past
-        cfg_interval), so float64 acceptance reads the numbers numpy reads."""
-        logits = logits.float()
-        cond, uncond = logits[a["cond_rows"]], logits[a["uncond_rows"]]
-        body = count[:, None] + self.depths[None, :]
-        interval = a["cfg_interval"]
-        plain = (a["cond_rows"] == a["uncond_rows"])[:, None] | ((interval >= 0) & (body >= interval))
-        return torch.where(plain[..., None], cond, (cond - uncond) * a["cfg_scale"] + uncond)
 
 
 def phases(tree, columns, codes, vocab, max_position, sampling, inplace=False, accept_dtype=torch.float64):

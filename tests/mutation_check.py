@@ -115,10 +115,10 @@ MUTANTS = [
      'late = (interval >= 0) & (x["count"][iob] >= interval)',
      'late = (interval >= 0) & (x["count"][iob] > interval)',
      [CFG_TEST]),
-    ("cfg-interval-device-verify", "export/step_graphs.py",  # the sampling step's CFG combination
+    ("cfg-interval-window-redraft", "export/step_jacobi.py",  # the window's re-drafts' CFG combination
      "((interval >= 0) & (body >= interval))",
      "((interval >= 0) & (body > interval))",
-     [CFG_TEST]),
+     ["tests/test_window_engine.py::test_onnxruntime_runs_the_window_on_its_graph_step_as_the_host_step"]),
     ("cfg-interval-accept-graph", "export/accept_graphs.py",
      "((cfg_interval >= 0) & (body >= cfg_interval))", "((cfg_interval >= 0) & (body > cfg_interval))",
      [CFG_TEST]),
