@@ -6,8 +6,12 @@ import sys
 
 import pytest
 
-# Tests run on 2 cores; keep torch from oversubscribing them.
+# Tests run on 2 cores; keep torch from oversubscribing them. Two workers with two OpenMP threads
+# each are four threads on two cores: spinning threads then stall each other (a torch test took
+# 56 s beside the other worker, 6 s alone), so they sleep when idle (ONNX Runtime's sessions
+# already do: allow_spinning=0). Set before anything imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.dont_write_bytecode = True
 
 # The files that take longest, in the order the workers should start them (pyproject: --dist
