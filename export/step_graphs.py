@@ -311,7 +311,7 @@ class Accept(Phase):
     # -- the step's end, whatever proposed ------------------------------------------------------
     def run(self, x):
         count, root, iob = x["count"], x["root"], x["image_of_row"]
-        N, D, M = count.shape[0], self.depth, self.M
+        D, M = self.depth, self.M
         length = x["forced_columns"].shape[0]
         active = count < length
         node_tokens, cand_ids, cand_probs = self.block(x)
