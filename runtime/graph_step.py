@@ -23,9 +23,12 @@ CUDA graph) stay valid.
 """
 import numpy as np
 
-from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT
+from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT, STEP_VERSION
+from lantern.runtime.manifest import window_name
 from lantern.runtime.plan import Call
 from lantern.runtime.sampling import Greedy
+from lantern.runtime.tree import build_tree
+from lantern.runtime.vocabulary import VocabularyView
 
 TABLE_BYTES = 64 * 2**20  # the most the streams' table holds on the device at once
 ROW_STATE = ("target_visible", "target_length", "drafter_visible", "drafter_length")  # per cache row; the rest of
@@ -54,6 +57,38 @@ def top_k_refusal(sampler, columns):
         return (f"its sampling acceptance graph serves top_k up to {ACCEPT_TOP_K_LIMIT} (or none), not "
                 f"{sampler.top_k}")
     return None
+
+
+def step_graphs_refusal(manifest, directory, plan, sampler, window=None):
+    """(entry, why): the engine's step graphs a generation of this plan and sampler runs (its
+    tree's, or those of `window`, a jacobi proposer's), and why they cannot serve it (None when
+    they can): missing, of another STEP_VERSION, other forced ids, or a top_k their accept
+    cannot filter. Each reason names the command that mends it; a runner with plans of its own
+    adds their rebuild."""
+    if window is not None:
+        name = f"window {window_name(window.window, window.init)}"
+        entry = manifest.window_graphs_for(window.window, window.init)
+        add = f"lantern-export accept {directory} --window {window.window} --init {window.init}"
+        if entry is None:
+            return None, (f"the engine has no step graphs for a jacobi window of {window.window} slots with init "
+                          f"{window.init}; add them with `{add}`")
+        upgrade = add  # accept exports an entry of another version again
+    else:
+        tree = plan.tree
+        name = f"tree {tree.name if tree.depth else 'ar'}"
+        entry = manifest.step_graphs_for(tree)
+        if entry is None:
+            default = not tree.depth or (manifest.tree is not None and build_tree(manifest.tree).paths == tree.paths)
+            return None, (f"the engine has no step graphs for {name}; add them with `lantern-export accept "
+                          f"{directory}{'' if default else ' --tree ...'}`")
+        upgrade = f"lantern-export accept {directory} --force"
+    if entry.version != STEP_VERSION:
+        return entry, (f"the engine's step graphs are version {entry.version}, this lantern runs {STEP_VERSION}: "
+                       f"re-export them with `{upgrade}`")
+    forced = [int(i) for i in VocabularyView(manifest.vocabulary, plan.prefix.forced).extra]
+    if list(entry.forced_ids) != forced:
+        return entry, f"the step graphs of {name} serve forced ids {list(entry.forced_ids)}, this generation forces {forced}"
+    return entry, top_k_refusal(sampler, manifest.vocabulary.codes + len(entry.forced_ids))
 
 
 def phase_files(entry, sampler, columns):

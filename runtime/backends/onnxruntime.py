@@ -23,12 +23,9 @@ import os
 import numpy as np
 
 from lantern.runtime.backends import ONNXRUNTIME
-from lantern.runtime.contracts import STEP_VERSION, graph_io
+from lantern.runtime.contracts import graph_io
 from lantern.runtime.errors import LanternError
-from lantern.runtime.graph_step import GraphStep, phase_files, top_k_refusal
-from lantern.runtime.manifest import window_name
-from lantern.runtime.tree import build_tree
-from lantern.runtime.vocabulary import VocabularyView
+from lantern.runtime.graph_step import GraphStep, phase_files, step_graphs_refusal
 
 _NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
@@ -147,10 +144,17 @@ class OnnxRuntimeBackend:
         for call in plan.calls.values():
             self._bound.pop(id(call), None)
             self._values.pop(id(call), None)
+        self._drop_step(plan)
+
+    def _drop_step(self, plan):
+        """Forget the plan's GraphStep and the bindings of its phase calls (the engine calls are
+        the plan's own, which a new GraphStep binds again)."""
         step = self._steps.pop(id(plan), None)
+        own = {id(c) for c in plan.calls.values()}
         for call in [c for calls in step.calls for c in calls] if step is not None else ():
-            self._bound.pop(id(call), None)
-            self._values.pop(id(call), None)
+            if id(call) not in own:
+                self._bound.pop(id(call), None)
+                self._values.pop(id(call), None)
 
     # -- the device step: the engine's step graphs --------------------------------------------
     def device_step_refusal(self, plan, sampler, proposer=None):
@@ -159,31 +163,8 @@ class OnnxRuntimeBackend:
         generation of this plan, sampler and proposer (None: the drafter tree), or None."""
         if not self.io_binding:
             return "it needs IOBinding (io_binding=False)"
-        tree, m = plan.tree, self.manifest
-        if _window(proposer):
-            name = f"window {window_name(proposer.window, proposer.init)}"
-            entry = m.window_graphs_for(proposer.window, proposer.init)
-            add = f"lantern-export accept {self.directory} --window {proposer.window} --init {proposer.init}"
-            if entry is None:
-                return (f"the engine has no step graphs for a jacobi window of {proposer.window} slots with init "
-                        f"{proposer.init}; add them with `{add}`")
-            upgrade = add  # accept exports an entry of another version again
-        else:
-            name = f"tree {tree.name if tree.depth else 'ar'}"
-            entry = m.step_graphs_for(tree)
-            if entry is None:
-                default = not tree.depth or (m.tree is not None and build_tree(m.tree).paths == tree.paths)
-                return (f"the engine has no step graphs for {name}; add them with `lantern-export accept "
-                        f"{self.directory}{'' if default else ' --tree ...'}`")
-            upgrade = f"lantern-export accept {self.directory} --force"
-        if entry.version != STEP_VERSION:
-            return (f"the engine's step graphs are version {entry.version}, this lantern runs {STEP_VERSION}: "
-                    f"re-export them with `{upgrade}`")
-        forced = [int(i) for i in VocabularyView(m.vocabulary, plan.prefix.forced).extra]
-        if list(entry.forced_ids) != forced:
-            return (f"the step graphs of {name} serve forced ids {list(entry.forced_ids)}, this generation "
-                    f"forces {forced}")
-        return top_k_refusal(sampler, m.vocabulary.codes + len(entry.forced_ids))
+        return step_graphs_refusal(self.manifest, self.directory, plan, sampler,
+                                   proposer if _window(proposer) else None)[1]
 
     def device_step(self, decoding):
         """The generation's whole step on the engine's step graphs of its tree or jacobi window (greedy or
@@ -193,6 +174,7 @@ class OnnxRuntimeBackend:
         if step is not None and step.serves(decoding):
             step.load(decoding)  # the plan's next generation: the same buffers and bindings, refilled
             return step
+        self._drop_step(decoding.plan)  # another key on this plan: the old step's bindings go with it
         p = decoding.proposer
         entry = self.manifest.window_graphs_for(p.window, p.init) if _window(p) else \
             self.manifest.step_graphs_for(decoding.plan.tree)

@@ -10,10 +10,8 @@ import numpy as np
 from lantern.runtime.backends.cuda import DeviceArray
 from lantern.runtime.contracts import STEP_VERSION
 from lantern.runtime.errors import LanternError
-from lantern.runtime.graph_step import phase_files, top_k_refusal
+from lantern.runtime.graph_step import phase_files, step_graphs_refusal
 from lantern.runtime.sampling import Greedy
-from lantern.runtime.tree import build_tree
-from lantern.runtime.vocabulary import VocabularyView
 
 FLAVOR_MODULES = {"tensorrt": "tensorrt", "tensorrt-rtx": "tensorrt_rtx"}
 _INSTALL = {"tensorrt": "pip install 'lantern[tensorrt]'", "tensorrt-rtx": "pip install 'lantern[tensorrt-rtx]'"}
@@ -137,24 +135,14 @@ def step_plan_refusal(manifest, directory, key, entry, plan, sampler, gpu):
     graphs for the tree, of this STEP_VERSION and forced ids, a top_k the graphs filter, and a
     plan of each step graph the generation runs (`lantern-export trt` builds them after
     `lantern-export accept`)."""
+    graphs, why = step_graphs_refusal(manifest, directory, plan, sampler)
+    if why is not None:
+        if graphs is None:
+            return f"{why}, then rebuild the plans with `{rebuild_command(directory, entry.flavor, gpu)}`"
+        return why + (", then rebuild the plans" if graphs.version != STEP_VERSION else "")
     tree = plan.tree
     name = tree.name if tree.depth else "ar"
-    graphs = manifest.step_graphs_for(tree)
-    if graphs is None:
-        default = not tree.depth or (manifest.tree is not None and build_tree(manifest.tree).paths == tree.paths)
-        return (f"the engine has no step graphs for tree {name}; add them with `lantern-export accept "
-                f"{directory}{'' if default else ' --tree ...'}`, then rebuild the plans with "
-                f"`{rebuild_command(directory, entry.flavor, gpu)}`")
-    if graphs.version != STEP_VERSION:
-        return (f"the engine's step graphs are version {graphs.version}, this lantern runs {STEP_VERSION}: re-export "
-                f"them with `lantern-export accept {directory} --force`, then rebuild the plans")
-    forced = [int(i) for i in VocabularyView(manifest.vocabulary, plan.prefix.forced).extra]
-    if list(graphs.forced_ids) != forced:
-        return f"the step graphs of tree {name} serve forced ids {list(graphs.forced_ids)}, this generation forces {forced}"
     columns = manifest.vocabulary.codes + len(graphs.forced_ids)
-    why = top_k_refusal(sampler, columns)
-    if why is not None:
-        return why
     missing = [f for f in phase_files(graphs, sampler, columns).values() if f not in entry.plans]
     if missing:
         trees = list(entry.trees) + ([name] if tree.depth and name not in entry.trees else [])

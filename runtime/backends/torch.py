@@ -28,8 +28,7 @@ import numpy as np
 from lantern.runtime.backends import TORCH
 from lantern.runtime.errors import LanternError
 from lantern.runtime.contracts import graph_io
-from lantern.runtime.contracts import ACCEPT_TOP_K_LIMIT
-from lantern.runtime.graph_step import GraphStep
+from lantern.runtime.graph_step import GraphStep, top_k_refusal
 from lantern.runtime.plan import Call
 from lantern.runtime.kvcache import InPlaceKVCache
 from lantern.runtime.sampling import Greedy
@@ -226,11 +225,7 @@ class TorchBackend:
         if self.step_phases is None:
             return (f"this {self.name} backend was opened without the step's modules (open it with "
                     f"lantern.export.torch_backend.open_{self.name.replace('-', '_')}_backend)")
-        vocab = int(plan.calls["verify"].output_shapes["logits"][-1])
-        if not isinstance(sampler, Greedy) and ACCEPT_TOP_K_LIMIT < sampler.top_k < vocab:
-            return (f"its sampling acceptance serves top_k up to {ACCEPT_TOP_K_LIMIT} (or none), not "
-                    f"{sampler.top_k}")
-        return None
+        return top_k_refusal(sampler, int(plan.calls["verify"].output_shapes["logits"][-1]))
 
     def device_step(self, decoding):
         """The device step for one generation (after its prefill); a plan's next generation with
