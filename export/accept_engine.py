@@ -186,8 +186,8 @@ def add_step_graphs(directory, specs=(), force=False, opset=18, progress=False, 
                         window_entries[window_name(entry.window, entry.init)] = entry
                     else:
                         step_entries[entry.tree["name"]] = entry
-                stale = _step_files(current) - _step_files(current.replace(step_graphs=step_entries,
-                                                                           window_graphs=window_entries))
+                stale = current.step_files(windows=True) - current.replace(
+                    step_graphs=step_entries, window_graphs=window_entries).step_files(windows=True)
                 records = {k: v for k, v in current.files.items() if k not in stale}
                 records.update(describe_files(directory, moved))
                 merged = current.replace(step_graphs=step_entries, window_graphs=window_entries,
@@ -207,10 +207,6 @@ def add_step_graphs(directory, specs=(), force=False, opset=18, progress=False, 
 
 def _step_paths(entry):
     return build_tree(entry.tree).paths if entry.tree["paths"] else root_only().paths
-
-
-def _step_files(manifest):
-    return {f for e in list(manifest.step_graphs.values()) + list(manifest.window_graphs.values()) for f in e.files()}
 
 
 class _NoBar:

@@ -200,11 +200,6 @@ def step_jobs(directory, manifest, batches, cfgs, trees, kinds=STEP_KINDS):
             for f, profiles in grouped.items()]
 
 
-def step_files(manifest):
-    """The step graph files of an engine (Manifest.step_graphs), each its plan's label."""
-    return {f for entry in manifest.step_graphs.values() for f in entry.files()}
-
-
 def plans_key(flavor, compute_capabilities):
     return f"{flavor}-{'_'.join(compute_capabilities)}"
 
@@ -313,7 +308,7 @@ def build_engine_plans(directory, *, flavor="tensorrt-rtx", compute_capabilities
     if any(k not in STEP_KINDS for k in step_kinds):
         raise LanternError(f"step graph kinds are {', '.join(STEP_KINDS)}, got {', '.join(step_kinds)}")
     jobs += step_jobs(directory, manifest, batches, cfgs, tree_list, step_kinds)
-    files = {**{g: e.file for g, e in manifest.all_graphs().items()}, **{f: f for f in step_files(manifest)}}
+    files = {**{g: e.file for g, e in manifest.all_graphs().items()}, **{f: f for f in manifest.step_files()}}
     bar = _progress(jobs, progress)
     with enginedir.staging(directory, "trt") as stage:
         plans, records = {}, {}
@@ -354,8 +349,8 @@ def _commit(directory, built_from, key, entry, stage, force):
         changed = sorted(g for g in set(now) | set(then)
                          if g not in now or now.get(g) != then.get(g)
                          or manifest.files.get(now[g].file) != built_from.files.get(now[g].file))
-        changed += sorted(f for f in step_files(manifest) ^ step_files(built_from) | {
-            f for f in step_files(manifest) if manifest.files.get(f) != built_from.files.get(f)})
+        changed += sorted(f for f in manifest.step_files() ^ built_from.step_files() | {
+            f for f in manifest.step_files() if manifest.files.get(f) != built_from.files.get(f)})
         if changed:
             raise LanternError(f"{directory}: the graphs ({', '.join(changed)}) changed while the plans were built; "
                                f"run `lantern-export trt` again")

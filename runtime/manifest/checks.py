@@ -210,7 +210,7 @@ def _check_plans(m, t, r):
     manifest records no inputs of those, so only its label is checked (TensorRT's load checks the
     plan itself against the graph's file)."""
     graphs = m.all_graphs()  # an older engine's plans of its acceptance-only graphs: accept_<kind>@TREE
-    steps = {f for entry in m.step_graphs.values() for f in entry.files()}
+    steps = m.step_files()
     for graph, plan in t.plans.items():
         if graph in steps:
             continue

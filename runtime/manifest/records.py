@@ -409,6 +409,12 @@ class Manifest:
         """The WindowGraphs of a Jacobi window of `window` slots and fresh drafts `init`, or None."""
         return self.window_graphs.get(window_name(window, init))
 
+    def step_files(self, windows=False):
+        """The files of the trees' step graphs (each its TensorRT plan's label), and of the Jacobi
+        windows' with windows."""
+        entries = list(self.step_graphs.values()) + (list(self.window_graphs.values()) if windows else [])
+        return {f for entry in entries for f in entry.files()}
+
     def all_graphs(self):
         """{label: Graph} of the engine graphs and an older engine's acceptance-only graphs
         ("accept_greedy@TREE": kept so their files' external data and their plans still check)."""
