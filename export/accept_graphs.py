@@ -54,7 +54,7 @@ def _register_tree(module, tree, columns, codes):
     module.register_buffer("on_path", torch.as_tensor(np.array(tree.mask, dtype=bool)))
 
 
-def _combined(module, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns):
+def cfg_combined(module, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns):
     """The CFG combination and forced tokens, as the host loop's combined_logits: [N, M, S] in
     the logits' dtype, -inf outside what may be emitted at each node's body index."""
     S = module.columns.shape[0]
@@ -115,7 +115,7 @@ class GreedyAcceptance(nn.Module):
         S = self.columns.shape[0]
         column = torch.arange(S, device=logits.device)
         node = torch.arange(M, device=logits.device)
-        l = _combined(self, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns)
+        l = cfg_combined(self, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns)
 
         # each node's target: the max and the argmax (ties to the lowest column)
         rowmax = l.amax(dim=2)  # [N, M]
@@ -202,7 +202,7 @@ class SamplingAcceptance(nn.Module):
         M = self.depths.shape[0]
         S = self.columns.shape[0]
         dt = temperature.dtype  # the acceptance's; the CFG combination stays in the logits' (the host's float32)
-        l = _combined(self, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns)
+        l = cfg_combined(self, logits, cond_rows, uncond_rows, cfg_scale, cfg_interval, count, forced_columns)
         invalid = ~torch.isfinite(l.amax(dim=2)).all(dim=1)
         N = l.shape[0]
         temperature = temperature.to(dt)

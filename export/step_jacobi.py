@@ -11,6 +11,7 @@ re-draft's draw), greedy too. q is dense over the token space's S columns."""
 import numpy as np
 import torch
 
+from lantern.export.accept_graphs import cfg_combined
 from lantern.export.step_caches import call_feeds
 from lantern.export.step_graphs import Accept, Phase
 from lantern.runtime.contracts import SAMPLING_FILTERS
@@ -129,13 +130,10 @@ class WindowAccept(Accept):
             dst = (count[:, None] + j).clamp(max=body.shape[1] - 1)
             value = torch.where((emit > 0)[:, None], o["emitted"].gather(1, j), body.gather(1, dst))
             out["next_body"] = body.scatter(1, dst, value)
-        later = self.combined(o["logits"], count, o["a"])[:, 1:]  # rows 1..W-1
-        later = later.index_select(2, self.view_ids)  # [N, W - 1, S]: the token space's columns
+        a = o["a"]  # rows 1..W-1 combined (float32, as the host loop) and forced as the rule reads them: [N, W - 1, S]
+        later = cfg_combined(self.rule, o["logits"].float(), a["cond_rows"], a["uncond_rows"], a["cfg_scale"],
+                          a["cfg_interval"], count, x["forced_columns"])[:, 1:]
         columns = torch.arange(self.view_ids.shape[0], device=dev)
-        column = self.forced_at(count[:, None] + slots, x["forced_columns"])
-        is_forced = column[..., None] >= 0
-        allowed = (is_forced & (columns == column[..., None])) | (~is_forced & (columns < self.codes))
-        later = torch.where(allowed, later, torch.full_like(later, float("-inf")))
         if self.sampling:
             p = self.rule.filtered(later.to(self.accept_dtype), x["temperature"], x.get("top_k"), x.get("top_p"))
             cdf = torch.cumsum(p, dim=2)
@@ -156,18 +154,6 @@ class WindowAccept(Accept):
             q = torch.where(valid[..., None], q, torch.zeros_like(q)).to(x["window_q"].dtype)
             out["next_window_q"] = torch.where(active[:, None, None], q, x["window_q"])
         return out
-
-    def combined(self, logits, count, a):
-        """The CFG-combined verification logits [N, M, V] in float32, as the host loop's
-        combined_logits makes them ((cond - uncond) * scale + uncond; the conditional alone past
-        cfg_interval), so float64 draws read the numbers numpy reads."""
-        logits = logits.float()
-        cond, uncond = logits[a["cond_rows"]], logits[a["uncond_rows"]]
-        body = count[:, None] + self.depths[None, :]
-        interval = a["cfg_interval"]
-        plain = (a["cond_rows"] == a["uncond_rows"])[:, None] | ((interval >= 0) & (body >= interval))
-        return torch.where(plain[..., None], cond, (cond - uncond) * a["cfg_scale"] + uncond)
-
 
 
 def window_phases(tree, columns, codes, vocab, max_position, sampling, inplace, init, accept_dtype=torch.float64):

@@ -115,13 +115,12 @@ MUTANTS = [
      'late = (interval >= 0) & (x["count"][iob] >= interval)',
      'late = (interval >= 0) & (x["count"][iob] > interval)',
      [CFG_TEST]),
-    ("cfg-interval-window-redraft", "export/step_jacobi.py",  # the window's re-drafts' CFG combination
-     "((interval >= 0) & (body >= interval))",
-     "((interval >= 0) & (body > interval))",
-     ["tests/test_window_engine.py::test_onnxruntime_runs_the_window_on_its_graph_step_as_the_host_step"]),
     ("cfg-interval-accept-graph", "export/accept_graphs.py",
      "((cfg_interval >= 0) & (body >= cfg_interval))", "((cfg_interval >= 0) & (body > cfg_interval))",
      [CFG_TEST]),
+    ("cfg-interval-window-redraft", "export/accept_graphs.py",  # the same combination, as the window's re-drafts read it
+     "((cfg_interval >= 0) & (body >= cfg_interval))", "((cfg_interval >= 0) & (body > cfg_interval))",
+     ["tests/test_window_engine.py::test_onnxruntime_runs_the_window_on_its_graph_step_as_the_host_step"]),
     ("sampling-race-inverted", "runtime/sampling.py",
      "keys = -np.log(race) / probs.astype(np.float64)", "keys = -np.log(race) * probs.astype(np.float64)",
      ["tests/test_generator.py::test_relaxed_sampling_matches_the_specification"]),

@@ -90,7 +90,7 @@ def test_cfg_interval_switches_to_conditional_logits_at_its_index(request, step)
     # the boundary shows: at index I the CFG-combined argmax is another token for some image
     combined = llamagen_forward(directory, "c2i", out.tokens, cond, 4.0)[0]
     assert (combined[:, I].argmax(-1) != switched[:, I].argmax(-1)).any()
-    if step != "host":  # its sampling rule combines on its own (accept_graphs._combined, float32): the host's draws
+    if step != "host":  # its sampling rule combines on its own (accept_graphs.cfg_combined, float32): the host's draws
         kw = dict(mode="exact", temperature=1.0, top_k=20, cfg_scale=4.0, cfg_interval=I, seed=3, classes=list(range(10)))
         host = Engine(directory, threads=2, step="host").generate(**kw)
         np.testing.assert_array_equal(engine.generate(**kw).tokens, host.tokens)
